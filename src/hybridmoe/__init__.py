@@ -1,0 +1,3 @@
+"""hybridmoe: Mixture-of-Experts inference for models larger than the accelerator."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,13 @@
+"""Exceptions a user sees. Each message names the file, tensor, field or flag at fault."""
+
+
+class HybridMoeError(Exception):
+    """Base class of every error hybridmoe raises on purpose."""
+
+
+class CheckpointError(HybridMoeError, ValueError):
+    """A checkpoint directory is missing a file, or a file is corrupt or inconsistent."""
+
+
+class UnsupportedConfigError(CheckpointError):
+    """config.json asks for something this engine cannot run exactly."""

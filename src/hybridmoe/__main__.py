@@ -1,0 +1,5 @@
+import sys
+
+from hybridmoe.cli import main
+
+sys.exit(main())

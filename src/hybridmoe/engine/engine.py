@@ -1,0 +1,129 @@
+"""Engine: load a checkpoint, then prefill and decode batches of prompts with a KV cache."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from hybridmoe.engine.config import EngineConfig
+from hybridmoe.engine.kv_cache import KVCache
+from hybridmoe.engine.sampling import SamplingParams, sample_batch
+from hybridmoe.engine.sequence import Completion, Sequence
+from hybridmoe.engine.stats import GenerationStats
+from hybridmoe.errors import CheckpointError
+from hybridmoe.loader.checkpoint import load_model, parse_dtype, read_json
+from hybridmoe.loader.tokenizer import Tokenizer
+from hybridmoe.models.transformer import MoeCausalLM
+
+
+def resolve_dtype(config: EngineConfig, directory: Path) -> torch.dtype:
+    if config.dtype != "auto":
+        return parse_dtype(config.dtype)
+    raw = read_json(directory / "config.json")
+    stored = raw.get("dtype") or raw.get("torch_dtype")
+    return torch.bfloat16 if stored == "bfloat16" else torch.float32
+
+
+class Engine:
+    def __init__(self, model: MoeCausalLM, tokenizer: Tokenizer | None, config: EngineConfig):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.eos_ids = frozenset(model.cfg.eos_token_ids) | (
+            tokenizer.eos_token_ids if tokenizer else frozenset()
+        )
+        self.stats = GenerationStats()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
+        config = config or EngineConfig()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        directory = Path(path)
+        model = load_model(directory, resolve_dtype(config, directory), config.progress)
+        has_tokenizer = (directory / "tokenizer.json").exists()
+        tokenizer = Tokenizer.from_dir(directory) if has_tokenizer else None
+        return cls(model, tokenizer, config)
+
+    def close(self) -> None:
+        """Releases the model; the engine is unusable afterwards."""
+        self.model = None
+
+    # --- public generation API -------------------------------------------------------------
+
+    def generate_ids(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Generated token ids per prompt (EOS included when it ended the sequence)."""
+        seqs = [self._sequence(ids, params, with_text=False) for ids in prompts]
+        for _ in self._run(seqs):
+            pass
+        return [seq.output_ids for seq in seqs]
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[Completion]:
+        seqs = [self._sequence(self.encode(p), params, with_text=True) for p in prompts]
+        for _ in self._run(seqs):
+            pass
+        return [seq.completion() for seq in seqs]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
+        """Yields the text of one completion piece by piece as it is generated.
+
+        `prompt` is text (tokenised with the checkpoint's special tokens) or token ids."""
+        ids = self.encode(prompt) if isinstance(prompt, str) else prompt
+        seq = self._sequence(ids, params, with_text=True)
+        for deltas in self._run([seq]):
+            if deltas[0]:
+                yield deltas[0]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._require_tokenizer().encode(text, add_special_tokens)
+        if not ids:
+            raise ValueError("prompt is empty after tokenisation")
+        return ids
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise CheckpointError("checkpoint has no tokenizer.json; text generation needs one")
+        return self.tokenizer
+
+    # --- the generation loop ---------------------------------------------------------------
+
+    def _sequence(self, prompt_ids: list[int], params: SamplingParams, with_text: bool) -> Sequence:
+        limit = self.model.cfg.max_position_embeddings
+        if len(prompt_ids) >= limit:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context window is {limit}")
+        detok = self._require_tokenizer().incremental_decoder() if with_text else None
+        return Sequence(list(prompt_ids), params, self.eos_ids, limit, detok)
+
+    def _run(self, seqs: list[Sequence]) -> Iterator[list[str]]:
+        """Prefills then decodes `seqs` together; yields each step's text deltas per sequence."""
+        if len(seqs) > self.config.max_batch:
+            raise ValueError(f"{len(seqs)} prompts exceed max_batch={self.config.max_batch}")
+        max_len = max(min(len(s.prompt_ids) + s.params.max_tokens, s.max_len) for s in seqs)
+        cache = KVCache(self.model.cfg, len(seqs), max_len, self.model.dtype)
+        self.stats = GenerationStats(prompt_tokens=sum(len(s.prompt_ids) for s in seqs))
+        start = time.perf_counter()
+        yield [self._prefill(seq, row, cache) for row, seq in enumerate(seqs)]
+        self.stats.prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        while any(not s.finished for s in seqs):
+            yield self._decode_step(seqs, cache)
+        self.stats.decode_s = time.perf_counter() - start
+
+    def _prefill(self, seq: Sequence, row: int, cache: KVCache) -> str:
+        ids = torch.tensor([seq.prompt_ids])  # [1, T]
+        batch = self.model.make_batch(torch.arange(ids.shape[1])[None], [row], cache)
+        logits = self.model.forward(ids, batch)  # [1, V]
+        return seq.append(sample_batch(logits, [seq.sampler])[0])
+
+    def _decode_step(self, seqs: list[Sequence], cache: KVCache) -> list[str]:
+        rows = [row for row, seq in enumerate(seqs) if not seq.finished]
+        ids = torch.tensor([[seqs[r].output_ids[-1]] for r in rows])  # [B, 1]
+        positions = torch.tensor([[seqs[r].next_position] for r in rows])  # [B, 1]
+        logits = self.model.forward(ids, self.model.make_batch(positions, rows, cache))  # [B, V]
+        tokens = sample_batch(logits, [seqs[r].sampler for r in rows])
+        deltas = [""] * len(seqs)
+        for row, token in zip(rows, tokens):
+            deltas[row] = seqs[row].append(token)
+        self.stats.decode_tokens += len(rows)
+        return deltas

@@ -1,0 +1,29 @@
+"""KVCache: per-layer key/value tensors, one row per sequence, preallocated for a run."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridmoe.layers.batch import ForwardBatch
+from hybridmoe.models.config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, rows: int, max_len: int, dtype: torch.dtype):
+        shape = (rows, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.max_len = max_len
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+
+    def update(
+        self, layer_idx: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, T, kv_heads, D]; return [B, kv_heads, kv_len, D] views or gathers."""
+        k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
+        rows = batch.row_index[:, None]  # [B, 1]
+        k_cache[rows, :, batch.positions] = k  # indexes [B, T] -> values [B, T, kv_heads, D]
+        v_cache[rows, :, batch.positions] = v
+        if batch.rows == list(range(len(batch.rows))):
+            b = len(batch.rows)
+            return k_cache[:b, :, : batch.kv_len], v_cache[:b, :, : batch.kv_len]
+        return k_cache[batch.row_index, :, : batch.kv_len], v_cache[batch.row_index, :, : batch.kv_len]

@@ -1,0 +1,66 @@
+"""Grouped-query attention with rotary embeddings, optional q/k norms and qkv clipping."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridmoe.layers.batch import ForwardBatch
+from hybridmoe.layers.linear import Linear
+from hybridmoe.layers.norm import rms_norm
+from hybridmoe.layers.rotary import apply_rotary
+from hybridmoe.loader.weights import WeightSource
+from hybridmoe.models.config import ModelConfig
+
+
+class Attention:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, source: WeightSource, prefix: str):
+        self.cfg, self.layer_idx = cfg, layer_idx
+        hidden, bias = cfg.hidden_size, cfg.qkv_bias
+        self.q_proj = Linear.load(source, f"{prefix}.q_proj", hidden, cfg.q_size, bias)
+        self.k_proj = Linear.load(source, f"{prefix}.k_proj", hidden, cfg.kv_size, bias)
+        self.v_proj = Linear.load(source, f"{prefix}.v_proj", hidden, cfg.kv_size, bias)
+        self.o_proj = Linear.load(source, f"{prefix}.o_proj", cfg.q_size, hidden, cfg.o_bias)
+        norm_sizes = {"none": None, "per_head": (cfg.head_dim,) * 2}
+        norm_sizes["full"] = (cfg.q_size, cfg.kv_size)
+        sizes = norm_sizes[cfg.qk_norm]
+        self.q_norm = source.get(f"{prefix}.q_norm.weight", sizes[:1]) if sizes else None
+        self.k_norm = source.get(f"{prefix}.k_norm.weight", sizes[1:]) if sizes else None
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        q, k, v = self._project(x)  # [B, T, heads * D] each
+        q = q.view(B, T, cfg.num_heads, cfg.head_dim)
+        k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "per_head":
+            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+        q = apply_rotary(q, batch.cos, batch.sin)
+        k = apply_rotary(k, batch.cos, batch.sin)
+        if batch.kv is None:
+            k_all, v_all = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, T, D]
+        else:
+            k_all, v_all = batch.kv.update(self.layer_idx, batch, k, v)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),  # [B, heads, T, D]
+            k_all,
+            v_all,
+            attn_mask=batch.attn_mask,
+            is_causal=batch.is_causal,
+            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+        )  # [B, heads, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, cfg.q_size))
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if cfg.qk_norm == "full":
+            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+        if cfg.clip_qkv is not None:
+            clip = cfg.clip_qkv
+            q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)
+        return q, k, v

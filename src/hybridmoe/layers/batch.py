@@ -1,0 +1,50 @@
+"""ForwardBatch: the per-step facts every layer of one forward pass shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class KVStore(Protocol):
+    def update(
+        self, layer_idx: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, T, kv_heads, D] at batch.positions of batch.rows; return every key and
+        value those rows can see: [B, kv_heads, batch.kv_len, D] each."""
+        ...
+
+
+@dataclass
+class ForwardBatch:
+    positions: torch.Tensor  # [B, T] int64, absolute position of each token
+    rows: list[int]  # KV-cache row of each sequence
+    row_index: torch.Tensor  # [B] int64, the same rows as a tensor
+    kv_len: int  # keys visible to this step: max position + 1
+    attn_mask: torch.Tensor | None  # [B, 1, T, kv_len] bool, None when plain causal suffices
+    is_causal: bool  # only with attn_mask None: the step is one sequence from position 0
+    cos: torch.Tensor  # [B, T, D]
+    sin: torch.Tensor  # [B, T, D]
+    kv: KVStore | None  # None: no cache, keys are this step's own
+
+
+def build_attention_mask(
+    positions: torch.Tensor, kv_len: int, sliding_window: int | None
+) -> tuple[torch.Tensor | None, bool]:
+    """(mask [B, 1, T, kv_len] or None, is_causal) for queries at `positions` [B, T]."""
+    batch, tokens = positions.shape
+    starts_at_zero = bool(positions[0, 0] == 0)
+    fits_window = sliding_window is None or kv_len <= sliding_window
+    if batch == 1 and fits_window:
+        if tokens == 1:
+            return None, False  # one query sees every key stored so far
+        if starts_at_zero and tokens == kv_len:
+            return None, True
+    key_pos = torch.arange(kv_len)  # [S]
+    query_pos = positions[:, None, :, None]  # [B, 1, T, 1]
+    mask = key_pos <= query_pos
+    if sliding_window is not None:
+        mask &= key_pos > query_pos - sliding_window
+    return mask, False

@@ -1,0 +1,50 @@
+"""Dense projections. Weights stay views into the memory-mapped checkpoint when dtypes agree."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridmoe.loader.weights import WeightSource
+
+
+class Linear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight  # [out, in]
+        self.bias = bias  # [out] or None
+
+    @classmethod
+    def load(
+        cls, source: WeightSource, name: str, in_features: int, out_features: int, bias: bool
+    ) -> Linear:
+        weight = source.get(f"{name}.weight", (out_features, in_features))
+        return cls(weight, source.get(f"{name}.bias", (out_features,)) if bias else None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class GatedMLP:
+    """SwiGLU MLP: down(silu(gate x) * up x)."""
+
+    def __init__(self, gate: Linear, up: Linear, down: Linear):
+        self.gate, self.up, self.down = gate, up, down
+
+    @classmethod
+    def load(
+        cls,
+        source: WeightSource,
+        prefix: str,
+        hidden: int,
+        intermediate: int,
+        names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+    ) -> GatedMLP:
+        gate, up, down = names
+        return cls(
+            Linear.load(source, f"{prefix}.{gate}", hidden, intermediate, bias=False),
+            Linear.load(source, f"{prefix}.{up}", hidden, intermediate, bias=False),
+            Linear.load(source, f"{prefix}.{down}", intermediate, hidden, bias=False),
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))

@@ -1,0 +1,93 @@
+"""Rotary position embeddings: inverse frequencies per RoPE type, applied rotate-half style."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hybridmoe.models.config import RopeConfig
+
+
+def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # [dim/2]
+    return 1.0 / (theta**exponents)
+
+
+def _linear(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
+    return _default_inv_freq(rope.theta, dim) / rope.factor, 1.0
+
+
+def _llama3(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
+    inv_freq = _default_inv_freq(rope.theta, dim)
+    old_len = rope.original_max_position
+    low_wavelen, high_wavelen = old_len / rope.low_freq_factor, old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled), 1.0
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
+    factor, base, old_len = rope.factor, rope.theta, rope.original_max_position
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, rope.mscale) / _yarn_mscale(
+                factor, rope.mscale_all_dim
+            )
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_share = 1 - ramp  # [dim/2]
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_share) + (
+        1.0 / pos_freqs
+    ) * extrapolation_share
+    return inv_freq, float(attention_factor)
+
+
+_ROPE_TYPES = {
+    "default": lambda rope, dim: (_default_inv_freq(rope.theta, dim), 1.0),
+    "linear": _linear,
+    "llama3": _llama3,
+    "yarn": _yarn,
+}
+
+
+class RotaryEmbedding:
+    def __init__(self, rope: RopeConfig, head_dim: int):
+        self.inv_freq, self.attention_factor = _ROPE_TYPES[rope.rope_type](rope, head_dim)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """positions [B, T] int -> cos, sin [B, T, D] in dtype."""
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+        cos, sin = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, D]; cos/sin [B, T, D]."""
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,89 @@
+"""WeightSource: named tensors of a checkpoint, memory-mapped from its safetensors files.
+
+Tensors whose dtype already matches are returned as views into the file mapping, so the
+model's weights are not copied into anonymous memory; the page cache holds them once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from hybridmoe.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def find_safetensors_files(directory: Path) -> list[Path]:
+    """The checkpoint's weight files: those named by the index when there is one."""
+    index = directory / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{index} names weight files that are missing: {missing}")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors weight files found")
+    return files
+
+
+class WeightSource:
+    """Read-only access to a checkpoint's tensors by name, with shape checks and dtype casts."""
+
+    def __init__(self, files: Sequence[Path], dtype: torch.dtype, progress: bool = False):
+        self.dtype = dtype
+        self._handles = {}
+        self._file_of: dict[str, Path] = {}
+        for path in files:
+            handle = self._open(path)
+            self._handles[path] = handle
+            for name in handle.keys():
+                self._file_of[name] = path
+        self._bar = tqdm(
+            total=len(self._file_of), desc="loading weights", unit="tensor", disable=not progress
+        )
+
+    @classmethod
+    def from_dir(cls, directory: Path, dtype: torch.dtype, progress: bool = False) -> WeightSource:
+        return cls(find_safetensors_files(directory), dtype, progress)
+
+    @staticmethod
+    def _open(path: Path):
+        try:
+            return safe_open(str(path), framework="pt")
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: cannot read safetensors file ({exc})") from exc
+
+    def has(self, name: str) -> bool:
+        return name in self._file_of
+
+    def get(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+        """Tensor `name` in the source dtype; CheckpointError if it is missing or mis-shaped."""
+        path = self._file_of.get(name)
+        if path is None:
+            raise CheckpointError(f"tensor '{name}' is missing from the checkpoint")
+        try:
+            tensor = self._handles[path].get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"{path}: cannot read tensor '{name}' ({exc})") from exc
+        if tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{path}: tensor '{name}' has shape {tuple(tensor.shape)}, "
+                f"config.json implies {tuple(shape)}"
+            )
+        self._bar.update()
+        return tensor if tensor.dtype == self.dtype else tensor.to(self.dtype)
+
+    def close(self) -> None:
+        self._bar.close()

@@ -1,0 +1,176 @@
+"""ModelConfig: everything the engine needs to know about one checkpoint's architecture.
+
+Family modules translate a Hugging Face `config.json` into a ModelConfig; nothing below the
+model registry reads `config.json` directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hybridmoe.errors import UnsupportedConfigError
+
+QkNorm = Literal["none", "per_head", "full"]  # Qwen3: RMSNorm per head; OLMoE: over all heads
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"  # default | linear | yarn | llama3
+    factor: float = 1.0
+    original_max_position: int = 0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn; None = derived from factor
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP layers
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP (False)
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: QkNorm = "none"
+    clip_qkv: float | None = None
+    sliding_window: int | None = None
+    shared_expert_intermediate_size: int = 0  # 0 = no shared expert
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.sparse_layers) != self.num_layers:
+            raise UnsupportedConfigError(
+                f"sparse layer map has {len(self.sparse_layers)} entries, "
+                f"num_hidden_layers is {self.num_layers}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if not 1 <= self.top_k <= self.num_experts:
+            raise UnsupportedConfigError(
+                f"num_experts_per_tok ({self.top_k}) must be in [1, {self.num_experts}]"
+            )
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, sparse in enumerate(self.sparse_layers) if sparse)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+class HfConfigReader:
+    """Reads fields of a config.json dict; every error names the field and the file."""
+
+    def __init__(self, raw: dict[str, Any], source: str = "config.json"):
+        self.raw = raw
+        self.source = source
+
+    def require(self, name: str, kind: type = int) -> Any:
+        if name not in self.raw or self.raw[name] is None:
+            raise UnsupportedConfigError(f"{self.source}: required field '{name}' is missing")
+        return self._typed(name, self.raw[name], kind)
+
+    def get(self, name: str, default: Any, kind: type = int) -> Any:
+        value = self.raw.get(name)
+        return default if value is None else self._typed(name, value, kind)
+
+    def first(self, names: tuple[str, ...], kind: type = int) -> Any:
+        for name in names:
+            if self.raw.get(name) is not None:
+                return self._typed(name, self.raw[name], kind)
+        raise UnsupportedConfigError(
+            f"{self.source}: required field '{names[0]}' is missing (also looked for "
+            f"{', '.join(repr(n) for n in names[1:])})"
+        )
+
+    def refuse_if(self, name: str, bad: bool, why: str) -> None:
+        if bad:
+            raise UnsupportedConfigError(
+                f"{self.source}: field '{name}' = {self.raw.get(name)!r} is not supported: {why}"
+            )
+
+    def _typed(self, name: str, value: Any, kind: type) -> Any:
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not ok:
+            raise UnsupportedConfigError(
+                f"{self.source}: field '{name}' must be {kind.__name__}, got {value!r}"
+            )
+        return value
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.raw.get("eos_token_id")
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+    def head_dim(self) -> int:
+        hidden, heads = self.require("hidden_size"), self.require("num_attention_heads")
+        return self.get("head_dim", hidden // heads)
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
+
+def read_rope(reader: HfConfigReader) -> RopeConfig:
+    """RoPE settings from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`."""
+    field = "rope_parameters" if reader.raw.get("rope_parameters") else "rope_scaling"
+    params = dict(reader.raw.get(field) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedConfigError(
+            f"{reader.source}: field '{field}.rope_type' = {rope_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    partial = params.get("partial_rotary_factor", reader.raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise UnsupportedConfigError(
+            f"{reader.source}: field 'partial_rotary_factor' = {partial!r} is not supported"
+        )
+    theta = params.get("rope_theta", reader.raw.get("rope_theta", 10000.0))
+    max_pos = reader.get("max_position_embeddings", 4096)
+    if rope_type != "default" and params.get("factor") is None:
+        raise UnsupportedConfigError(f"{reader.source}: field '{field}.factor' is missing")
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(params.get("factor") or 1.0),
+        original_max_position=int(params.get("original_max_position_embeddings") or max_pos),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=params.get("attention_factor"),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
+    )

@@ -1,0 +1,79 @@
+"""MoeCausalLM: the decoder-only transformer shared by every supported MoE family."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridmoe.layers.attention import Attention
+from hybridmoe.layers.batch import ForwardBatch, KVStore, build_attention_mask
+from hybridmoe.layers.linear import GatedMLP
+from hybridmoe.layers.moe import MoELayer
+from hybridmoe.layers.norm import rms_norm
+from hybridmoe.layers.rotary import RotaryEmbedding
+from hybridmoe.loader.weights import WeightSource
+from hybridmoe.models.config import ModelConfig
+from hybridmoe.models.registry import ModelFamily
+
+
+class DecoderLayer:
+    def __init__(self, cfg: ModelConfig, family: ModelFamily, idx: int, source: WeightSource):
+        prefix = f"model.layers.{idx}"
+        hidden = cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        self.input_norm = source.get(f"{prefix}.input_layernorm.weight", (hidden,))
+        self.post_attention_norm = source.get(f"{prefix}.post_attention_layernorm.weight", (hidden,))
+        self.attn = Attention(cfg, idx, source, f"{prefix}.self_attn")
+        if cfg.sparse_layers[idx]:
+            moe_prefix = f"{prefix}.{family.moe_prefix}"
+            self.mlp = MoELayer(cfg, source, moe_prefix, family.expert_names)
+        else:
+            self.mlp = GatedMLP.load(source, f"{prefix}.mlp", hidden, cfg.intermediate_size)
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), batch)
+        return x + self.mlp(rms_norm(x, self.post_attention_norm, self.eps))
+
+
+class MoeCausalLM:
+    def __init__(self, cfg: ModelConfig, family: ModelFamily, source: WeightSource):
+        self.cfg = cfg
+        self.dtype = source.dtype
+        embed_shape = (cfg.vocab_size, cfg.hidden_size)
+        self.embed = source.get("model.embed_tokens.weight", embed_shape)
+        self.layers = [DecoderLayer(cfg, family, i, source) for i in range(cfg.num_layers)]
+        self.norm = source.get("model.norm.weight", (cfg.hidden_size,))
+        tied = cfg.tie_word_embeddings or not source.has("lm_head.weight")
+        self.lm_head = self.embed if tied else source.get("lm_head.weight", embed_shape)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+
+    @property
+    def moe_layers(self) -> list[MoELayer]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoELayer)]
+
+    def make_batch(
+        self, positions: torch.Tensor, rows: list[int], kv: KVStore | None
+    ) -> ForwardBatch:
+        kv_len = int(positions.max()) + 1
+        mask, is_causal = build_attention_mask(positions, kv_len, self.cfg.sliding_window)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        row_index = torch.tensor(rows)
+        return ForwardBatch(positions, rows, row_index, kv_len, mask, is_causal, cos, sin, kv)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, last_only: bool = True
+    ) -> torch.Tensor:
+        """input_ids [B, T] -> float32 logits [B, V] (last token) or [B, T, V]."""
+        x = F.embedding(input_ids, self.embed)  # [B, T, H]
+        for layer in self.layers:
+            x = layer(x, batch)
+        if last_only:
+            x = x[:, -1]
+        return F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+
+    def logits(self, input_ids: list[int]) -> torch.Tensor:
+        """[T, V] float32 logits of a fresh sequence; no state is kept."""
+        ids = torch.tensor([input_ids])
+        batch = self.make_batch(torch.arange(len(input_ids))[None], [0], kv=None)
+        return self.forward(ids, batch, last_only=False)[0]

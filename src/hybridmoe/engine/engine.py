@@ -14,7 +14,8 @@ from hybridmoe.engine.sampling import SamplingParams, sample_batch
 from hybridmoe.engine.sequence import Completion, Sequence
 from hybridmoe.engine.stats import GenerationStats
 from hybridmoe.errors import CheckpointError
-from hybridmoe.loader.checkpoint import load_model, parse_dtype, read_json
+from hybridmoe.loader.checkpoint import load_model, parse_dtype
+from hybridmoe.loader.files import read_json_object
 from hybridmoe.loader.tokenizer import Tokenizer
 from hybridmoe.models.transformer import MoeCausalLM
 
@@ -22,7 +23,7 @@ from hybridmoe.models.transformer import MoeCausalLM
 def resolve_dtype(config: EngineConfig, directory: Path) -> torch.dtype:
     if config.dtype != "auto":
         return parse_dtype(config.dtype)
-    raw = read_json(directory / "config.json")
+    raw = read_json_object(directory / "config.json")
     stored = raw.get("dtype") or raw.get("torch_dtype")
     return torch.bfloat16 if stored == "bfloat16" else torch.float32
 
@@ -123,7 +124,7 @@ class Engine:
         logits = self.model.forward(ids, self.model.make_batch(positions, rows, cache))  # [B, V]
         tokens = sample_batch(logits, [seqs[r].sampler for r in rows])
         deltas = [""] * len(seqs)
-        for row, token in zip(rows, tokens):
+        for row, token in zip(rows, tokens, strict=True):
             deltas[row] = seqs[row].append(token)
         self.stats.decode_tokens += len(rows)
         return deltas

@@ -20,10 +20,11 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, T, kv_heads, D]; return [B, kv_heads, kv_len, D] views or gathers."""
         k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
-        rows = batch.row_index[:, None]  # [B, 1]
-        k_cache[rows, :, batch.positions] = k  # indexes [B, T] -> values [B, T, kv_heads, D]
-        v_cache[rows, :, batch.positions] = v
+        row_col = batch.row_index[:, None]  # [B, 1], broadcasts against positions [B, T]
+        k_cache[row_col, :, batch.positions] = k  # values [B, T, kv_heads, D]
+        v_cache[row_col, :, batch.positions] = v
         if batch.rows == list(range(len(batch.rows))):
             b = len(batch.rows)
             return k_cache[:b, :, : batch.kv_len], v_cache[:b, :, : batch.kv_len]
-        return k_cache[batch.row_index, :, : batch.kv_len], v_cache[batch.row_index, :, : batch.kv_len]
+        rows = batch.row_index
+        return k_cache[rows, :, : batch.kv_len], v_cache[rows, :, : batch.kv_len]

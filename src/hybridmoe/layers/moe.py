@@ -41,7 +41,7 @@ class ExpertWeights:
         shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
         per_projection = [
             [source.get(f"{prefix}.{e}.{name}.weight", shape) for e in range(cfg.num_experts)]
-            for name, shape in zip(names, shapes)
+            for name, shape in zip(names, shapes, strict=True)
         ]
         return cls(*per_projection)
 

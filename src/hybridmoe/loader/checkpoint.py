@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from hybridmoe.errors import CheckpointError
+from hybridmoe.loader.files import read_json_object
 from hybridmoe.loader.weights import WeightSource
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -17,20 +17,6 @@ def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     return DTYPES[name]
-
-
-def read_json(path: Path, required: bool = True) -> dict:
-    if not path.exists():
-        if required:
-            raise CheckpointError(f"{path}: file is missing")
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
 
 
 def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, progress: bool = False):
@@ -43,7 +29,7 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, progre
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: checkpoint directory does not exist")
     config_path = directory / "config.json"
-    raw = read_json(config_path)
+    raw = read_json_object(config_path)
     family = family_for(raw, str(config_path))
     cfg = family.parse_config(HfConfigReader(raw, str(config_path)))
     source = WeightSource.from_dir(directory, dtype, progress)

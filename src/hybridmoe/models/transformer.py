@@ -22,7 +22,8 @@ class DecoderLayer:
         hidden = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
         self.input_norm = source.get(f"{prefix}.input_layernorm.weight", (hidden,))
-        self.post_attention_norm = source.get(f"{prefix}.post_attention_layernorm.weight", (hidden,))
+        post_norm_name = f"{prefix}.post_attention_layernorm.weight"
+        self.post_attention_norm = source.get(post_norm_name, (hidden,))
         self.attn = Attention(cfg, idx, source, f"{prefix}.self_attn")
         if cfg.sparse_layers[idx]:
             moe_prefix = f"{prefix}.{family.moe_prefix}"

@@ -23,6 +23,8 @@ from hybridmoe.models.transformer import MoeCausalLM
 def resolve_dtype(config: EngineConfig, directory: Path) -> torch.dtype:
     if config.dtype != "auto":
         return parse_dtype(config.dtype)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: checkpoint directory does not exist")
     raw = read_json_object(directory / "config.json")
     stored = raw.get("dtype") or raw.get("torch_dtype")
     return torch.bfloat16 if stored == "bfloat16" else torch.float32
@@ -98,6 +100,8 @@ class Engine:
 
     def _run(self, seqs: list[Sequence]) -> Iterator[list[str]]:
         """Prefills then decodes `seqs` together; yields each step's text deltas per sequence."""
+        if not seqs:
+            return
         if len(seqs) > self.config.max_batch:
             raise ValueError(f"{len(seqs)} prompts exceed max_batch={self.config.max_batch}")
         max_len = max(min(len(s.prompt_ids) + s.params.max_tokens, s.max_len) for s in seqs)

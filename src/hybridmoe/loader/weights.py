@@ -25,9 +25,10 @@ def find_safetensors_files(directory: Path) -> list[Path]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            files = [directory / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            # ValueError: not JSON or not UTF-8; the others: no {tensor name: file name} map
             raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
-        files = [directory / name for name in sorted(set(weight_map.values()))]
         missing = [str(f) for f in files if not f.exists()]
         if missing:
             raise CheckpointError(f"{index} names weight files that are missing: {missing}")

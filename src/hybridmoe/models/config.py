@@ -63,7 +63,7 @@ class ModelConfig:
                 f"sparse layer map has {len(self.sparse_layers)} entries, "
                 f"num_hidden_layers is {self.num_layers}"
             )
-        if self.num_heads % self.num_kv_heads:
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
             raise UnsupportedConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
@@ -129,12 +129,17 @@ class HfConfigReader:
 
     def eos_token_ids(self) -> tuple[int, ...]:
         eos = self.raw.get("eos_token_id")
-        if eos is None:
-            return ()
-        return tuple(eos) if isinstance(eos, list) else (int(eos),)
+        ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        # bool is an int subclass; `true` here is a corrupt file, not id 1.
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise UnsupportedConfigError(
+                f"{self.source}: field 'eos_token_id' must be an id or a list of ids, got {eos!r}"
+            )
+        return tuple(ids)
 
     def head_dim(self) -> int:
         hidden, heads = self.require("hidden_size"), self.require("num_attention_heads")
+        self.refuse_if("num_attention_heads", heads < 1, "must be >= 1")
         return self.get("head_dim", hidden // heads)
 
 
@@ -144,7 +149,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 def read_rope(reader: HfConfigReader) -> RopeConfig:
     """RoPE settings from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`."""
     field = "rope_parameters" if reader.raw.get("rope_parameters") else "rope_scaling"
-    params = dict(reader.raw.get(field) or {})
+    params = dict(reader.get(field, {}, dict))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedConfigError(
@@ -160,6 +165,18 @@ def read_rope(reader: HfConfigReader) -> RopeConfig:
     max_pos = reader.get("max_position_embeddings", 4096)
     if rope_type != "default" and params.get("factor") is None:
         raise UnsupportedConfigError(f"{reader.source}: field '{field}.factor' is missing")
+    try:
+        return _rope_config(params, rope_type, theta, max_pos)
+    except (TypeError, ValueError) as e:
+        raise UnsupportedConfigError(
+            f"{reader.source}: a value in field '{field}' or 'rope_theta' is not a number ({e})"
+        ) from e
+
+
+def _rope_config(params: dict[str, Any], rope_type: str, theta: Any, max_pos: int) -> RopeConfig:
+    def optional_float(name: str) -> float | None:
+        return None if params.get(name) is None else float(params[name])
+
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
@@ -169,8 +186,8 @@ def read_rope(reader: HfConfigReader) -> RopeConfig:
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),
-        attention_factor=params.get("attention_factor"),
-        mscale=params.get("mscale"),
-        mscale_all_dim=params.get("mscale_all_dim"),
+        attention_factor=optional_float("attention_factor"),
+        mscale=optional_float("mscale"),
+        mscale_all_dim=optional_float("mscale_all_dim"),
         truncate=bool(params.get("truncate", True)),
     )

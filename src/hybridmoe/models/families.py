@@ -36,8 +36,10 @@ def _qwen_sparse_layers(r: HfConfigReader) -> tuple[bool, ...]:
     """Qwen MoE layer map: `mlp_only_layers` are dense; otherwise every `decoder_sparse_step`-th."""
     layers = r.require("num_hidden_layers")
     step = r.get("decoder_sparse_step", 1)
-    dense = set(r.raw.get("mlp_only_layers") or [])
+    dense = r.get("mlp_only_layers", [], list)
     r.refuse_if("decoder_sparse_step", step < 1, "must be >= 1")
+    is_index = [isinstance(i, int) and not isinstance(i, bool) for i in dense]
+    r.refuse_if("mlp_only_layers", not all(is_index), "must be a list of layer indices")
     return tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
 
 

@@ -1,0 +1,54 @@
+"""Fixtures shared by every test folder."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hybridmoe.demo import _write_checkpoint
+
+
+@pytest.fixture(scope="session")
+def demo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded demo checkpoint (fp32, ~30 MB), built once per session. Tests must not
+    modify it; `demo_variant` makes modified copies."""
+    directory = tmp_path_factory.mktemp("demo-checkpoint")
+    _write_checkpoint(directory)
+    return directory
+
+
+@pytest.fixture
+def demo_variant(demo_checkpoint: Path, tmp_path: Path) -> Callable[..., Path]:
+    """`make(config_changes, drop_fields, skip)`: a new checkpoint directory whose files are
+    symlinks to the demo's, except those named in `skip` (left out) and config.json when
+    `config_changes` or `drop_fields` are given (rewritten with the changes, without the dropped
+    fields). Cheap: nothing is copied."""
+    made = 0
+
+    def make(
+        config_changes: dict[str, Any] | None = None,
+        drop_fields: tuple[str, ...] = (),
+        skip: tuple[str, ...] = (),
+    ) -> Path:
+        nonlocal made
+        made += 1
+        directory = tmp_path / f"variant-{made}"
+        directory.mkdir()
+        new_config = config_changes is not None or bool(drop_fields)
+        if new_config:
+            skip = (*skip, "config.json")
+        for path in demo_checkpoint.iterdir():
+            if path.name not in skip:
+                (directory / path.name).symlink_to(path)
+        if new_config:
+            config = json.loads((demo_checkpoint / "config.json").read_text())
+            config.update(config_changes or {})
+            config = {k: v for k, v in config.items() if k not in drop_fields}
+            (directory / "config.json").write_text(json.dumps(config))
+        return directory
+
+    return make

@@ -1,0 +1,105 @@
+"""Engine end to end on the demo checkpoint: batching, streaming, stopping, context limits."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridmoe.engine import Engine, EngineConfig, SamplingParams
+
+# Different lengths, so batched decode steps mix rows at different positions.
+PROMPTS = [
+    "def fibonacci(n):",
+    "The capital of France is",
+    "import numpy as np\nx = np.zeros((3, 4))\nfor row in x:\n    print(",
+]
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(demo_checkpoint) -> Engine:
+    return Engine.from_pretrained(demo_checkpoint, EngineConfig(dtype="float32"))
+
+
+def test_batch_equals_each_prompt_alone(engine):
+    batched = engine.generate(PROMPTS, GREEDY)
+    for prompt, together in zip(PROMPTS, batched, strict=True):
+        (alone,) = engine.generate([prompt], GREEDY)
+        assert together.token_ids == alone.token_ids, prompt
+        assert together.text == alone.text, prompt
+
+
+def test_seeded_sampling_in_a_batch_equals_alone(engine):
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    batched = engine.generate(PROMPTS, params)
+    for prompt, together in zip(PROMPTS, batched, strict=True):
+        (alone,) = engine.generate([prompt], params)
+        assert together.token_ids == alone.token_ids, prompt
+
+
+def test_generate_ids_matches_generate(engine):
+    (completion,) = engine.generate([PROMPTS[0]], GREEDY)
+    assert engine.generate_ids([completion.prompt_ids], GREEDY) == [completion.token_ids]
+
+
+def test_stream_pieces_join_to_generated_text(engine):
+    for prompt in PROMPTS:
+        pieces = list(engine.stream(prompt, GREEDY))
+        (completion,) = engine.generate([prompt], GREEDY)
+        assert "".join(pieces) == completion.text
+        assert all(pieces), "stream yields no empty pieces"
+
+
+def test_max_tokens_ends_with_length(engine):
+    for completion in engine.generate(PROMPTS, SamplingParams(max_tokens=5, ignore_eos=True)):
+        assert len(completion.token_ids) == 5
+        assert completion.finish_reason == "length"
+
+
+def test_stop_string_cuts_text(engine):
+    (full,) = engine.generate([PROMPTS[0]], GREEDY)
+    stop = full.text[len(full.text) // 2 :][:3]  # occurs in the unstopped text by construction
+    params = SamplingParams(max_tokens=GREEDY.max_tokens, stop=stop, ignore_eos=True)
+    (stopped,) = engine.generate([PROMPTS[0]], params)
+    assert stopped.text == full.text[: full.text.index(stop)]
+    assert stopped.finish_reason == "stop"
+    assert len(stopped.token_ids) < len(full.token_ids)
+    assert "".join(engine.stream(PROMPTS[0], params)) == stopped.text
+
+
+def test_eos_stops_generation(engine):
+    (full,) = engine.generate([PROMPTS[0]], GREEDY)
+    first = full.token_ids[0]
+    eos_engine = Engine(engine.model, engine.tokenizer, engine.config)
+    eos_engine.eos_ids = engine.eos_ids | {first}
+
+    (stopped,) = eos_engine.generate([PROMPTS[0]], SamplingParams(max_tokens=12))
+    assert stopped.token_ids == [first]  # the EOS token is reported, its text is not
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == ""
+
+    (ignored,) = eos_engine.generate([PROMPTS[0]], GREEDY)
+    assert ignored.token_ids == full.token_ids
+    assert ignored.finish_reason == "length"
+
+
+def test_demo_eos_comes_from_its_config(engine):
+    eos = engine.tokenizer.backend.token_to_id("<|im_end|>")
+    assert eos in engine.eos_ids
+
+
+def test_prompt_longer_than_context_is_refused(engine):
+    window = engine.model.cfg.max_position_embeddings
+    prompt = " ".join(["token"] * (window + 10))
+    assert len(engine.encode(prompt)) > window
+    with pytest.raises(ValueError, match=f"context window is {window}"):
+        engine.generate([prompt], GREEDY)
+    with pytest.raises(ValueError, match="context window"):
+        engine.generate_ids([[1] * window], GREEDY)
+
+
+def test_generation_stops_at_context_window(demo_variant):
+    small = Engine.from_pretrained(demo_variant({"max_position_embeddings": 16}))
+    prompt_ids = small.encode(PROMPTS[0])
+    (completion,) = small.generate([PROMPTS[0]], GREEDY)
+    assert len(prompt_ids) + len(completion.token_ids) == 16
+    assert completion.finish_reason == "length"

@@ -77,14 +77,24 @@ def moe_reference(
     x [T, H], topk_ids [T, K], topk_weights [T, K] -> [T, H] in x's dtype.
     """
     out = torch.zeros_like(x)
+    route_weights = topk_weights.reshape(-1, 1)  # [T*K, 1], route t*K + k
+    top_k = topk_ids.shape[1]
     for expert, (tokens, ks) in sorted(group_routes(topk_ids).items()):
+        routes = [t * top_k + k for t, k in zip(tokens, ks, strict=True)]
+        if len(tokens) == 1:  # the decode case: slices instead of index tensors
+            t, r = tokens[0], routes[0]
+            out[t : t + 1] += _expert_mlp(x[t : t + 1], experts, expert) * route_weights[r : r + 1]
+            continue
         token_idx = torch.tensor(tokens)
-        h = x[token_idx]  # [n, H]
-        h = F.silu(F.linear(h, experts.gate[expert])) * F.linear(h, experts.up[expert])
-        h = F.linear(h, experts.down[expert])  # [n, H]
-        h = h * topk_weights[token_idx, torch.tensor(ks), None]
-        out.index_add_(0, token_idx, h)
+        h = _expert_mlp(x[token_idx], experts, expert)  # [n, H]
+        out.index_add_(0, token_idx, h * route_weights[torch.tensor(routes)])
     return out
+
+
+def _expert_mlp(h: torch.Tensor, experts: ExpertWeights, expert: int) -> torch.Tensor:
+    """h [n, H] -> down(silu(gate h) * up h) [n, H] for one expert."""
+    h = F.silu(F.linear(h, experts.gate[expert])) * F.linear(h, experts.up[expert])
+    return F.linear(h, experts.down[expert])
 
 
 class MoELayer:

@@ -9,8 +9,10 @@ from collections.abc import Sequence
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.engine.config import DTYPE_CHOICES
 from hybridmoe.errors import HybridMoeError
+from hybridmoe.moe.config import DECODE_TARGETS, OffloadConfig
 
 ENGINE_DEFAULTS = EngineConfig()
+OFFLOAD_DEFAULTS = OffloadConfig()
 SAMPLING_DEFAULTS = SamplingParams()
 
 
@@ -20,6 +22,28 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=ENGINE_DEFAULTS.dtype)
     parser.add_argument("--threads", type=int, default=ENGINE_DEFAULTS.threads)
+    d = OFFLOAD_DEFAULTS
+    parser.add_argument(
+        "--decode-target",
+        choices=DECODE_TARGETS,
+        default=d.decode_target,
+        help="where routed experts run at decode (see README)",
+    )
+    slots = parser.add_mutually_exclusive_group()
+    slots.add_argument("--expert-cache-slots", type=int, default=d.expert_cache_slots)
+    slots.add_argument(
+        "--expert-cache-ratio",
+        type=float,
+        default=d.expert_cache_ratio,
+        help="expert cache size as a share of all routed experts",
+    )
+    parser.add_argument(
+        "--max-fetch", type=int, default=d.max_fetch, help="hybrid: misses fetched per layer"
+    )
+    parser.add_argument(
+        "--no-overlap", action="store_true", help="hybrid: wait for the CPU before the accelerator"
+    )
+    parser.add_argument("--cpu-threads", type=int, default=d.cpu_threads)
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +81,15 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _load_engine(args: argparse.Namespace) -> Engine:
-    config = EngineConfig(dtype=args.dtype, threads=args.threads, progress=True)
+    offload = OffloadConfig(
+        decode_target=args.decode_target,
+        expert_cache_slots=args.expert_cache_slots,
+        expert_cache_ratio=args.expert_cache_ratio,
+        max_fetch=args.max_fetch,
+        overlap=not args.no_overlap,
+        cpu_threads=args.cpu_threads,
+    )
+    config = EngineConfig(dtype=args.dtype, threads=args.threads, progress=True, offload=offload)
     model_dir = args.model
     if model_dir is None:
         from hybridmoe.demo import demo_checkpoint_dir

@@ -11,3 +11,7 @@ class CheckpointError(HybridMoeError, ValueError):
 
 class UnsupportedConfigError(CheckpointError):
     """config.json asks for something this engine cannot run exactly."""
+
+
+class CpuExpertError(HybridMoeError, RuntimeError):
+    """The CPU worker failed while computing a layer's expert routes; the cause is chained."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from hybridmoe.moe.config import OffloadConfig
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32")
 
@@ -13,6 +15,7 @@ class EngineConfig:
     threads: int | None = None  # torch intra-op threads; None: torch's default
     max_batch: int = 16  # sequences decoded together
     progress: bool = False  # progress bar while loading weights
+    offload: OffloadConfig = field(default_factory=OffloadConfig)  # where experts decode
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:

@@ -10,6 +10,7 @@ import torch
 
 from hybridmoe.engine.config import EngineConfig
 from hybridmoe.engine.kv_cache import KVCache
+from hybridmoe.engine.moe_runtime import create_moe_runtime
 from hybridmoe.engine.sampling import SamplingParams, sample_batch
 from hybridmoe.engine.sequence import Completion, Sequence
 from hybridmoe.engine.stats import GenerationStats
@@ -33,6 +34,7 @@ def resolve_dtype(config: EngineConfig, directory: Path) -> torch.dtype:
 class Engine:
     def __init__(self, model: MoeCausalLM, tokenizer: Tokenizer | None, config: EngineConfig):
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.moe_runtime = create_moe_runtime(model, config.offload)
         self.eos_ids = frozenset(model.cfg.eos_token_ids) | (
             tokenizer.eos_token_ids if tokenizer else frozenset()
         )
@@ -50,8 +52,15 @@ class Engine:
         return cls(model, tokenizer, config)
 
     def close(self) -> None:
-        """Releases the model; the engine is unusable afterwards."""
+        """Stops the CPU expert workers and releases the model; the engine is unusable after."""
+        self.moe_runtime.close()
         self.model = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # --- public generation API -------------------------------------------------------------
 
@@ -107,6 +116,7 @@ class Engine:
         max_len = max(min(len(s.prompt_ids) + s.params.max_tokens, s.max_len) for s in seqs)
         cache = KVCache(self.model.cfg, len(seqs), max_len, self.model.dtype)
         self.stats = GenerationStats(prompt_tokens=sum(len(s.prompt_ids) for s in seqs))
+        self.moe_runtime.reset_stats()
         start = time.perf_counter()
         yield [self._prefill(seq, row, cache) for row, seq in enumerate(seqs)]
         self.stats.prefill_s = time.perf_counter() - start
@@ -114,6 +124,7 @@ class Engine:
         while any(not s.finished for s in seqs):
             yield self._decode_step(seqs, cache)
         self.stats.decode_s = time.perf_counter() - start
+        self.stats.experts = self.moe_runtime.stats()
 
     def _prefill(self, seq: Sequence, row: int, cache: KVCache) -> str:
         ids = torch.tensor([seq.prompt_ids])  # [1, T]
@@ -125,7 +136,8 @@ class Engine:
         rows = [row for row, seq in enumerate(seqs) if not seq.finished]
         ids = torch.tensor([[seqs[r].output_ids[-1]] for r in rows])  # [B, 1]
         positions = torch.tensor([[seqs[r].next_position] for r in rows])  # [B, 1]
-        logits = self.model.forward(ids, self.model.make_batch(positions, rows, cache))  # [B, V]
+        batch = self.model.make_batch(positions, rows, cache, is_decode=True)
+        logits = self.model.forward(ids, batch)  # [B, V]
         tokens = sample_batch(logits, [seqs[r].sampler for r in rows])
         deltas = [""] * len(seqs)
         for row, token in zip(rows, tokens, strict=True):

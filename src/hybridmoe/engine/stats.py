@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridmoe.moe.cache_stats import ExpertCacheStats
+
 
 @dataclass
 class GenerationStats:
@@ -11,6 +13,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_tokens: int = 0  # tokens produced by decode steps (the first comes from prefill)
     decode_s: float = 0.0
+    experts: ExpertCacheStats | None = None  # expert cache over the decode steps, if any
 
     @property
     def prefill_tok_per_s(self) -> float:
@@ -21,8 +24,20 @@ class GenerationStats:
         return self.decode_tokens / self.decode_s if self.decode_s else 0.0
 
     def summary(self) -> str:
-        return (
+        line = (
             f"prompt tokens: {self.prompt_tokens} | "
             f"prefill: {self.prefill_tok_per_s:.1f} tok/s | "
             f"decode: {self.decode_tok_per_s:.1f} tok/s ({self.decode_tokens} tokens)"
+        )
+        return line + self._expert_summary()
+
+    def _expert_summary(self) -> str:
+        e, tokens = self.experts, max(self.decode_tokens, 1)
+        if e is None:
+            return ""
+        cpu_share = e.cpu_routes / e.routes if e.routes else 0.0
+        return (
+            f" | expert cache hit rate: {e.hit_rate:.1%} | CPU routes: {cpu_share:.1%} | "
+            f"fetched/token: {e.fetched / tokens:.2f} | "
+            f"copied/token: {e.bytes_copied / tokens / 2**20:.2f} MiB"
         )

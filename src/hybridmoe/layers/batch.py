@@ -28,6 +28,7 @@ class ForwardBatch:
     cos: torch.Tensor  # [B, T, D]
     sin: torch.Tensor  # [B, T, D]
     kv: KVStore | None  # None: no cache, keys are this step's own
+    is_decode: bool = False  # one new token per sequence: MoE layers use their decode target
 
 
 def build_attention_mask(

@@ -6,7 +6,6 @@ checked against.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +14,12 @@ import torch.nn.functional as F
 from hybridmoe.layers.linear import GatedMLP, Linear
 from hybridmoe.loader.weights import WeightSource
 from hybridmoe.models.config import ModelConfig
+from hybridmoe.moe.cpu_executor import CpuMoeExecutor
+from hybridmoe.moe.cpu_experts import bank_moe
+from hybridmoe.moe.host_banks import HostExpertBank
+from hybridmoe.moe.hybrid_decode import HybridDecodeRequest
+from hybridmoe.moe.offload_cache import OffloadMoeCache
+from hybridmoe.moe.routing import group_routes, route
 
 
 @dataclass
@@ -46,29 +51,6 @@ class ExpertWeights:
         return cls(*per_projection)
 
 
-def route(
-    router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (topk_ids [T, K] int64, topk_weights [T, K] in logits dtype)."""
-    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
-    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
-    if norm_topk_prob:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    return topk_ids, topk_weights.to(router_logits.dtype)
-
-
-def group_routes(topk_ids: torch.Tensor) -> dict[int, tuple[list[int], list[int]]]:
-    """topk_ids [T, K] -> {expert: (token indices, k positions)}; ids < 0 are skipped."""
-    groups: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
-    for t, row in enumerate(topk_ids.tolist()):
-        for k, expert in enumerate(row):
-            if expert >= 0:
-                tokens, ks = groups[expert]
-                tokens.append(t)
-                ks.append(k)
-    return groups
-
-
 def moe_reference(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertWeights
 ) -> torch.Tensor:
@@ -97,11 +79,23 @@ def _expert_mlp(h: torch.Tensor, experts: ExpertWeights, expert: int) -> torch.T
     return F.linear(h, experts.down[expert])
 
 
-class MoELayer:
-    """Router + routed experts (+ a sigmoid-gated shared expert where the family has one)."""
+class OffloadMoELayer:
+    """Router + routed experts (+ a sigmoid-gated shared expert where the family has one).
 
-    def __init__(self, cfg: ModelConfig, source: WeightSource, prefix: str, names: tuple[str, ...]):
-        self.cfg = cfg
+    Prefill computes the routed experts exactly with `moe_reference`. Decode runs them where
+    `decode_target` says (see OffloadConfig); the layer owns only the expert math
+    (`_expert_gemm`), never placement or scheduling.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        source: WeightSource,
+        prefix: str,
+        names: tuple[str, ...],
+        moe_idx: int,
+    ):
+        self.cfg, self.moe_idx = cfg, moe_idx
         self.router = Linear.load(source, f"{prefix}.gate", cfg.hidden_size, cfg.num_experts, False)
         self.experts = ExpertWeights.load(source, f"{prefix}.experts", cfg, names)
         self.shared_expert = None
@@ -115,17 +109,80 @@ class MoELayer:
             self.shared_expert_gate = Linear.load(
                 source, f"{prefix}.shared_expert_gate", cfg.hidden_size, 1, bias=False
             )
+        self.decode_target = "reference"  # until attach(): moe_reference at decode too
+        self.bank: HostExpertBank | None = None
+        self.cache: OffloadMoeCache | None = None
+        self.cpu_executor: CpuMoeExecutor | None = None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def adopt_bank(self) -> HostExpertBank:
+        """Move this layer's experts into a stacked host bank; its ExpertWeights become views."""
+        bank = HostExpertBank.stack(self.experts.gate, self.experts.up, self.experts.down)
+        inter = bank.intermediate_size
+        self.experts.gate = list(bank.gate_up[:, :inter])
+        self.experts.up = list(bank.gate_up[:, inter:])
+        self.experts.down = list(bank.down)
+        self.bank = bank
+        return bank
+
+    def attach(
+        self,
+        decode_target: str,
+        cache: OffloadMoeCache | None = None,
+        cpu_executor: CpuMoeExecutor | None = None,
+    ) -> None:
+        self.decode_target, self.cache, self.cpu_executor = decode_target, cache, cpu_executor
+
+    def __call__(self, x: torch.Tensor, is_decode: bool = False) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]."""
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
         topk_ids, topk_weights = route(self.router(flat), self.cfg.top_k, self.cfg.norm_topk_prob)
-        out = self.run_experts(flat, topk_ids, topk_weights)
+        if is_decode:
+            out = self._decode_experts(flat, topk_ids, topk_weights)
+        else:
+            out = moe_reference(flat, topk_ids, topk_weights, self.experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view_as(x)
 
-    def run_experts(
+    def _decode_experts(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
+        """x [T, H], topk_ids [T, K] (rewritten in place by the cache), topk_weights [T, K]."""
+        target = self.decode_target
+        if target == "gpu":
+            return self._expert_gemm(x, topk_ids, topk_weights, self.bank)
+        if target == "offload":
+            return self._decode_offload(x, topk_ids, topk_weights)
+        if target == "cpu":
+            self.cpu_executor.decode_submit(self.moe_idx, x, topk_ids, topk_weights)
+            return self.cpu_executor.decode_sync(self.moe_idx)
+        if target == "hybrid":
+            request = HybridDecodeRequest(self.moe_idx, x, topk_ids, topk_weights)
+            return self.cache.hybrid_executor.decode(request, self._run_cached_decode_experts)
         return moe_reference(x, topk_ids, topk_weights, self.experts)
+
+    def _decode_offload(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Every miss fetched. A batched step routing to more distinct experts than the cache
+        holds runs token by token (exact: tokens are independent in the MoE)."""
+        if torch.unique(topk_ids).numel() > self.cache.num_slots and x.shape[0] > 1:
+            rows = [slice(t, t + 1) for t in range(x.shape[0])]
+            return torch.cat(
+                [self._decode_offload(x[r], topk_ids[r], topk_weights[r]) for r in rows]
+            )
+        self.cache.ensure_experts(self.moe_idx, topk_ids)
+        self.cache.copy_missing()
+        return self._run_cached_decode_experts(x, topk_ids, topk_weights)
+
+    def _run_cached_decode_experts(
+        self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The accelerator side: routes [T, K] given as cache slots, computed on the slot views."""
+        return self._expert_gemm(x, slots, weights, self.cache.slot_bank)
+
+    def _expert_gemm(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, bank: HostExpertBank
+    ) -> torch.Tensor:
+        """Expert math on stacked weights; dispatches on the weight format (today: dense)."""
+        return bank_moe(x, ids, weights, bank)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.batch import ForwardBatch, KVStore, build_attention_mask
 from hybridmoe.layers.linear import GatedMLP
-from hybridmoe.layers.moe import MoELayer
+from hybridmoe.layers.moe import OffloadMoELayer
 from hybridmoe.layers.norm import rms_norm
 from hybridmoe.layers.rotary import RotaryEmbedding
 from hybridmoe.loader.weights import WeightSource
@@ -17,7 +17,9 @@ from hybridmoe.models.registry import ModelFamily
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, family: ModelFamily, idx: int, source: WeightSource):
+    def __init__(
+        self, cfg: ModelConfig, family: ModelFamily, idx: int, source: WeightSource, moe_idx: int
+    ):
         prefix = f"model.layers.{idx}"
         hidden = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
@@ -27,13 +29,16 @@ class DecoderLayer:
         self.attn = Attention(cfg, idx, source, f"{prefix}.self_attn")
         if cfg.sparse_layers[idx]:
             moe_prefix = f"{prefix}.{family.moe_prefix}"
-            self.mlp = MoELayer(cfg, source, moe_prefix, family.expert_names)
+            self.mlp = OffloadMoELayer(cfg, source, moe_prefix, family.expert_names, moe_idx)
         else:
             self.mlp = GatedMLP.load(source, f"{prefix}.mlp", hidden, cfg.intermediate_size)
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = x + self.attn(rms_norm(x, self.input_norm, self.eps), batch)
-        return x + self.mlp(rms_norm(x, self.post_attention_norm, self.eps))
+        h = rms_norm(x, self.post_attention_norm, self.eps)
+        if isinstance(self.mlp, OffloadMoELayer):
+            return x + self.mlp(h, batch.is_decode)
+        return x + self.mlp(h)
 
 
 class MoeCausalLM:
@@ -42,24 +47,29 @@ class MoeCausalLM:
         self.dtype = source.dtype
         embed_shape = (cfg.vocab_size, cfg.hidden_size)
         self.embed = source.get("model.embed_tokens.weight", embed_shape)
-        self.layers = [DecoderLayer(cfg, family, i, source) for i in range(cfg.num_layers)]
+        moe_idx = [sum(cfg.sparse_layers[:i]) for i in range(cfg.num_layers)]  # MoE ordinal
+        self.layers = [
+            DecoderLayer(cfg, family, i, source, moe_idx[i]) for i in range(cfg.num_layers)
+        ]
         self.norm = source.get("model.norm.weight", (cfg.hidden_size,))
         tied = cfg.tie_word_embeddings or not source.has("lm_head.weight")
         self.lm_head = self.embed if tied else source.get("lm_head.weight", embed_shape)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
 
     @property
-    def moe_layers(self) -> list[MoELayer]:
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoELayer)]
+    def moe_layers(self) -> list[OffloadMoELayer]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, OffloadMoELayer)]
 
     def make_batch(
-        self, positions: torch.Tensor, rows: list[int], kv: KVStore | None
+        self, positions: torch.Tensor, rows: list[int], kv: KVStore | None, is_decode: bool = False
     ) -> ForwardBatch:
         kv_len = int(positions.max()) + 1
         mask, is_causal = build_attention_mask(positions, kv_len, self.cfg.sliding_window)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         row_index = torch.tensor(rows)
-        return ForwardBatch(positions, rows, row_index, kv_len, mask, is_causal, cos, sin, kv)
+        return ForwardBatch(
+            positions, rows, row_index, kv_len, mask, is_causal, cos, sin, kv, is_decode
+        )
 
     @torch.inference_mode()
     def forward(

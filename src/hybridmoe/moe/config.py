@@ -1,0 +1,49 @@
+"""OffloadConfig: where MoE experts run at decode time. CLI defaults come from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DECODE_TARGETS = ("gpu", "offload", "cpu", "hybrid")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    # gpu: every expert resident on the accelerator; offload: expert cache, every miss fetched;
+    # cpu: every routed expert on the CPU; hybrid: cache hits on the accelerator, misses on
+    # the CPU except up to `max_fetch` fetched per layer call.
+    decode_target: str = "gpu"
+    expert_cache_slots: int | None = None  # slots in the shared expert cache; None: use ratio
+    expert_cache_ratio: float = 0.25  # share of all routed experts the cache holds
+    max_fetch: int = 1  # misses fetched per layer call in hybrid (0 = never fetch)
+    overlap: bool = True  # hybrid: CPU experts overlap the accelerator's work
+    cpu_threads: int = 1  # CPU expert worker threads
+
+    def __post_init__(self) -> None:
+        if self.decode_target not in DECODE_TARGETS:
+            raise ValueError(
+                f"decode_target must be one of {', '.join(DECODE_TARGETS)}, "
+                f"got {self.decode_target!r}"
+            )
+        if self.expert_cache_slots is not None and self.expert_cache_slots < 1:
+            raise ValueError(f"expert_cache_slots must be >= 1, got {self.expert_cache_slots}")
+        if not 0.0 < self.expert_cache_ratio <= 1.0:
+            raise ValueError(f"expert_cache_ratio must be in (0, 1], got {self.expert_cache_ratio}")
+        if self.max_fetch < 0:
+            raise ValueError(f"max_fetch must be >= 0, got {self.max_fetch}")
+        if self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+
+    @property
+    def uses_cache(self) -> bool:
+        return self.decode_target in ("offload", "hybrid")
+
+    @property
+    def uses_cpu_executor(self) -> bool:
+        return self.decode_target in ("cpu", "hybrid")
+
+    def num_slots(self, total_experts: int) -> int:
+        """Slots for a model with `total_experts` routed experts over all MoE layers."""
+        if self.expert_cache_slots is not None:
+            return self.expert_cache_slots
+        return max(1, round(self.expert_cache_ratio * total_experts))

@@ -1,0 +1,206 @@
+"""CpuMoeExecutor: a decode step's CPU expert routes, run on persistent worker threads.
+
+`decode_submit` hands a layer's job to the workers and returns at once; `decode_sync` waits for
+it and returns the CPU partial on the caller's device. Moving data between the device and host
+memory, and knowing when it has arrived, is the DeviceSync's job (platform/): this module
+creates no streams or events. torch releases the GIL inside its ops, so a worker computes while
+the caller issues the accelerator's work.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridmoe.errors import CpuExpertError
+from hybridmoe.moe.cpu_experts import CpuExpertFn, create_cpu_expert_fn
+from hybridmoe.moe.host_banks import HostExpertBank
+from hybridmoe.platform.base import DeviceSync, ReadyHandle, create_device_sync
+
+
+@dataclass
+class CpuLayerStats:
+    jobs: int = 0  # synced jobs
+    routes: int = 0  # (token, expert) routes computed on the CPU
+    busy_s: float = 0.0  # worker time inside the expert math
+    wait_s: float = 0.0  # caller time blocked in decode_sync
+
+
+@dataclass(eq=False)
+class _Job:
+    layer_idx: int
+    host_inputs: tuple[torch.Tensor, ...]  # x [T, H], ids [T, K], weights [T, K] in host memory
+    ready: ReadyHandle  # from DeviceSync.to_host; the worker waits on it before reading
+    device: torch.device  # where the partial goes back to
+    done: threading.Event = field(default_factory=threading.Event)
+    output_cpu: torch.Tensor | None = None  # [T, H], written by the worker before `done`
+    error: BaseException | None = None
+    busy_s: float = 0.0
+    routes: int = 0
+    timed_out: bool = False
+
+
+class CpuMoeExecutor:
+    """Implements the CpuExecutor protocol of moe/hybrid_decode.py.
+
+    Call submit/sync from one thread. At most one job per layer is in flight; jobs of different
+    layers may run at once on different workers (`threads`). The tensors given to decode_submit
+    must not be modified until decode_sync for that layer has returned. `sync` defaults to the
+    `cpu` device's DeviceSync; pass create_device_sync(device) for an accelerator.
+    """
+
+    def __init__(
+        self,
+        banks: Sequence[HostExpertBank],
+        *,
+        threads: int = 1,
+        timeout_s: float = 120.0,
+        expert_fn: CpuExpertFn | None = None,
+        sync: DeviceSync | None = None,
+    ):
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.banks = list(banks)
+        self.timeout_s = timeout_s
+        self.expert_fn = expert_fn if expert_fn is not None else create_cpu_expert_fn()
+        self.sync = sync if sync is not None else create_device_sync("cpu")
+        self.stats: dict[int, CpuLayerStats] = {}
+        self._pending: dict[int, _Job] = {}
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._closed = False
+        self._workers = [
+            threading.Thread(target=self._work, name=f"hybridmoe-cpu-experts-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    def decode_submit(
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        cpu_expert_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> None:
+        """Start layer `layer_idx`'s CPU routes (ids < 0 skipped) and return without waiting.
+
+        hidden_states [T, H], cpu_expert_ids [T, K] int, topk_weights [T, K].
+        """
+        self._check_can_submit(layer_idx)
+        _check_shapes(layer_idx, hidden_states, cpu_expert_ids, topk_weights, self.banks[layer_idx])
+        host_inputs, ready = self.sync.to_host((hidden_states, cpu_expert_ids, topk_weights))
+        job = _Job(layer_idx, tuple(host_inputs), ready, hidden_states.device)
+        self._pending[layer_idx] = job
+        self._jobs.put(job)
+
+    def decode_sync(self, layer_idx: int) -> torch.Tensor:
+        """Wait for layer `layer_idx`'s submitted job; its partial [T, H] on the input's device.
+
+        Raises CpuExpertError (cause chained) if the worker failed, and TimeoutError after
+        `timeout_s`; a timed-out job stays pending, so decode_sync may be called again.
+        """
+        job = self._pending.get(layer_idx)
+        if job is None:
+            raise RuntimeError(
+                f"decode_sync({layer_idx}): layer {layer_idx} has no submitted CPU work; "
+                "call decode_submit first"
+            )
+        stats = self.stats.setdefault(layer_idx, CpuLayerStats())
+        start = time.perf_counter()
+        finished = job.done.wait(self.timeout_s)
+        stats.wait_s += time.perf_counter() - start
+        if not finished:
+            job.timed_out = True
+            raise TimeoutError(
+                f"CPU experts of layer {layer_idx} did not finish within {self.timeout_s} s"
+            )
+        del self._pending[layer_idx]
+        if job.error is not None:
+            raise CpuExpertError(
+                f"CPU experts of layer {layer_idx} failed: {type(job.error).__name__}: {job.error}"
+            ) from job.error
+        stats.jobs += 1
+        stats.routes += job.routes
+        stats.busy_s += job.busy_s
+        return self.sync.to_device(job.output_cpu, job.device)
+
+    def close(self) -> None:
+        """Stop and join every worker (queued jobs finish first). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._workers:
+            self._jobs.put(None)
+        for worker in self._workers:
+            worker.join(self.timeout_s)
+        stuck = [worker.name for worker in self._workers if worker.is_alive()]
+        if stuck:
+            raise TimeoutError(f"CPU expert workers still busy after {self.timeout_s} s: {stuck}")
+
+    def __enter__(self) -> CpuMoeExecutor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_can_submit(self, layer_idx: int) -> None:
+        if self._closed:
+            raise RuntimeError("CpuMoeExecutor is closed; create a new one to submit work")
+        if not 0 <= layer_idx < len(self.banks):
+            raise IndexError(
+                f"layer {layer_idx} out of range: the executor holds {len(self.banks)} banks"
+            )
+        job = self._pending.get(layer_idx)
+        if job is not None:
+            hint = " (its decode_sync timed out; call it again)" if job.timed_out else ""
+            raise RuntimeError(
+                f"decode_submit({layer_idx}): layer {layer_idx} already has CPU work in flight"
+                f"{hint}; call decode_sync({layer_idx}) before submitting it again"
+            )
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            self._run(job)
+
+    def _run(self, job: _Job) -> None:
+        try:
+            self.sync.wait_ready(job.ready)
+            x_cpu, ids_cpu, weights_cpu = job.host_inputs
+            start = time.perf_counter()
+            job.output_cpu = self.expert_fn(x_cpu, ids_cpu, weights_cpu, self.banks[job.layer_idx])
+            job.busy_s = time.perf_counter() - start
+            job.routes = int((ids_cpu >= 0).sum())
+        except BaseException as err:  # any failure must reach decode_sync, not kill the worker
+            job.error = err
+        finally:
+            job.done.set()
+
+
+def _check_shapes(
+    layer_idx: int,
+    hidden_states: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    bank: HostExpertBank,
+) -> None:
+    """Metadata checks only: nothing here reads device memory."""
+    hidden_size = bank.down.shape[1]
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden_size:
+        raise ValueError(
+            f"layer {layer_idx}: hidden_states must be [T, {hidden_size}], "
+            f"got {list(hidden_states.shape)}"
+        )
+    if ids.dim() != 2 or ids.shape[0] != hidden_states.shape[0] or ids.shape != weights.shape:
+        raise ValueError(
+            f"layer {layer_idx}: cpu_expert_ids and topk_weights must both be "
+            f"[{hidden_states.shape[0]}, K], got {list(ids.shape)} and {list(weights.shape)}"
+        )
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"layer {layer_idx}: cpu_expert_ids must be integer, got {ids.dtype}")

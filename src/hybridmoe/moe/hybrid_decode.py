@@ -1,0 +1,115 @@
+"""HybridDecodeExecutor: the shared CPU/accelerator schedule of one hybrid MoE decode step.
+
+It owns the order and overlap of the two sides and nothing else: the cache decides placement,
+the CPU executor (with platform/) owns synchronisation, the layer owns the accelerator math.
+This module imports no vendor code, no cache policy and no quantisation format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class HybridDecodeRequest:
+    layer_idx: int  # MoE layer ordinal
+    hidden_states: torch.Tensor  # [T, H] on the accelerator
+    topk_ids: torch.Tensor  # [T, K] int64 expert ids; rewritten in place to slots / -1
+    topk_weights: torch.Tensor  # [T, K]
+
+
+class HybridExpertCache(Protocol):
+    def ensure_experts_hybrid(self, layer_idx: int, topk_ids: torch.Tensor) -> None:
+        """Rewrite `topk_ids` in place: a slot that holds the expert after copy_missing(), or -1
+        for a route the CPU computes. Plans the copies; copies nothing."""
+        ...
+
+    def copy_missing(self) -> None:
+        """Perform the copies the last ensure_experts_hybrid() planned."""
+        ...
+
+
+class CpuExecutor(Protocol):
+    def decode_submit(
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        cpu_expert_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> None:
+        """Start the CPU routes (ids < 0 skipped) without blocking."""
+        ...
+
+    def decode_sync(self, layer_idx: int) -> torch.Tensor:
+        """Wait for the submitted work; its partial output [T, H] on the accelerator. A worker
+        failure raises here."""
+        ...
+
+
+# (hidden [T, H], slots [T, K], weights [T, K]) -> accelerator partial [T, H]
+GpuExpertRunner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class HybridStepStats:
+    steps: int = 0
+    routes: int = 0
+    accelerator_routes: int = 0
+    cpu_routes: int = 0
+
+
+@dataclass
+class HybridDecodeExecutor:
+    cache: HybridExpertCache
+    cpu_executor: CpuExecutor
+    overlap: bool = True
+    stats: dict[int, HybridStepStats] = field(default_factory=dict)
+
+    def decode(
+        self, request: HybridDecodeRequest, gpu_expert_runner: GpuExpertRunner
+    ) -> torch.Tensor:
+        """The MoE output [T, H]: every routed contribution computed exactly once, on one side."""
+        original_ids = request.topk_ids.clone()  # 1. keep the router's expert ids
+        self.cache.ensure_experts_hybrid(request.layer_idx, request.topk_ids)  # 2. in place
+        on_cpu = request.topk_ids < 0  # 3. slot >= 0: accelerator; -1: CPU
+        cpu_ids, gpu_slots, gpu_weights = split_routes(
+            original_ids, request.topk_ids, request.topk_weights
+        )  # 4.
+        self.cpu_executor.decode_submit(  # 5. CPU first, so it overlaps the accelerator work
+            request.layer_idx, request.hidden_states, cpu_ids, request.topk_weights
+        )
+        if not self.overlap:
+            cpu_partial = self.cpu_executor.decode_sync(request.layer_idx)
+        self.cache.copy_missing()  # 6.
+        gpu_partial = gpu_expert_runner(request.hidden_states, gpu_slots, gpu_weights)
+        if self.overlap:
+            cpu_partial = self.cpu_executor.decode_sync(request.layer_idx)  # 7.
+        self._record(request.layer_idx, on_cpu)
+        return gpu_partial + cpu_partial  # 8.
+
+    def _record(self, layer_idx: int, on_cpu: torch.Tensor) -> None:
+        stats = self.stats.setdefault(layer_idx, HybridStepStats())
+        cpu_routes = int(on_cpu.sum())
+        stats.steps += 1
+        stats.routes += on_cpu.numel()
+        stats.cpu_routes += cpu_routes
+        stats.accelerator_routes += on_cpu.numel() - cpu_routes
+
+
+def split_routes(
+    original_ids: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Complementary routes: (cpu_ids, gpu_slots, gpu_weights), each [T, K].
+
+    cpu_ids = original where slot < 0 else -1; gpu_slots = 0 where slot < 0 (safe: its weight
+    is zero) else slot; gpu_weights = 0 where slot < 0 else the router weight.
+    """
+    on_cpu = slots < 0
+    cpu_ids = torch.where(on_cpu, original_ids, -1)
+    gpu_slots = torch.where(on_cpu, 0, slots)
+    gpu_weights = torch.where(on_cpu, torch.zeros_like(weights), weights)
+    return cpu_ids, gpu_slots, gpu_weights

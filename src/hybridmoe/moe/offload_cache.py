@@ -1,0 +1,243 @@
+"""OffloadMoeCache: which routed experts live in the accelerator's slots (the cache policy).
+
+One pool of `num_slots` expert slots is shared by every MoE layer. Residency is keyed by the
+flat id `layer_idx * E + expert` and replaced by one global LRU. The policy runs on the host:
+each call reads the ids once (`tolist()`), decides in O(T*K) Python work, and writes slots / -1
+back with one `copy_`. It knows nothing about kernels, threads or vendors.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from hybridmoe.moe.cache_stats import ExpertCacheStats
+from hybridmoe.moe.host_banks import HostExpertBank
+from hybridmoe.moe.hybrid_decode import CpuExecutor, HybridDecodeExecutor
+
+
+class OffloadMoeCache:
+    """A global-LRU cache of experts in accelerator slots, shared by all MoE layers.
+
+    Both `ensure_*` methods rewrite `topk_ids` [T, K] IN PLACE (the caller's tensor, on any
+    device): a value >= 0 is a slot that holds that expert once `copy_missing()` has run; -1 is
+    a CPU route (hybrid only) or an input id < 0, which is left at -1 and counted nowhere.
+    Duplicates of an expert within a call share one slot. A slot a call uses (a hit or one of
+    its fetches) is never evicted by that same call. Victims: the lowest free slot first, else
+    the least recently used slot. Hits are touched in order of first appearance, then fetches.
+    """
+
+    def __init__(
+        self,
+        banks: Sequence[HostExpertBank],
+        num_slots: int,
+        max_fetch: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        dtype = _check_banks(banks)
+        self.banks = list(banks)
+        self.num_experts = banks[0].num_experts
+        total = len(banks) * self.num_experts
+        if not 1 <= num_slots <= total:
+            raise ValueError(
+                f"num_slots must be between 1 and the number of routed experts "
+                f"({len(banks)} layers x {self.num_experts} = {total}); got {num_slots}"
+            )
+        if max_fetch < 0:
+            raise ValueError(f"max_fetch must be >= 0 (0: never fetch in hybrid); got {max_fetch}")
+        self.num_slots = num_slots
+        self.max_fetch = max_fetch
+        self.expert_nbytes = banks[0].expert_nbytes
+        gate_up_shape, down_shape = banks[0].gate_up.shape[1:], banks[0].down.shape[1:]
+        # zeros, not empty: a CPU route runs slot 0 with weight 0 on the accelerator side, and
+        # 0 * NaN from uninitialised memory would poison the sum
+        self.gate_up_slots = torch.zeros((num_slots, *gate_up_shape), dtype=dtype, device=device)
+        self.down_slots = torch.zeros((num_slots, *down_shape), dtype=dtype, device=device)
+        self.slot_bank = HostExpertBank(self.gate_up_slots, self.down_slots)  # views of the slots
+        # [S, 2I, H] and [S, H, I] on `device`: the views the layer's accelerator math reads.
+        self.cpu_executor: CpuExecutor | None = None
+        self.hybrid_executor: HybridDecodeExecutor | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every resident expert, every planned copy and all stats."""
+        self._lru: OrderedDict[int, int] = OrderedDict()  # slot -> flat id, least recent first
+        self._slot_of_flat: dict[int, int] = {}
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))  # pop() gives the lowest
+        self._pending: dict[int, int] = {}  # slot -> flat id that copy_missing() copies in
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.stats_by_layer = {layer: ExpertCacheStats() for layer in range(len(self.banks))}
+
+    def total_stats(self) -> ExpertCacheStats:
+        return ExpertCacheStats.merged(list(self.stats_by_layer.values()))
+
+    def ensure_experts_hybrid(self, layer_idx: int, topk_ids: torch.Tensor) -> None:
+        """Hits keep their slot; at most `max_fetch` distinct misses get a slot (planned for
+        copy_missing()); every other route becomes -1 (CPU). When more than `max_fetch` miss,
+        the experts with the most routes in this call are fetched first, ties broken by first
+        appearance in row-major order. A miss with no evictable slot goes to the CPU."""
+        self._ensure(layer_idx, topk_ids, self.max_fetch)
+
+    def ensure_experts(self, layer_idx: int, topk_ids: torch.Tensor) -> None:
+        """The `offload` target: every miss is fetched, so no valid id becomes -1. Raises
+        ValueError (and changes nothing) when the call routes to more distinct experts than
+        there are slots."""
+        self._ensure(layer_idx, topk_ids, None)
+
+    def copy_missing(self) -> None:
+        """Copy every planned expert bank -> slot and clear the plan. Experts planned by any
+        earlier call that has not been followed by copy_missing() are copied too."""
+        for slot, flat in self._pending.items():
+            layer, expert = divmod(flat, self.num_experts)
+            self.gate_up_slots[slot].copy_(self.banks[layer].gate_up[expert])
+            self.down_slots[slot].copy_(self.banks[layer].down[expert])
+        self._pending.clear()
+
+    def slot_of(self, layer_idx: int, expert: int) -> int | None:
+        """The slot holding (or planned to hold) the expert, None if not resident."""
+        self._check_layer(layer_idx)
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} out of range: layers have {self.num_experts}")
+        return self._slot_of_flat.get(layer_idx * self.num_experts + expert)
+
+    def resident(self) -> list[tuple[int, int]]:
+        """(layer, expert) of every occupied slot, in slot order."""
+        return [divmod(self._lru[slot], self.num_experts) for slot in sorted(self._lru)]
+
+    @staticmethod
+    def min_slots(top_k: int, tokens: int = 1, num_experts: int | None = None) -> int:
+        """Slots an `offload` decode step of `tokens` tokens needs: one layer's call must hold
+        all its distinct experts at once, at most tokens * top_k (capped by the experts per
+        layer when `num_experts` is given). Layers run one after another, so slots are reused
+        across layers and the need does not grow with the number of layers."""
+        need = tokens * top_k
+        return need if num_experts is None else min(need, num_experts)
+
+    def attach_cpu_executor(self, executor: CpuExecutor, overlap: bool) -> HybridDecodeExecutor:
+        """Keep `executor` and one HybridDecodeExecutor over (this cache, executor) beside the
+        cache; returns the executor. Temporary ownership, as in the reference, until a runtime
+        object owns both."""
+        self.cpu_executor = executor
+        self.hybrid_executor = HybridDecodeExecutor(self, executor, overlap)
+        return self.hybrid_executor
+
+    # -- policy ---------------------------------------------------------------------------
+
+    def _ensure(self, layer_idx: int, topk_ids: torch.Tensor, fetch_cap: int | None) -> None:
+        self._check_layer(layer_idx)
+        flat_ids = topk_ids.reshape(-1).tolist()  # the one device -> host read of the call
+        counts = self._count_routes(layer_idx, flat_ids)  # expert -> routes, first-seen order
+        if fetch_cap is None and len(counts) > self.num_slots:
+            raise ValueError(
+                f"this decode step needs {len(counts)} expert slots (layer {layer_idx} routes to "
+                f"{len(counts)} distinct experts) but expert_cache_slots is {self.num_slots}"
+            )
+        base = layer_idx * self.num_experts
+        slot_of_expert = self._touch_hits(base, counts)
+        hits = [e for e in counts if e in slot_of_expert]
+        fetched = self._fetch_misses(layer_idx, counts, slot_of_expert, fetch_cap)
+        self._record(self.stats_by_layer[layer_idx], counts, hits, fetched)
+        rewritten = [slot_of_expert.get(e, -1) for e in flat_ids]  # ids < 0 are never keys
+        topk_ids.copy_(torch.tensor(rewritten, dtype=topk_ids.dtype).view(topk_ids.shape))
+
+    def _count_routes(self, layer_idx: int, flat_ids: list[int]) -> Counter[int]:
+        counts = Counter(e for e in flat_ids if e >= 0)
+        if counts and max(counts) >= self.num_experts:
+            raise ValueError(
+                f"layer {layer_idx}: expert id {max(counts)} out of range "
+                f"(the layer has {self.num_experts} experts)"
+            )
+        return counts
+
+    def _touch_hits(self, base: int, counts: Counter[int]) -> dict[int, int]:
+        slot_of_expert = {}
+        for expert in counts:
+            slot = self._slot_of_flat.get(base + expert)
+            if slot is not None:
+                self._lru.move_to_end(slot)
+                slot_of_expert[expert] = slot
+        return slot_of_expert
+
+    def _fetch_misses(
+        self,
+        layer_idx: int,
+        counts: Counter[int],
+        slot_of_expert: dict[int, int],
+        fetch_cap: int | None,
+    ) -> list[int]:
+        misses = [e for e in counts if e not in slot_of_expert]
+        misses.sort(key=lambda e: -counts[e])  # stable: ties keep first-appearance order
+        protected = set(slot_of_expert.values())
+        fetched = []
+        for expert in misses[:fetch_cap]:
+            slot = self._claim_slot(protected, self.stats_by_layer[layer_idx])
+            if slot is None:
+                break  # every slot is used by this call; the remaining misses go to the CPU
+            flat = layer_idx * self.num_experts + expert
+            self._lru[slot] = flat
+            self._slot_of_flat[flat] = slot
+            self._pending[slot] = flat
+            slot_of_expert[expert] = slot
+            protected.add(slot)
+            fetched.append(expert)
+        return fetched
+
+    def _claim_slot(self, protected: set[int], stats: ExpertCacheStats) -> int | None:
+        if self._free_slots:
+            return self._free_slots.pop()
+        # The slots this call used were all touched after every other slot, so they are the
+        # tail of the LRU order: the head is evictable unless every slot is protected.
+        slot = next(iter(self._lru))
+        if slot in protected:
+            return None
+        _, victim = self._lru.popitem(last=False)
+        del self._slot_of_flat[victim]
+        stats.evictions += 1
+        return slot
+
+    def _record(
+        self, stats: ExpertCacheStats, counts: Counter[int], hits: list[int], fetched: list[int]
+    ) -> None:
+        on_slot = set(hits) | set(fetched)
+        stats.routes += sum(counts.values())
+        stats.hits += sum(counts[e] for e in hits)
+        stats.fetched_routes += sum(counts[e] for e in fetched)
+        stats.cpu_routes += sum(n for e, n in counts.items() if e not in on_slot)
+        stats.fetched += len(fetched)
+        stats.bytes_copied += len(fetched) * self.expert_nbytes
+
+    def _check_layer(self, layer_idx: int) -> None:
+        if not 0 <= layer_idx < len(self.banks):
+            raise IndexError(f"layer_idx {layer_idx} out of range: {len(self.banks)} MoE layers")
+
+
+def _check_banks(banks: Sequence[HostExpertBank]) -> torch.dtype:
+    """The banks' common dtype; ValueError naming the first layer whose bank differs."""
+    if not banks:
+        raise ValueError("OffloadMoeCache needs one HostExpertBank per MoE layer; got none")
+    first = banks[0]
+    num_experts, two_inter, hidden = first.gate_up.shape
+    if first.down.shape != (num_experts, hidden, two_inter // 2) or two_inter % 2:
+        raise ValueError(
+            f"layer 0: bank gate_up {tuple(first.gate_up.shape)} [E, 2I, H] does not match "
+            f"down {tuple(first.down.shape)} [E, H, I]"
+        )
+    dtype, shapes = first.gate_up.dtype, (first.gate_up.shape, first.down.shape)
+    for layer, bank in enumerate(banks):
+        for name, tensor in (("gate_up", bank.gate_up), ("down", bank.down)):
+            if tensor.dtype != dtype:
+                raise ValueError(
+                    f"layer {layer}: bank {name} dtype {tensor.dtype} differs from layer 0's "
+                    f"{dtype}; all MoE layers must share one expert dtype"
+                )
+        if (bank.gate_up.shape, bank.down.shape) != shapes:
+            raise ValueError(
+                f"layer {layer}: bank shapes gate_up {tuple(bank.gate_up.shape)}, down "
+                f"{tuple(bank.down.shape)} differ from layer 0's {tuple(shapes[0])}, "
+                f"{tuple(shapes[1])}; all MoE layers must share expert shapes"
+            )
+    return dtype

@@ -33,17 +33,26 @@ class MoeRuntime:
     def reset_stats(self) -> None:
         if self.cache is not None:
             self.cache.reset_stats()
+        if self.cpu_executor is not None:
+            self.cpu_executor.stats.clear()
 
     def stats(self) -> ExpertCacheStats | None:
-        return self.cache.total_stats() if self.cache is not None else None
+        """Expert placement over the decode steps since reset_stats(); None for `gpu`."""
+        if self.cache is not None:
+            return self.cache.total_stats()
+        if self.cpu_executor is not None:  # the `cpu` target: every route on the CPU
+            routes = sum(layer.routes for layer in self.cpu_executor.stats.values())
+            return ExpertCacheStats(routes=routes, cpu_routes=routes)
+        return None
 
 
 def create_moe_runtime(
     model: MoeCausalLM, config: OffloadConfig, device: torch.device | str = "cpu"
 ) -> MoeRuntime:
-    """Stack every MoE layer's experts into host banks and attach the decode target's parts."""
+    """Attach the decode target's parts to every MoE layer. Targets other than `gpu` stack each
+    layer's experts into a host bank first; `gpu` keeps the memory-mapped experts as they are."""
     layers = model.moe_layers
-    banks = [layer.adopt_bank() for layer in layers]
+    banks = [] if config.decode_target == "gpu" else [layer.adopt_bank() for layer in layers]
     cache = executor = None
     if config.uses_cache and banks:
         total = sum(bank.num_experts for bank in banks)

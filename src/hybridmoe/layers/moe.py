@@ -109,7 +109,7 @@ class OffloadMoELayer:
             self.shared_expert_gate = Linear.load(
                 source, f"{prefix}.shared_expert_gate", cfg.hidden_size, 1, bias=False
             )
-        self.decode_target = "reference"  # until attach(): moe_reference at decode too
+        self.decode_target = "gpu"  # every expert resident; without a bank: moe_reference
         self.bank: HostExpertBank | None = None
         self.cache: OffloadMoeCache | None = None
         self.cpu_executor: CpuMoeExecutor | None = None
@@ -149,7 +149,7 @@ class OffloadMoELayer:
     ) -> torch.Tensor:
         """x [T, H], topk_ids [T, K] (rewritten in place by the cache), topk_weights [T, K]."""
         target = self.decode_target
-        if target == "gpu":
+        if target == "gpu" and self.bank is not None:
             return self._expert_gemm(x, topk_ids, topk_weights, self.bank)
         if target == "offload":
             return self._decode_offload(x, topk_ids, topk_weights)

@@ -33,6 +33,8 @@ class MoeRuntime:
     def reset_stats(self) -> None:
         if self.cache is not None:
             self.cache.reset_stats()
+            if self.cache.hybrid_executor is not None:
+                self.cache.hybrid_executor.stats.clear()
         if self.cpu_executor is not None:
             self.cpu_executor.stats.clear()
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe.layers.linear import GatedMLP, Linear
-from hybridmoe.loader.weights import WeightSource
+from hybridmoe.loader.weights import WeightSource, release_pages
 from hybridmoe.models.config import ModelConfig
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import bank_moe
@@ -116,7 +116,9 @@ class OffloadMoELayer:
 
     def adopt_bank(self) -> HostExpertBank:
         """Move this layer's experts into a stacked host bank; its ExpertWeights become views."""
-        bank = HostExpertBank.stack(self.experts.gate, self.experts.up, self.experts.down)
+        old = self.experts
+        bank = HostExpertBank.stack(old.gate, old.up, old.down)
+        release_pages(old.gate + old.up + old.down)  # the bank is now their only copy
         inter = bank.intermediate_size
         self.experts.gate = list(bank.gate_up[:, :inter])
         self.experts.up = list(bank.gate_up[:, inter:])

@@ -6,7 +6,10 @@ model's weights are not copied into anonymous memory; the page cache holds them 
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -88,3 +91,24 @@ class WeightSource:
 
     def close(self) -> None:
         self._bar.close()
+
+
+_MADV_DONTNEED = 4  # linux/mman.h
+
+
+def release_pages(tensors: list[torch.Tensor]) -> None:
+    """Drop the resident pages behind memory-mapped `tensors` that the caller no longer uses.
+
+    After a layer's experts are copied into a host bank, their file-backed pages would stay in
+    this process's RSS; the mapping is private and the pages clean, so discarding them is safe
+    (a later read would fault them back in from the file). Linux only; elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    for tensor in tensors:
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        first, last = -(-start // page) * page, end // page * page  # whole pages inside only
+        if last > first:
+            libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)

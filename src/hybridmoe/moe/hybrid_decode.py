@@ -7,6 +7,7 @@ This module imports no vendor code, no cache policy and no quantisation format.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -75,7 +76,7 @@ class HybridDecodeExecutor:
         """The MoE output [T, H]: every routed contribution computed exactly once, on one side."""
         original_ids = request.topk_ids.clone()  # 1. keep the router's expert ids
         self.cache.ensure_experts_hybrid(request.layer_idx, request.topk_ids)  # 2. in place
-        on_cpu = request.topk_ids < 0  # 3. slot >= 0: accelerator; -1: CPU
+        on_cpu = (request.topk_ids < 0) & (original_ids >= 0)  # 3. slot >= 0: accel.; -1: CPU
         cpu_ids, gpu_slots, gpu_weights = split_routes(
             original_ids, request.topk_ids, request.topk_weights
         )  # 4.
@@ -84,20 +85,26 @@ class HybridDecodeExecutor:
         )
         if not self.overlap:
             cpu_partial = self.cpu_executor.decode_sync(request.layer_idx)
-        self.cache.copy_missing()  # 6.
-        gpu_partial = gpu_expert_runner(request.hidden_states, gpu_slots, gpu_weights)
+        try:
+            self.cache.copy_missing()  # 6.
+            gpu_partial = gpu_expert_runner(request.hidden_states, gpu_slots, gpu_weights)
+        except BaseException:
+            if self.overlap:  # collect the CPU job, so the layer is not left with work in flight
+                with contextlib.suppress(Exception):
+                    self.cpu_executor.decode_sync(request.layer_idx)
+            raise
         if self.overlap:
             cpu_partial = self.cpu_executor.decode_sync(request.layer_idx)  # 7.
-        self._record(request.layer_idx, on_cpu)
+        self._record(request.layer_idx, on_cpu, int((original_ids >= 0).sum()))
         return gpu_partial + cpu_partial  # 8.
 
-    def _record(self, layer_idx: int, on_cpu: torch.Tensor) -> None:
+    def _record(self, layer_idx: int, on_cpu: torch.Tensor, routes: int) -> None:
         stats = self.stats.setdefault(layer_idx, HybridStepStats())
         cpu_routes = int(on_cpu.sum())
         stats.steps += 1
-        stats.routes += on_cpu.numel()
+        stats.routes += routes
         stats.cpu_routes += cpu_routes
-        stats.accelerator_routes += on_cpu.numel() - cpu_routes
+        stats.accelerator_routes += routes - cpu_routes
 
 
 def split_routes(

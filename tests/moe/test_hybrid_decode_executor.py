@@ -1,0 +1,318 @@
+"""HybridDecodeExecutor's contract with fakes (order, route split, in-place rewrite, stats),
+its wiring beside OffloadMoeCache, delegation from OffloadMoELayer, failures with a real
+CpuMoeExecutor.
+Every wait has a timeout, so a broken executor fails instead of hanging."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridmoe.engine import Engine, EngineConfig, SamplingParams
+from hybridmoe.engine.moe_runtime import MoeRuntime, create_moe_runtime
+from hybridmoe.errors import CpuExpertError
+from hybridmoe.loader.checkpoint import load_model
+from hybridmoe.moe.config import OffloadConfig
+from hybridmoe.moe.cpu_executor import CpuMoeExecutor
+from hybridmoe.moe.cpu_experts import bank_moe
+from hybridmoe.moe.host_banks import HostExpertBank
+from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor, HybridDecodeRequest, HybridStepStats
+from hybridmoe.moe.offload_cache import OffloadMoeCache
+
+HIDDEN, INTER, EXPERTS = 8, 4, 64
+WAIT_S = 10.0  # upper bound on any wait; only reached when the code under test is broken
+OVERLAPPED = ["ensure_experts_hybrid", "decode_submit", "copy_missing", "gpu_runner", "decode_sync"]
+SERIALIZED = ["ensure_experts_hybrid", "decode_submit", "decode_sync", "copy_missing", "gpu_runner"]
+
+
+class FakeCache:
+    """Rewrites ids by `slot_of` (absent: -1, the CPU) and records its calls in `log`."""
+
+    def __init__(self, slot_of: dict[int, int], log: list[str]):
+        self.slot_of, self.log, self.seen_ids = slot_of, log, []
+
+    def ensure_experts_hybrid(self, layer_idx: int, topk_ids: torch.Tensor) -> None:
+        self.log.append("ensure_experts_hybrid")
+        self.seen_ids.append(topk_ids)
+        slots = [[self.slot_of.get(e, -1) for e in row] for row in topk_ids.tolist()]
+        topk_ids.copy_(torch.tensor(slots, dtype=topk_ids.dtype))
+
+    def copy_missing(self) -> None:
+        self.log.append("copy_missing")
+
+
+class FakeCpuExecutor:
+    """Records submit/sync; sync returns `partial`."""
+
+    def __init__(self, partial: torch.Tensor, log: list[str]):
+        self.partial, self.log, self.submits, self.syncs = partial, log, [], []
+
+    def decode_submit(self, layer_idx, hidden_states, cpu_expert_ids, topk_weights) -> None:
+        self.log.append("decode_submit")
+        self.submits.append((layer_idx, hidden_states, cpu_expert_ids.clone(), topk_weights))
+
+    def decode_sync(self, layer_idx: int) -> torch.Tensor:
+        self.log.append("decode_sync")
+        self.syncs.append(layer_idx)
+        return self.partial
+
+
+class FakeGpuRunner:
+    """Records (hidden, slots, weights); returns `partial`."""
+
+    def __init__(self, partial: torch.Tensor, log: list[str]):
+        self.partial, self.log, self.calls = partial, log, []
+
+    def __call__(self, hidden, slots, weights) -> torch.Tensor:
+        self.log.append("gpu_runner")
+        self.calls.append((hidden, slots.clone(), weights.clone()))
+        return self.partial
+
+
+def make_parts(slot_of: dict[int, int], tokens: int = 1, overlap: bool = True):
+    log: list[str] = []
+    cache = FakeCache(slot_of, log)
+    cpu = FakeCpuExecutor(torch.full((tokens, HIDDEN), 2.0), log)
+    runner = FakeGpuRunner(torch.full((tokens, HIDDEN), 0.5), log)
+    return HybridDecodeExecutor(cache, cpu, overlap=overlap), cache, cpu, runner, log
+
+
+def request(ids: list[list[int]], weights: list[list[float]], layer: int = 0):
+    x = torch.randn(len(ids), HIDDEN, generator=torch.Generator().manual_seed(len(ids)))
+    return HybridDecodeRequest(layer, x, torch.tensor(ids), torch.tensor(weights))
+
+
+# --- order ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("overlap", "expected"), [(True, OVERLAPPED), (False, SERIALIZED)])
+def test_event_order(overlap, expected):
+    hybrid, _, _, runner, log = make_parts({11: 3}, overlap=overlap)
+    hybrid.decode(request([[11, 42]], [[0.7, 0.3]]), runner)
+    assert log == expected
+
+
+@pytest.fixture
+def small_demo(demo_variant):
+    """The demo checkpoint cut to 3 decoder layers: 2 MoE layers (layer 0 is dense)."""
+    return demo_variant({"num_hidden_layers": 3})
+
+
+@pytest.fixture
+def make_runtime(small_demo):
+    """Runtimes over fresh demo models, closed at teardown even when the test fails."""
+    made: list[MoeRuntime] = []
+
+    def make(**offload) -> MoeRuntime:
+        made.append(create_moe_runtime(load_model(small_demo), OffloadConfig(**offload)))
+        return made[-1]
+
+    yield make
+    for runtime in made:
+        runtime.close()
+
+
+@pytest.mark.parametrize(
+    ("env", "config_overlap", "overlap"),
+    [(None, True, True), ("1", True, True), ("0", True, False), (None, False, False)],
+)
+def test_overlap_env_switch_serialises_the_runtime(
+    make_runtime, monkeypatch, env, config_overlap, overlap
+):
+    monkeypatch.delenv("HYBRIDMOE_HYBRID_OVERLAP", raising=False)
+    if env is not None:
+        monkeypatch.setenv("HYBRIDMOE_HYBRID_OVERLAP", env)
+    runtime = make_runtime(decode_target="hybrid", overlap=config_overlap)
+    assert runtime.cache.hybrid_executor.overlap is overlap
+
+
+# --- route split ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_worked_example_from_the_reference(overlap):
+    hybrid, _, cpu, runner, _ = make_parts({11: 3}, overlap=overlap)
+    req = request([[11, 42]], [[0.7, 0.3]])
+    out = hybrid.decode(req, runner)
+    [(layer, cpu_x, cpu_ids, cpu_weights)] = cpu.submits
+    assert layer == 0 and cpu_x is req.hidden_states
+    assert cpu_ids.tolist() == [[-1, 42]]
+    assert cpu_weights is req.topk_weights  # the original weights; the CPU skips ids < 0
+    [(gpu_x, gpu_slots, gpu_weights)] = runner.calls
+    assert gpu_x is req.hidden_states
+    assert gpu_slots.tolist() == [[3, 0]]
+    torch.testing.assert_close(gpu_weights, torch.tensor([[0.7, 0.0]]))
+    torch.testing.assert_close(out, runner.partial + cpu.partial)
+
+
+def matrix(element: st.SearchStrategy, rows: int, cols: int) -> st.SearchStrategy:
+    return st.lists(st.lists(element, min_size=cols, max_size=cols), min_size=rows, max_size=rows)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    tokens=st.integers(1, 6),
+    top_k=st.integers(1, 4),
+    slot_of=st.dictionaries(st.integers(0, EXPERTS - 1), st.integers(0, 15), max_size=EXPERTS),
+)
+def test_routes_are_complementary(data, tokens, top_k, slot_of):
+    ids = data.draw(matrix(st.integers(0, EXPERTS - 1), tokens, top_k))
+    weights = data.draw(matrix(st.floats(0.01, 1.0), tokens, top_k))  # nonzero router weights
+    hybrid, _, cpu, runner, _ = make_parts(slot_of, tokens)
+    req = request(ids, weights)
+    hybrid.decode(req, runner)
+    cpu_ids, (_, gpu_slots, gpu_weights) = cpu.submits[0][2], runner.calls[0]
+    on_cpu, on_gpu = cpu_ids >= 0, gpu_weights != 0
+    assert torch.equal(on_cpu ^ on_gpu, torch.ones_like(on_cpu)), "each route on exactly one side"
+    assert (gpu_slots >= 0).all()
+    original, w = torch.tensor(ids), torch.tensor(weights)
+    expected_slots = [[slot_of.get(e, -1) for e in row] for row in ids]
+    assert torch.equal(on_cpu, torch.tensor(expected_slots) < 0)
+    assert torch.equal(cpu_ids[on_cpu], original[on_cpu])
+    assert torch.equal(gpu_slots[on_gpu], req.topk_ids[on_gpu])
+    assert torch.equal(gpu_weights[on_gpu], w[on_gpu])
+
+
+def test_topk_ids_rewritten_in_place():
+    hybrid, cache, _, runner, _ = make_parts({5: 1, 9: 0, 2: 7}, tokens=2)
+    req = request([[5, 9], [2, 30]], [[0.5, 0.5], [0.6, 0.4]])
+    ids = req.topk_ids
+    hybrid.decode(req, runner)
+    assert req.topk_ids is ids and cache.seen_ids[0] is ids
+    assert ids.tolist() == [[1, 0], [7, -1]]
+
+
+def test_all_accelerator_step_still_submits_and_syncs_the_cpu_side():
+    hybrid, _, cpu, runner, log = make_parts({1: 0, 2: 1, 3: 2}, tokens=2)
+    out = hybrid.decode(request([[1, 2], [3, 1]], [[0.5, 0.5], [0.9, 0.1]]), runner)
+    assert log == OVERLAPPED
+    assert (cpu.submits[0][2] == -1).all() and cpu.syncs == [0]
+    assert runner.calls[0][1].tolist() == [[0, 1], [2, 0]]
+    torch.testing.assert_close(out, runner.partial + cpu.partial)
+
+
+def test_all_cpu_step_still_runs_the_accelerator_with_zero_weights():
+    hybrid, _, cpu, runner, log = make_parts({}, tokens=2)
+    hybrid.decode(request([[1, 2], [3, 1]], [[0.5, 0.5], [0.9, 0.1]]), runner)
+    assert log == OVERLAPPED
+    _, gpu_slots, gpu_weights = runner.calls[0]
+    assert not gpu_weights.any() and not gpu_slots.any()
+    assert cpu.submits[0][2].tolist() == [[1, 2], [3, 1]]
+
+
+def test_stats_per_layer():
+    hybrid, _, _, runner, _ = make_parts({1: 0, 2: 1}, tokens=2)
+    steps = [(0, [[1, 2], [3, 4]]), (1, [[1, 5], [6, 7]]), (0, [[1, 2], [2, 1]])]
+    for layer, ids in steps:
+        hybrid.decode(request(ids, [[0.5, 0.5]] * 2, layer), runner)
+    assert hybrid.stats == {
+        0: HybridStepStats(steps=2, routes=8, cpu_routes=2, accelerator_routes=6),
+        1: HybridStepStats(steps=1, routes=4, cpu_routes=3, accelerator_routes=1),
+    }
+
+
+# --- wiring and delegation ------------------------------------------------------------------
+
+
+def make_bank(seed: int) -> HostExpertBank:
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) * 0.2
+    return HostExpertBank(gate_up, torch.randn(EXPERTS, HIDDEN, INTER, generator=g) * 0.2)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_attach_cpu_executor_creates_one_hybrid_executor_beside_it(overlap):
+    cache = OffloadMoeCache([make_bank(0), make_bank(1)], num_slots=4, max_fetch=1)
+    executor = FakeCpuExecutor(torch.zeros(1, HIDDEN), [])
+    hybrid = cache.attach_cpu_executor(executor, overlap)
+    assert isinstance(hybrid, HybridDecodeExecutor) and cache.hybrid_executor is hybrid
+    assert hybrid.cache is cache and hybrid.cpu_executor is executor
+    assert cache.cpu_executor is executor and hybrid.overlap is overlap
+
+
+class SpyHybridExecutor:
+    """Wraps the real executor; records (layer_idx, runner, tokens) per decode call."""
+
+    def __init__(self, real: HybridDecodeExecutor):
+        self.real, self.calls = real, []
+        self.stats = real.stats
+
+    def decode(self, request, gpu_expert_runner):
+        self.calls.append((request.layer_idx, gpu_expert_runner, request.hidden_states.shape[0]))
+        return self.real.decode(request, gpu_expert_runner)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_layer_delegates_decode_steps_to_the_hybrid_executor(small_demo, max_tokens):
+    model = load_model(small_demo)
+    offload = OffloadConfig(decode_target="hybrid", expert_cache_slots=4, max_fetch=1)
+    with Engine(model, None, EngineConfig(offload=offload)) as engine:
+        runtime = engine.moe_runtime
+        runtime.cpu_executor.timeout_s = WAIT_S
+        spy = SpyHybridExecutor(runtime.cache.hybrid_executor)
+        runtime.cache.hybrid_executor = spy
+        layers = model.moe_layers
+        assert len(layers) == 2
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        [out] = engine.generate_ids([[1, 2, 3]], params)
+        assert len(out) == max_tokens
+        decode_steps = max_tokens - 1  # the first token comes from prefill, which never delegates
+        assert [layer for layer, _, _ in spy.calls] == list(range(len(layers))) * decode_steps
+        for layer_idx, runner, tokens in spy.calls:
+            assert runner == layers[layer_idx]._run_cached_decode_experts and tokens == 1
+        if decode_steps:
+            assert spy.real.stats[0].steps == decode_steps
+
+
+# --- failures with a real CpuMoeExecutor ---------------------------------------------------
+
+CACHED = [3, 7]  # experts of layer 1 in accelerator slots 0 and 1
+IDS, WEIGHTS = [[3, 12], [7, 3]], [[0.6, 0.4], [0.3, 0.7]]
+
+
+def assert_next_decode_works(hybrid: HybridDecodeExecutor, bank: HostExpertBank) -> None:
+    slot_bank = HostExpertBank(bank.gate_up[CACHED], bank.down[CACHED])
+    req = request(IDS, WEIGHTS, layer=1)
+    expected = bank_moe(req.hidden_states, req.topk_ids.clone(), req.topk_weights, bank)
+    out = hybrid.decode(req, lambda h, s, w: bank_moe(h, s, w, slot_bank))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_worker_failure_surfaces_from_decode_and_the_next_decode_works(overlap):
+    banks, failures = [make_bank(0), make_bank(1)], ["kernel exploded"]
+
+    def flaky(x, ids, weights, bank):
+        if failures:
+            raise ValueError(failures.pop())
+        return bank_moe(x, ids, weights, bank)
+
+    with CpuMoeExecutor(banks, timeout_s=WAIT_S, expert_fn=flaky) as cpu:
+        cache = FakeCache({e: slot for slot, e in enumerate(CACHED)}, [])
+        hybrid = HybridDecodeExecutor(cache, cpu, overlap=overlap)
+        runner = FakeGpuRunner(torch.zeros(2, HIDDEN), [])
+        with pytest.raises(CpuExpertError, match=r"layer 1.*kernel exploded") as caught:
+            hybrid.decode(request(IDS, WEIGHTS, layer=1), runner)
+        assert isinstance(caught.value.__cause__, ValueError)
+        assert_next_decode_works(hybrid, banks[1])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_accelerator_failure_leaves_no_cpu_work_in_flight(overlap):
+    """A runner (or copy) exception must not strand the layer's submitted CPU job: the next
+    decode of that layer has to work, e.g. a server's next request. FAILS with overlap=True:
+    decode() never syncs the CPU side, so the next submit says 'already has CPU work'."""
+    banks = [make_bank(0), make_bank(1)]
+    with CpuMoeExecutor(banks, timeout_s=WAIT_S) as cpu:
+        cache = FakeCache({e: slot for slot, e in enumerate(CACHED)}, [])
+        hybrid = HybridDecodeExecutor(cache, cpu, overlap=overlap)
+
+        def out_of_memory(h, s, w):
+            raise RuntimeError("accelerator out of memory")
+
+        with pytest.raises(RuntimeError, match="out of memory"):
+            hybrid.decode(request(IDS, WEIGHTS, layer=1), out_of_memory)
+        assert_next_decode_works(hybrid, banks[1])

@@ -19,7 +19,7 @@ from hybridmoe.moe.cpu_experts import bank_moe
 from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.moe.hybrid_decode import HybridDecodeRequest
 from hybridmoe.moe.offload_cache import OffloadMoeCache
-from hybridmoe.moe.routing import group_routes, route
+from hybridmoe.moe.routing import combine_experts, route
 
 
 @dataclass
@@ -58,19 +58,9 @@ def moe_reference(
 
     x [T, H], topk_ids [T, K], topk_weights [T, K] -> [T, H] in x's dtype.
     """
-    out = torch.zeros_like(x)
-    route_weights = topk_weights.reshape(-1, 1)  # [T*K, 1], route t*K + k
-    top_k = topk_ids.shape[1]
-    for expert, (tokens, ks) in sorted(group_routes(topk_ids).items()):
-        routes = [t * top_k + k for t, k in zip(tokens, ks, strict=True)]
-        if len(tokens) == 1:  # the decode case: slices instead of index tensors
-            t, r = tokens[0], routes[0]
-            out[t : t + 1] += _expert_mlp(x[t : t + 1], experts, expert) * route_weights[r : r + 1]
-            continue
-        token_idx = torch.tensor(tokens)
-        h = _expert_mlp(x[token_idx], experts, expert)  # [n, H]
-        out.index_add_(0, token_idx, h * route_weights[torch.tensor(routes)])
-    return out
+    return combine_experts(
+        x, topk_ids, topk_weights, lambda h, expert: _expert_mlp(h, experts, expert)
+    )
 
 
 def _expert_mlp(h: torch.Tensor, experts: ExpertWeights, expert: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe.moe.host_banks import HostExpertBank
-from hybridmoe.moe.routing import group_routes
+from hybridmoe.moe.routing import combine_experts
 
 # (x [T, H], expert_ids [T, K], weights [T, K], bank) -> [T, H]; ids < 0 skipped
 CpuExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, HostExpertBank], torch.Tensor]
@@ -53,21 +53,9 @@ def bank_moe(
     x [T, H], expert_ids [T, K], weights [T, K], all in host memory -> [T, H] in x's dtype.
     Equals `moe_reference` on the bank's ExpertWeights views up to summation order.
     """
-    out = torch.zeros_like(x)  # [T, H]; stays zero for an all -1 submission
-    route_weights = weights.reshape(-1, 1)  # [T*K, 1], route t*K + k
-    top_k = expert_ids.shape[1]
-    for expert, (tokens, ks) in sorted(group_routes(expert_ids).items()):
-        routes = [t * top_k + k for t, k in zip(tokens, ks, strict=True)]
-        if len(tokens) == 1:  # the decode case: slices instead of index tensors
-            t, r = tokens[0], routes[0]
-            out[t : t + 1] += (
-                _bank_expert_mlp(x[t : t + 1], bank, expert) * route_weights[r : r + 1]
-            )
-            continue
-        token_idx = torch.tensor(tokens)
-        h = _bank_expert_mlp(x[token_idx], bank, expert)  # [n, H]
-        out.index_add_(0, token_idx, h * route_weights[torch.tensor(routes)])
-    return out
+    return combine_experts(
+        x, expert_ids, weights, lambda h, expert: _bank_expert_mlp(h, bank, expert)
+    )
 
 
 def _bank_expert_mlp(h: torch.Tensor, bank: HostExpertBank, expert: int) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,3 +30,27 @@ def group_routes(topk_ids: torch.Tensor) -> dict[int, tuple[list[int], list[int]
                 tokens.append(t)
                 ks.append(k)
     return groups
+
+
+def combine_experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    expert_mlp: Callable[[torch.Tensor, int], torch.Tensor],
+) -> torch.Tensor:
+    """Σ_k w[t,k] · expert_mlp(x_t, topk_ids[t,k]) over routes with ids >= 0, expert by expert
+    in ascending id order. x [T, H], topk_ids/topk_weights [T, K] -> [T, H] in x's dtype;
+    expert_mlp(h [n, H], expert) -> [n, H]."""
+    out = torch.zeros_like(x)  # stays zero when every id is < 0
+    route_weights = topk_weights.reshape(-1, 1)  # [T*K, 1], route t*K + k
+    top_k = topk_ids.shape[1]
+    for expert, (tokens, ks) in sorted(group_routes(topk_ids).items()):
+        routes = [t * top_k + k for t, k in zip(tokens, ks, strict=True)]
+        if len(tokens) == 1:  # the decode case: slices instead of index tensors
+            t, r = tokens[0], routes[0]
+            out[t : t + 1] += expert_mlp(x[t : t + 1], expert) * route_weights[r : r + 1]
+            continue
+        token_idx = torch.tensor(tokens)
+        h = expert_mlp(x[token_idx], expert)  # [n, H]
+        out.index_add_(0, token_idx, h * route_weights[torch.tensor(routes)])
+    return out

@@ -31,13 +31,21 @@ class CpuLayerStats:
     wait_s: float = 0.0  # caller time blocked in decode_sync
 
 
+def _held_lock() -> threading.Lock:
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
+
+
 @dataclass(eq=False)
 class _Job:
     layer_idx: int
     host_inputs: tuple[torch.Tensor, ...]  # x [T, H], ids [T, K], weights [T, K] in host memory
     ready: ReadyHandle  # from DeviceSync.to_host; the worker waits on it before reading
     device: torch.device  # where the partial goes back to
-    done: threading.Event = field(default_factory=threading.Event)
+    # held from creation until the worker finishes: one semaphore wake-up for the waiter,
+    # where an Event's condition variable can take two
+    done: threading.Lock = field(default_factory=_held_lock)
     output_cpu: torch.Tensor | None = None  # [T, H], written by the worker before `done`
     error: BaseException | None = None
     busy_s: float = 0.0
@@ -95,6 +103,14 @@ class CpuMoeExecutor:
         """
         self._check_can_submit(layer_idx)
         _check_shapes(layer_idx, hidden_states, cpu_expert_ids, topk_weights, self.banks[layer_idx])
+        if hidden_states.device.type == "cpu" and not bool((cpu_expert_ids >= 0).any()):
+            # Nothing to compute and nothing to stage: finish here, skipping a thread
+            # round trip. The caller still submits and syncs, so its structure is unchanged.
+            job = _Job(layer_idx, (), None, hidden_states.device)
+            job.output_cpu = torch.zeros_like(hidden_states)
+            job.done.release()
+            self._pending[layer_idx] = job
+            return
         host_inputs, ready = self.sync.to_host((hidden_states, cpu_expert_ids, topk_weights))
         job = _Job(layer_idx, tuple(host_inputs), ready, hidden_states.device)
         self._pending[layer_idx] = job
@@ -114,7 +130,7 @@ class CpuMoeExecutor:
             )
         stats = self.stats.setdefault(layer_idx, CpuLayerStats())
         start = time.perf_counter()
-        finished = job.done.wait(self.timeout_s)
+        finished = job.done.acquire(timeout=self.timeout_s)
         stats.wait_s += time.perf_counter() - start
         if not finished:
             job.timed_out = True
@@ -180,7 +196,7 @@ class CpuMoeExecutor:
         except BaseException as err:  # any failure must reach decode_sync, not kill the worker
             job.error = err
         finally:
-            job.done.set()
+            job.done.release()
 
 
 def _check_shapes(

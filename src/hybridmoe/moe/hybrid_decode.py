@@ -59,8 +59,16 @@ GpuExpertRunner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Ten
 class HybridStepStats:
     steps: int = 0
     routes: int = 0
-    accelerator_routes: int = 0
-    cpu_routes: int = 0
+    # summed as a tensor on the ids' device, so recording never waits for the accelerator
+    cpu_routes_sum: torch.Tensor | int = 0
+
+    @property
+    def cpu_routes(self) -> int:
+        return int(self.cpu_routes_sum)
+
+    @property
+    def accelerator_routes(self) -> int:
+        return self.routes - self.cpu_routes
 
 
 @dataclass
@@ -76,9 +84,9 @@ class HybridDecodeExecutor:
         """The MoE output [T, H]: every routed contribution computed exactly once, on one side."""
         original_ids = request.topk_ids.clone()  # 1. keep the router's expert ids
         self.cache.ensure_experts_hybrid(request.layer_idx, request.topk_ids)  # 2. in place
-        on_cpu = (request.topk_ids < 0) & (original_ids >= 0)  # 3. slot >= 0: accel.; -1: CPU
+        on_cpu = request.topk_ids < 0  # 3. slot >= 0: accelerator; -1: CPU
         cpu_ids, gpu_slots, gpu_weights = split_routes(
-            original_ids, request.topk_ids, request.topk_weights
+            original_ids, request.topk_ids, request.topk_weights, on_cpu
         )  # 4.
         self.cpu_executor.decode_submit(  # 5. CPU first, so it overlaps the accelerator work
             request.layer_idx, request.hidden_states, cpu_ids, request.topk_weights
@@ -95,28 +103,31 @@ class HybridDecodeExecutor:
             raise
         if self.overlap:
             cpu_partial = self.cpu_executor.decode_sync(request.layer_idx)  # 7.
-        self._record(request.layer_idx, on_cpu, int((original_ids >= 0).sum()))
+        self._record(request.layer_idx, on_cpu)
         return gpu_partial + cpu_partial  # 8.
 
-    def _record(self, layer_idx: int, on_cpu: torch.Tensor, routes: int) -> None:
+    def _record(self, layer_idx: int, on_cpu: torch.Tensor) -> None:
+        """Router ids are all valid, so every entry of `on_cpu` [T, K] is one route."""
         stats = self.stats.setdefault(layer_idx, HybridStepStats())
-        cpu_routes = int(on_cpu.sum())
         stats.steps += 1
-        stats.routes += routes
-        stats.cpu_routes += cpu_routes
-        stats.accelerator_routes += routes - cpu_routes
+        stats.routes += on_cpu.numel()
+        stats.cpu_routes_sum = stats.cpu_routes_sum + on_cpu.sum()
 
 
 def split_routes(
-    original_ids: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
+    original_ids: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    on_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Complementary routes: (cpu_ids, gpu_slots, gpu_weights), each [T, K].
 
     cpu_ids = original where slot < 0 else -1; gpu_slots = 0 where slot < 0 (safe: its weight
     is zero) else slot; gpu_weights = 0 where slot < 0 else the router weight.
+    `on_cpu` is `slots < 0` when the caller has it already.
     """
-    on_cpu = slots < 0
-    cpu_ids = torch.where(on_cpu, original_ids, -1)
-    gpu_slots = torch.where(on_cpu, 0, slots)
-    gpu_weights = torch.where(on_cpu, torch.zeros_like(weights), weights)
+    on_cpu = slots < 0 if on_cpu is None else on_cpu
+    cpu_ids = original_ids.masked_fill(~on_cpu, -1)
+    gpu_slots = slots.clamp(min=0)
+    gpu_weights = weights.masked_fill(on_cpu, 0)
     return cpu_ids, gpu_slots, gpu_weights

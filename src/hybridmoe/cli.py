@@ -111,12 +111,17 @@ def _stream(engine: Engine, prompt: str | list[int], params: SamplingParams) -> 
 
 def run_generate(args: argparse.Namespace) -> None:
     params = _sampling_params(args)
-    _stream(_load_engine(args), args.prompt, params)
+    with _load_engine(args) as engine:
+        _stream(engine, args.prompt, params)
 
 
 def run_chat(args: argparse.Namespace) -> None:
     params = _sampling_params(args)
-    engine = _load_engine(args)
+    with _load_engine(args) as engine:
+        _chat_loop(engine, args, params)
+
+
+def _chat_loop(engine: Engine, args: argparse.Namespace, params: SamplingParams) -> None:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("chat: type a message, /exit or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -127,7 +132,7 @@ def run_chat(args: argparse.Namespace) -> None:
         if user.strip() in ("/exit", "/quit"):
             break
         messages.append({"role": "user", "content": user})
-        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = engine.require_tokenizer().apply_chat_template(messages)
         # the template already holds every special token the model expects
         reply = _stream(engine, engine.encode(prompt, add_special_tokens=False), params)
         messages.append({"role": "assistant", "content": reply})

@@ -88,12 +88,12 @@ class Engine:
                 yield deltas[0]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._require_tokenizer().encode(text, add_special_tokens)
+        ids = self.require_tokenizer().encode(text, add_special_tokens)
         if not ids:
             raise ValueError("prompt is empty after tokenisation")
         return ids
 
-    def _require_tokenizer(self) -> Tokenizer:
+    def require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise CheckpointError("checkpoint has no tokenizer.json; text generation needs one")
         return self.tokenizer
@@ -104,7 +104,7 @@ class Engine:
         limit = self.model.cfg.max_position_embeddings
         if len(prompt_ids) >= limit:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context window is {limit}")
-        detok = self._require_tokenizer().incremental_decoder() if with_text else None
+        detok = self.require_tokenizer().incremental_decoder() if with_text else None
         return Sequence(list(prompt_ids), params, self.eos_ids, limit, detok)
 
     def _run(self, seqs: list[Sequence]) -> Iterator[list[str]]:

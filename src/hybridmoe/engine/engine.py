@@ -16,19 +16,8 @@ from hybridmoe.engine.sequence import Completion, Sequence
 from hybridmoe.engine.stats import GenerationStats
 from hybridmoe.errors import CheckpointError
 from hybridmoe.loader.checkpoint import load_model, parse_dtype
-from hybridmoe.loader.files import read_json_object
 from hybridmoe.loader.tokenizer import Tokenizer
 from hybridmoe.models.transformer import MoeCausalLM
-
-
-def resolve_dtype(config: EngineConfig, directory: Path) -> torch.dtype:
-    if config.dtype != "auto":
-        return parse_dtype(config.dtype)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: checkpoint directory does not exist")
-    raw = read_json_object(directory / "config.json")
-    stored = raw.get("dtype") or raw.get("torch_dtype")
-    return torch.bfloat16 if stored == "bfloat16" else torch.float32
 
 
 class Engine:
@@ -46,7 +35,8 @@ class Engine:
         if config.threads:
             torch.set_num_threads(config.threads)
         directory = Path(path)
-        model = load_model(directory, resolve_dtype(config, directory), config.progress)
+        dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
+        model = load_model(directory, dtype, config.progress)
         has_tokenizer = (directory / "tokenizer.json").exists()
         tokenizer = Tokenizer.from_dir(directory) if has_tokenizer else None
         return cls(model, tokenizer, config)
@@ -67,14 +57,12 @@ class Engine:
     def generate_ids(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Generated token ids per prompt (EOS included when it ended the sequence)."""
         seqs = [self._sequence(ids, params, with_text=False) for ids in prompts]
-        for _ in self._run(seqs):
-            pass
+        self._run_to_end(seqs)
         return [seq.output_ids for seq in seqs]
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[Completion]:
         seqs = [self._sequence(self.encode(p), params, with_text=True) for p in prompts]
-        for _ in self._run(seqs):
-            pass
+        self._run_to_end(seqs)
         return [seq.completion() for seq in seqs]
 
     def stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
@@ -106,6 +94,10 @@ class Engine:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context window is {limit}")
         detok = self.require_tokenizer().incremental_decoder() if with_text else None
         return Sequence(list(prompt_ids), params, self.eos_ids, limit, detok)
+
+    def _run_to_end(self, seqs: list[Sequence]) -> None:
+        for _ in self._run(seqs):
+            pass
 
     def _run(self, seqs: list[Sequence]) -> Iterator[list[str]]:
         """Prefills then decodes `seqs` together; yields each step's text deltas per sequence."""

@@ -36,12 +36,11 @@ def build_attention_mask(
 ) -> tuple[torch.Tensor | None, bool]:
     """(mask [B, 1, T, kv_len] or None, is_causal) for queries at `positions` [B, T]."""
     batch, tokens = positions.shape
-    starts_at_zero = bool(positions[0, 0] == 0)
     fits_window = sliding_window is None or kv_len <= sliding_window
     if batch == 1 and fits_window:
         if tokens == 1:
             return None, False  # one query sees every key stored so far
-        if starts_at_zero and tokens == kv_len:
+        if tokens == kv_len:  # the positions are 0..T-1: one sequence from its start
             return None, True
     key_pos = torch.arange(kv_len)  # [S]
     query_pos = positions[:, None, :, None]  # [B, 1, T, 1]

@@ -1,0 +1,102 @@
+"""Plumbing shared by the GGUF block formats: argument checks, block views, chunked loops.
+
+A block never crosses a row (a row of n weights holds n // 32 whole blocks), so a tensor
+[..., n] is handled as a flat list of blocks [B, 32] and its stored bytes as [B, block_bytes].
+Work goes `CHUNK_BLOCKS` blocks at a time: the fp32 temporaries stay a few MiB whatever the
+size of the tensor, and the peak memory of quantising is the input plus the output plus about
+10 MiB (plus one copy of the input when it is not contiguous).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+
+BLOCK_SIZE = 32  # weights per block, for both q8_0 and q4_0
+CHUNK_BLOCKS = 16384  # 512 Ki weights: 2 MiB per fp32 temporary, cache-friendly on 2 cores
+
+# The fp16 scale is read and written through a native-order view of its two bytes; GGUF is
+# little-endian, so on a big-endian host those views would silently swap them.
+if sys.byteorder != "little":
+    raise ImportError("hybridmoe.quant: GGUF block layouts need a little-endian host")
+
+# x [b, 32] fp32 -> (d [b, 1] fp32, payload [b, block_bytes - 2] uint8)
+QuantizeChunk = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# blocks [b, block_bytes] uint8 -> weights [b, 32] fp32
+DequantizeChunk = Callable[[torch.Tensor], torch.Tensor]
+
+
+def row_length_error(what: str, n: int, fmt: str, block_size: int) -> ValueError:
+    return ValueError(
+        f"{what}: row length {n} is not a multiple of the {fmt} block of {block_size} weights"
+    )
+
+
+def quantize_blocks(
+    w: torch.Tensor, fmt: str, block_bytes: int, quantize_chunk: QuantizeChunk
+) -> torch.Tensor:
+    """Quantises float w [..., n] to uint8 [..., n // 32 * block_bytes], chunk by chunk."""
+    what = f"quantize_{fmt}"
+    if not w.is_floating_point():
+        raise TypeError(f"{what}: expects a float tensor, got {w.dtype}")
+    n = w.shape[-1] if w.dim() else 0
+    if w.dim() == 0 or n % BLOCK_SIZE:
+        raise row_length_error(what, n, fmt, BLOCK_SIZE)
+    blocks = w.reshape(-1, BLOCK_SIZE)  # [B, 32], a view when w is contiguous
+    out = torch.empty(blocks.shape[0], block_bytes, dtype=torch.uint8)  # [B, block_bytes]
+    for start in range(0, blocks.shape[0], CHUNK_BLOCKS):
+        x = blocks[start : start + CHUNK_BLOCKS].to(torch.float32)  # [b, 32]; never modified
+        d, payload = quantize_chunk(x)
+        d16 = d.to(torch.float16)  # round to nearest even, as ggml's GGML_FP32_TO_FP16
+        _check_scales(d, d16, start, n // BLOCK_SIZE, what)
+        stop = start + x.shape[0]
+        out[start:stop, :2] = d16.view(torch.uint8)  # [b, 2], little-endian
+        out[start:stop, 2:] = payload
+    return out.reshape(*w.shape[:-1], n // BLOCK_SIZE * block_bytes)
+
+
+def _check_scales(
+    d: torch.Tensor, d16: torch.Tensor, start: int, blocks_per_row: int, what: str
+) -> None:
+    """Raises ValueError unless every scale d [b, 1] is finite and so is its fp16 d16. A scale
+    comes from max |x| of its block, which is inf or nan when any weight of the block is."""
+    for bad, reason in (
+        (~d.isfinite(), "has a non-finite weight (inf or nan)"),
+        (~d16.isfinite(), "has a block scale beyond the fp16 range (weights too large)"),
+    ):
+        if bad.any():
+            block = start + int(bad.flatten().nonzero()[0])
+            raise ValueError(f"{what}: the input's row {block // blocks_per_row} {reason}")
+
+
+def dequantize_blocks(
+    q: torch.Tensor,
+    fmt: str,
+    block_bytes: int,
+    dequantize_chunk: DequantizeChunk,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Dequantises uint8 q [..., nb * block_bytes] to dtype [..., nb * 32], chunk by chunk."""
+    what = f"dequantize_{fmt}"
+    if q.dtype != torch.uint8:
+        raise TypeError(f"{what}: expects uint8 blocks, got {q.dtype}")
+    if not dtype.is_floating_point:
+        raise TypeError(f"{what}: output dtype must be a float dtype, got {dtype}")
+    row_bytes = q.shape[-1] if q.dim() else 0
+    if q.dim() == 0 or row_bytes % block_bytes:
+        raise ValueError(
+            f"{what}: row of {row_bytes} bytes is not a whole number of "
+            f"{fmt} blocks of {block_bytes} bytes"
+        )
+    blocks = q.reshape(-1, block_bytes)  # [B, block_bytes]
+    out = torch.empty(blocks.shape[0], BLOCK_SIZE, dtype=dtype)  # [B, 32]
+    for start in range(0, blocks.shape[0], CHUNK_BLOCKS):
+        out[start : start + CHUNK_BLOCKS] = dequantize_chunk(blocks[start : start + CHUNK_BLOCKS])
+    return out.reshape(*q.shape[:-1], row_bytes // block_bytes * BLOCK_SIZE)
+
+
+def block_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """The fp16 scales of blocks [b, block_bytes] uint8, as fp32 [b, 1]."""
+    return blocks[:, :2].contiguous().view(torch.float16).to(torch.float32)

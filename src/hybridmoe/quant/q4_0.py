@@ -1,0 +1,64 @@
+"""GGUF/ggml Q4_0: blocks of 32 weights stored in 18 bytes, an fp16 scale d (little-endian)
+then 16 bytes of 4-bit values v; byte j holds weight j in its low nibble and weight j + 16 in
+its high nibble; weight = (v - 8) * d. Quantisation is ggml's `quantize_row_q4_0_ref`: m is the
+weight of largest magnitude (signed, the first on ties), d = m / -8, v = min(15, trunc(x / d +
+8.5)), in fp32 with the multiply and the add rounded separately as the C source writes them.
+So m itself maps to v = 0 exactly and -m would need v = 16, clamped to 15. Peak memory: input +
+output (18/32 bytes a weight) + ~10 MiB of chunk temporaries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridmoe.quant._blocks import (
+    BLOCK_SIZE,
+    block_scales,
+    dequantize_blocks,
+    quantize_blocks,
+)
+
+__all__ = ["BLOCK_BYTES", "BLOCK_SIZE", "dequantize_q4_0", "quantize_q4_0"]
+
+BLOCK_BYTES = 18  # fp16 d + 16 bytes of nibbles
+_HALF = BLOCK_SIZE // 2
+
+
+def quantize_q4_0(w: torch.Tensor) -> torch.Tensor:
+    """Float w [..., n] (any float dtype, n a multiple of 32, all finite) -> new contiguous
+    uint8 [..., n // 32 * 18]. Does not modify w. ValueError for a bad n or non-finite w."""
+    return quantize_blocks(w, "q4_0", BLOCK_BYTES, _quantize_chunk)
+
+
+def dequantize_q4_0(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 q [..., nb * 18] -> new contiguous dtype [..., nb * 32], weight = (v - 8) *
+    fp16(d), computed in fp32 (exact) then cast to dtype."""
+    return dequantize_blocks(q, "q4_0", BLOCK_BYTES, _dequantize_chunk, dtype)
+
+
+def _quantize_chunk(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    d = _signed_absmax(x) / -8  # [b, 1]; nan/inf propagate to d
+    inv_d = torch.where(d == 0, 0.0, 1.0 / d)  # ggml: id = d ? 1.0f/d : 0.0f
+    # x * inv_d + 8.5 lies in [0.49, 16.5], so the uint8 cast truncates as C's (int8_t) does.
+    v = (x * inv_d).add_(8.5).to(torch.uint8).clamp_(max=15)  # [b, 32]
+    return d, v[:, :_HALF] | (v[:, _HALF:] << 4)  # [b, 16]
+
+
+def _signed_absmax(x: torch.Tensor) -> torch.Tensor:
+    """ggml's max of x [b, 32]: the value of largest |x| with its sign, the first one when both
+    +a and -a occur (ggml's strict `<`), +0.0 for a block of zeros -> [b, 1]. Built from amax and
+    amin, which are several times faster than argmax; the rare tied blocks take argmax."""
+    hi, lo = x.amax(dim=1, keepdim=True), x.amin(dim=1, keepdim=True)  # [b, 1] each
+    m = torch.where(hi >= -lo, hi, lo)
+    m = torch.where(m == 0, 0.0, m)  # ggml's max starts at +0.0: an all-zero block has d = -0.0
+    tied = ((hi == -lo) & (hi > 0)).flatten().nonzero().flatten()  # [t] block indices
+    if tied.numel():
+        x_tied = x[tied]  # [t, 32]
+        m[tied] = x_tied.gather(1, x_tied.abs().argmax(dim=1, keepdim=True))  # the first wins
+    return m
+
+
+def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
+    qs = blocks[:, 2:]  # [b, 16]
+    v = torch.cat([qs & 0x0F, qs >> 4], dim=1)  # [b, 32]: weights 0..15 then 16..31
+    return (v.to(torch.float32) - 8) * block_scales(blocks)  # [b, 32]; exact

@@ -1,0 +1,55 @@
+"""GGUF/ggml Q8_0: blocks of 32 weights stored in 34 bytes, an fp16 scale d (little-endian)
+then 32 int8 values q; weight = d * q. Quantisation is ggml's `quantize_row_q8_0_ref`:
+d = max|x| / 127 and q = roundf(x / d), computed in fp32 exactly as the C code does, so the
+bytes equal those of llama.cpp's tools. Peak memory: input + output (34/32 bytes a weight)
++ ~10 MiB of chunk temporaries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridmoe.quant._blocks import (
+    BLOCK_SIZE,
+    block_scales,
+    dequantize_blocks,
+    quantize_blocks,
+)
+
+__all__ = ["BLOCK_BYTES", "BLOCK_SIZE", "dequantize_q8_0", "quantize_q8_0"]
+
+BLOCK_BYTES = 34  # fp16 d + 32 x int8
+
+
+def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """Float w [..., n] (any float dtype, n a multiple of 32, all finite) -> new contiguous
+    uint8 [..., n // 32 * 34]. Does not modify w. ValueError for a bad n or non-finite w."""
+    return quantize_blocks(w, "q8_0", BLOCK_BYTES, _quantize_chunk)
+
+
+def dequantize_q8_0(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 q [..., nb * 34] -> new contiguous dtype [..., nb * 32], weight = fp16(d) * q,
+    computed in fp32 (exact) then cast to dtype."""
+    return dequantize_blocks(q, "q8_0", BLOCK_BYTES, _dequantize_chunk, dtype)
+
+
+def _quantize_chunk(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    d = x.abs().amax(dim=1, keepdim=True) / 127  # [b, 1]; nan/inf propagate to d
+    inv_d = torch.where(d == 0, 0.0, 1.0 / d)  # [b, 1]; ggml: id = d ? 1.0f/d : 0.0f
+    q = _round_half_away_from_zero(x * inv_d)  # [b, 32] int8, in [-127, 127]
+    return d, q.view(torch.uint8)
+
+
+def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
+    q = blocks[:, 2:].view(torch.int8)  # [b, 32]
+    return q.to(torch.float32) * block_scales(blocks)  # [b, 32]; exact: 11 x 8 bit product
+
+
+def _round_half_away_from_zero(v: torch.Tensor) -> torch.Tensor:
+    """C's roundf for |v| < 2^23, as int8 (torch.round rounds half to even). v + copysign(h, v)
+    with h = 0.5 - 2^-25, the float just below 1/2, then truncation: a fraction of exactly 1/2
+    gives at least |n| + 1 - 2^-25, which rounds up to |n| + 1 (at 1 - 2^-25 a tie, to even
+    1.0); a smaller fraction stays below |n| + 1. Adding 0.5 instead would be wrong for
+    v = 0.5 - 2^-25: the sum 1 - 2^-25 rounds to 1.0. Modifies v."""
+    half_down = torch.tensor(0.5 - 2.0**-25, dtype=v.dtype)
+    return v.add_(torch.copysign(half_down, v)).to(torch.int8)  # the cast truncates, as C's

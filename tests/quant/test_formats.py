@@ -1,0 +1,115 @@
+"""The registry's contract: shapes, sizes, dtypes and the errors a user sees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmoe.quant import q4_0, q8_0
+from hybridmoe.quant.formats import WEIGHT_FORMATS, dense_format, weight_format
+
+SIZES = {"f32": (1, 4), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}
+
+
+def test_registry_holds_the_four_formats() -> None:
+    assert list(WEIGHT_FORMATS) == ["f32", "bf16", "q8_0", "q4_0"]
+    for name, (block_size, block_bytes) in SIZES.items():
+        fmt = weight_format(name)
+        assert (fmt.name, fmt.block_size, fmt.block_bytes) == (name, block_size, block_bytes)
+        assert fmt.is_quantized == (block_size > 1)
+    assert (q8_0.BLOCK_SIZE, q8_0.BLOCK_BYTES, q4_0.BLOCK_SIZE, q4_0.BLOCK_BYTES) == (
+        32,
+        34,
+        32,
+        18,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "stored", "row_bytes"),
+    [("f32", (3, 4, 64), 256), ("bf16", (3, 4, 64), 128), ("q8_0", (3, 4, 68), 68),
+     ("q4_0", (3, 4, 36), 36)],
+)  # fmt: skip
+def test_stored_shape_and_row_bytes(name: str, stored: tuple[int, ...], row_bytes: int) -> None:
+    fmt = weight_format(name)
+    assert fmt.stored_shape((3, 4, 64)) == stored
+    assert fmt.row_bytes(64) == row_bytes
+    q = fmt.quantize(torch.randn(3, 4, 64))
+    assert q.shape == stored and q.dtype == fmt.storage_dtype and q.is_contiguous()
+    assert q.numel() * q.element_size() == 12 * row_bytes
+    back = fmt.dequantize(q, torch.bfloat16)
+    assert back.shape == (3, 4, 64) and back.dtype == torch.bfloat16 and back.is_contiguous()
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_non_contiguous_input_and_empty_rows(name: str) -> None:
+    fmt = weight_format(name)
+    w = torch.randn(64, 5)
+    assert torch.equal(fmt.quantize(w.T), fmt.quantize(w.T.contiguous()))
+    assert fmt.quantize(torch.empty(0, 64)).shape == (0, 64 // 32 * fmt.block_bytes)
+
+
+def test_quantize_does_not_modify_its_input() -> None:
+    w = torch.randn(4, 64)
+    before = w.clone()
+    for fmt in WEIGHT_FORMATS.values():
+        fmt.quantize(w)
+    assert torch.equal(w, before)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_chunks_do_not_change_the_result(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    fmt = weight_format(name)
+    w = torch.randn(10, 96)
+    whole, back_whole = fmt.quantize(w), fmt.dequantize(fmt.quantize(w))
+    monkeypatch.setattr("hybridmoe.quant._blocks.CHUNK_BLOCKS", 7)  # 30 blocks: 4 + 1 partial
+    assert torch.equal(fmt.quantize(w), whole)
+    assert torch.equal(fmt.dequantize(whole), back_whole)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("n", [31, 48, 100])
+def test_row_length_not_a_multiple_of_the_block(name: str, n: int) -> None:
+    fmt = weight_format(name)
+    with pytest.raises(ValueError, match=rf"row length {n} is not a multiple of the {name} block"):
+        fmt.quantize(torch.randn(2, n))
+    with pytest.raises(ValueError, match=rf"layer 3 w1: row length {n} .* of 32 weights"):
+        fmt.check_row_length(n, "layer 3 w1")
+    with pytest.raises(ValueError, match=rf"row length {n}"):
+        fmt.stored_shape((2, n))
+    with pytest.raises(ValueError, match=rf"{fmt.block_bytes} bytes"):
+        fmt.dequantize(torch.zeros(2, fmt.block_bytes + 1, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("position", [0, 17, 31])
+def test_non_finite_input(name: str, bad: float, position: int) -> None:
+    w = torch.randn(3, 64)
+    w[2, 32 + position] = bad
+    with pytest.raises(ValueError, match=r"row 2 has a non-finite weight"):
+        weight_format(name).quantize(w)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_scale_beyond_fp16(name: str) -> None:
+    w = torch.zeros(2, 32)
+    w[1, 0] = 1e9
+    with pytest.raises(ValueError, match=r"row 1 has a block scale beyond the fp16 range"):
+        weight_format(name).quantize(w)
+
+
+def test_wrong_dtypes() -> None:
+    with pytest.raises(TypeError, match="float tensor"):
+        weight_format("q8_0").quantize(torch.ones(32, dtype=torch.int32))
+    with pytest.raises(TypeError, match="uint8"):
+        weight_format("q4_0").dequantize(torch.zeros(18))
+
+
+def test_unknown_names_and_dtypes() -> None:
+    with pytest.raises(ValueError, match=r"unknown weight format 'q5_k'.*f32, bf16, q8_0, q4_0"):
+        weight_format("q5_k")
+    assert dense_format(torch.float32).name == "f32"
+    assert dense_format(torch.bfloat16).name == "bf16"
+    with pytest.raises(ValueError, match="float16"):
+        dense_format(torch.float16)

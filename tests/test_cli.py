@@ -136,3 +136,17 @@ def test_invalid_top_p_is_a_usage_error(cache_dir):
     assert result.returncode == 2
     assert "top_p" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_expert_format_flag_quantises_the_experts(greedy_runs, cache_dir):
+    args = GENERATE + ["--decode-target", "cpu", "--expert-format", "q4_0", "--cpu-threads", "1"]
+    result = ok(run_cli(args, cache_dir))
+    assert generated_text(result).strip()
+    assert "experts -> q4_0" in result.stderr  # the conversion's progress bar
+
+
+def test_bad_cpu_threads_is_a_usage_error(cache_dir):
+    result = run_cli(GENERATE + ["--decode-target", "cpu", "--cpu-threads", "0"], cache_dir)
+    assert result.returncode == 2
+    assert "cpu_threads" in result.stderr
+    assert "Traceback" not in result.stderr

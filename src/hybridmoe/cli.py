@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.engine.config import DTYPE_CHOICES
 from hybridmoe.errors import HybridMoeError
-from hybridmoe.moe.config import DECODE_TARGETS, OffloadConfig
+from hybridmoe.moe.config import CPU_KERNEL_CHOICES, DECODE_TARGETS, EXPERT_FORMATS, OffloadConfig
 
 ENGINE_DEFAULTS = EngineConfig()
 OFFLOAD_DEFAULTS = OffloadConfig()
@@ -43,7 +43,24 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-overlap", action="store_true", help="hybrid: wait for the CPU before the accelerator"
     )
-    parser.add_argument("--cpu-threads", type=int, default=d.cpu_threads)
+    parser.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=d.cpu_threads,
+        help="threads computing CPU experts (default: every usable core)",
+    )
+    parser.add_argument(
+        "--expert-format",
+        choices=EXPERT_FORMATS,
+        default=d.expert_format,
+        help="routed experts' weight format, quantised at load (default: the model's dtype)",
+    )
+    parser.add_argument(
+        "--cpu-kernel",
+        choices=CPU_KERNEL_CHOICES,
+        default=d.cpu_kernel,
+        help="CPU expert kernel: numba (fast) or torch (the reference)",
+    )
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +105,8 @@ def _load_engine(args: argparse.Namespace) -> Engine:
         max_fetch=args.max_fetch,
         overlap=not args.no_overlap,
         cpu_threads=args.cpu_threads,
+        expert_format=args.expert_format,
+        cpu_kernel=args.cpu_kernel,
     )
     config = EngineConfig(dtype=args.dtype, threads=args.threads, progress=True, offload=offload)
     model_dir = args.model

@@ -1,8 +1,10 @@
-"""Every environment variable hybridmoe reads, read here and nowhere else."""
+"""Every environment variable hybridmoe reads (or sets), handled here and nowhere else."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -19,3 +21,17 @@ def hybrid_overlap() -> bool:
     """HYBRIDMOE_HYBRID_OVERLAP=0 serialises the hybrid CPU wait before the accelerator work
     (a measurement switch; the config field `overlap` is the normal way)."""
     return os.environ.get("HYBRIDMOE_HYBRID_OVERLAP", "1") != "0"
+
+
+@contextmanager
+def default_set(name: str, value: str) -> Iterator[None]:
+    """Within the block, `name` is `value` unless the user set it; restored afterwards. For
+    runtimes that read a variable once when they load (libgomp's OMP_WAIT_POLICY)."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)

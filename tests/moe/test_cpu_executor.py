@@ -12,7 +12,12 @@ import torch
 from hybridmoe.errors import CpuExpertError, HybridMoeError
 from hybridmoe.layers.moe import ExpertWeights, moe_reference
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
-from hybridmoe.moe.cpu_experts import CPU_EXPERT_FNS, bank_moe, create_cpu_expert_fn
+from hybridmoe.moe.cpu_experts import (
+    CPU_EXPERT_FNS,
+    bank_moe,
+    create_cpu_expert_fn,
+    moe_forward,
+)
 from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor, HybridDecodeRequest
 from hybridmoe.platform.base import create_device_sync
@@ -108,9 +113,11 @@ def test_bank_moe_all_skipped_is_zero():
 
 
 def test_cpu_expert_registry():
-    assert "torch" in CPU_EXPERT_FNS
-    assert create_cpu_expert_fn() is bank_moe
+    assert {"torch", "numba"} <= set(CPU_EXPERT_FNS)
     assert create_cpu_expert_fn("torch") is bank_moe
+    assert create_cpu_expert_fn().func is moe_forward  # numba is the default
+    with pytest.raises(ValueError, match=r"cpu_threads=100000.*NUMBA_NUM_THREADS"):
+        create_cpu_expert_fn("numba", threads=100_000)
     with pytest.raises(ValueError, match=r"unknown CPU expert kernel 'nope'.*torch"):
         create_cpu_expert_fn("nope")
 

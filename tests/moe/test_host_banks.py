@@ -10,6 +10,7 @@ import pytest
 
 BANK_RSS_SCRIPT = """
 import re, sys
+import hybridmoe.kernels.numba_moe  # its shared libraries map the same pages for every target
 from hybridmoe.engine import Engine, EngineConfig
 from hybridmoe.moe.config import OffloadConfig
 

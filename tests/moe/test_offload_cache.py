@@ -188,8 +188,8 @@ def test_mismatched_banks_are_rejected_naming_the_layer():
     bad_shape = HostExpertBank(torch.zeros(E, 2 * I, H + 1), torch.zeros(E, H + 1, I))
     with pytest.raises(ValueError, match="layer 2.*shapes"):
         OffloadMoeCache([*BANKS[:2], bad_shape], num_slots=2, max_fetch=1)
-    bad_dtype = make_banks(layers=1, dtype=torch.float64)[0]
-    with pytest.raises(ValueError, match="layer 1.*dtype"):
+    bad_dtype = make_banks(layers=1, dtype=torch.bfloat16)[0]
+    with pytest.raises(ValueError, match="layer 1: bank format bf16"):
         OffloadMoeCache([BANKS[0], bad_dtype], num_slots=2, max_fetch=1)
     with pytest.raises(ValueError, match="HostExpertBank"):
         OffloadMoeCache([], num_slots=1, max_fetch=1)

@@ -23,7 +23,7 @@ from hybridmoe.models.transformer import MoeCausalLM
 class Engine:
     def __init__(self, model: MoeCausalLM, tokenizer: Tokenizer | None, config: EngineConfig):
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.moe_runtime = create_moe_runtime(model, config.offload)
+        self.moe_runtime = create_moe_runtime(model, config.offload, progress=config.progress)
         self.eos_ids = frozenset(model.cfg.eos_token_ids) | (
             tokenizer.eos_token_ids if tokenizer else frozenset()
         )

@@ -9,14 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from hybridmoe import env
 from hybridmoe.models.transformer import MoeCausalLM
 from hybridmoe.moe.cache_stats import ExpertCacheStats
 from hybridmoe.moe.config import OffloadConfig
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
+from hybridmoe.moe.cpu_experts import create_cpu_expert_fn
 from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.moe.offload_cache import OffloadMoeCache
+from hybridmoe.quant.formats import dense_format, weight_format
 
 
 @dataclass
@@ -49,12 +52,17 @@ class MoeRuntime:
 
 
 def create_moe_runtime(
-    model: MoeCausalLM, config: OffloadConfig, device: torch.device | str = "cpu"
+    model: MoeCausalLM,
+    config: OffloadConfig,
+    device: torch.device | str = "cpu",
+    progress: bool = False,
 ) -> MoeRuntime:
-    """Attach the decode target's parts to every MoE layer. Targets other than `gpu` stack each
-    layer's experts into a host bank first; `gpu` keeps the memory-mapped experts as they are."""
+    """Attach the decode target's parts to every MoE layer. Targets other than `gpu`, and any
+    target with an expert format other than the model's dtype, stack each layer's experts
+    into a host bank first (converting them, with a progress bar when `progress`); `gpu` in
+    the model's dtype keeps the memory-mapped experts as they are."""
     layers = model.moe_layers
-    banks = [] if config.decode_target == "gpu" else [layer.adopt_bank() for layer in layers]
+    banks = _adopt_banks(layers, config, model.dtype, progress)
     cache = executor = None
     if config.uses_cache and banks:
         total = sum(bank.num_experts for bank in banks)
@@ -67,10 +75,23 @@ def create_moe_runtime(
             )
         cache = OffloadMoeCache(banks, slots, config.max_fetch, device)
     if config.uses_cpu_executor and banks:
-        executor = CpuMoeExecutor(banks, threads=config.cpu_threads)
+        expert_fn = create_cpu_expert_fn(config.cpu_kernel, config.cpu_threads)
+        executor = CpuMoeExecutor(banks, expert_fn=expert_fn)
         if cache is not None:
             overlap = config.overlap and env.hybrid_overlap()
             cache.attach_cpu_executor(executor, overlap)
     for layer in layers:
         layer.attach(config.decode_target, cache, executor)
     return MoeRuntime(config, banks, cache, executor)
+
+
+def _adopt_banks(
+    layers: list, config: OffloadConfig, dtype: torch.dtype, progress: bool
+) -> list[HostExpertBank]:
+    fmt = weight_format(config.expert_format) if config.expert_format else dense_format(dtype)
+    if config.decode_target == "gpu" and fmt == dense_format(dtype):
+        return []
+    if fmt == dense_format(dtype):
+        return [layer.adopt_bank() for layer in layers]
+    bar = tqdm(layers, desc=f"experts -> {fmt.name}", unit="layer", disable=not progress)
+    return [layer.adopt_bank(fmt) for layer in bar]

@@ -20,6 +20,7 @@ from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.moe.hybrid_decode import HybridDecodeRequest
 from hybridmoe.moe.offload_cache import OffloadMoeCache
 from hybridmoe.moe.routing import combine_experts, route
+from hybridmoe.quant.formats import WeightFormat
 
 
 @dataclass
@@ -72,7 +73,8 @@ def _expert_mlp(h: torch.Tensor, experts: ExpertWeights, expert: int) -> torch.T
 class OffloadMoELayer:
     """Router + routed experts (+ a sigmoid-gated shared expert where the family has one).
 
-    Prefill computes the routed experts exactly with `moe_reference`. Decode runs them where
+    Prefill computes the routed experts exactly with `moe_reference` (with `bank_moe` when
+    the experts were converted to another weight format at load). Decode runs them where
     `decode_target` says (see OffloadConfig); the layer owns only the expert math
     (`_expert_gemm`), never placement or scheduling.
     """
@@ -104,11 +106,16 @@ class OffloadMoELayer:
         self.cache: OffloadMoeCache | None = None
         self.cpu_executor: CpuMoeExecutor | None = None
 
-    def adopt_bank(self) -> HostExpertBank:
-        """Move this layer's experts into a stacked host bank; its ExpertWeights become views."""
+    def adopt_bank(self, fmt: WeightFormat | None = None) -> HostExpertBank:
+        """Move this layer's experts into a stacked host bank in `fmt` (None: their dtype).
+        A bank in their own dtype re-points the ExpertWeights at views of it; a converted bank
+        replaces them (`experts` becomes None and every path computes from the bank)."""
         old = self.experts
         bank = HostExpertBank.stack(old.gate, old.up, old.down)
         release_pages(old.gate + old.up + old.down)  # the bank is now their only copy
+        if fmt is not None and fmt != bank.fmt:
+            self.bank, self.experts = bank.converted(fmt), None
+            return self.bank
         inter = bank.intermediate_size
         self.experts.gate = list(bank.gate_up[:, :inter])
         self.experts.up = list(bank.gate_up[:, inter:])
@@ -130,6 +137,8 @@ class OffloadMoELayer:
         topk_ids, topk_weights = route(self.router(flat), self.cfg.top_k, self.cfg.norm_topk_prob)
         if is_decode:
             out = self._decode_experts(flat, topk_ids, topk_weights)
+        elif self.experts is None:  # the experts live only in a converted bank
+            out = bank_moe(flat, topk_ids, topk_weights, self.bank)
         else:
             out = moe_reference(flat, topk_ids, topk_weights, self.experts)
         if self.shared_expert is not None:
@@ -176,5 +185,6 @@ class OffloadMoELayer:
     def _expert_gemm(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, bank: HostExpertBank
     ) -> torch.Tensor:
-        """Expert math on stacked weights; dispatches on the weight format (today: dense)."""
+        """Expert math on stacked weights of any format (quantised experts are dequantised to
+        x's dtype one at a time); the accelerator's expert kernel."""
         return bank_moe(x, ids, weights, bank)

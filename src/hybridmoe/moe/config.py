@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DECODE_TARGETS = ("gpu", "offload", "cpu", "hybrid")
+CPU_KERNEL_CHOICES = ("numba", "torch")
+EXPERT_FORMATS = ("f32", "bf16", "q8_0", "q4_0")  # GGUF's names; see quant/formats.py
 
 
 @dataclass(frozen=True)
@@ -17,7 +19,11 @@ class OffloadConfig:
     expert_cache_ratio: float = 0.25  # share of all routed experts the cache holds
     max_fetch: int = 1  # misses fetched per layer call in hybrid (0 = never fetch)
     overlap: bool = True  # hybrid: CPU experts overlap the accelerator's work
-    cpu_threads: int = 1  # CPU expert worker threads
+    cpu_threads: int | None = None  # threads of the CPU expert kernel; None: every usable core
+    # routed experts' weight format; None: the model's dtype. Quantised formats are made at
+    # load from the checkpoint's floats, and every decode target computes with them.
+    expert_format: str | None = None
+    cpu_kernel: str = "numba"  # CPU expert kernel (moe/cpu_experts.py); torch: the reference
 
     def __post_init__(self) -> None:
         if self.decode_target not in DECODE_TARGETS:
@@ -31,8 +37,18 @@ class OffloadConfig:
             raise ValueError(f"expert_cache_ratio must be in (0, 1], got {self.expert_cache_ratio}")
         if self.max_fetch < 0:
             raise ValueError(f"max_fetch must be >= 0, got {self.max_fetch}")
-        if self.cpu_threads < 1:
+        if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.cpu_kernel not in CPU_KERNEL_CHOICES:
+            raise ValueError(
+                f"cpu_kernel must be one of {', '.join(CPU_KERNEL_CHOICES)}, "
+                f"got {self.cpu_kernel!r}"
+            )
+        if self.expert_format is not None and self.expert_format not in EXPERT_FORMATS:
+            raise ValueError(
+                f"expert_format must be one of {', '.join(EXPERT_FORMATS)}, "
+                f"got {self.expert_format!r}"
+            )
 
     @property
     def uses_cache(self) -> bool:

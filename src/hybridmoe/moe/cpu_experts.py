@@ -1,14 +1,17 @@
 """Routed expert math on a HostExpertBank, run by the CPU worker; a registry of kernels.
 
-`bank_moe` is the pure-torch kernel: the same sum as `moe_reference` (layers/moe.py), but one
-fused gate_up GEMM per expert on the bank's stacked weights. Faster kernels (numba, ...) are
-added to `CPU_EXPERT_FNS` through `register_cpu_expert_fn`; their factories import them
-lazily, so `import hybridmoe` works where they are not installed.
+`bank_moe` is the pure-torch reference: the same sum as `moe_reference` (layers/moe.py), one
+fused gate_up GEMM per expert, the expert's weights dequantised first when the bank is
+quantised. `moe_forward` is the fast path: for up to FUSED_MAX_TOKENS tokens one numba call
+per layer reads each weight row once for all tokens (kernels/numba_moe.py); beyond that
+(prefill) compute dominates and the dequantise-then-GEMM reference is the better kernel.
+Kernels are registered by name in CPU_EXPERT_FNS; their factories import them lazily.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -19,16 +22,18 @@ from hybridmoe.moe.routing import combine_experts
 # (x [T, H], expert_ids [T, K], weights [T, K], bank) -> [T, H]; ids < 0 skipped
 CpuExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, HostExpertBank], torch.Tensor]
 
-# kernel name -> factory; a factory imports its optional dependency when called
-CPU_EXPERT_FNS: dict[str, Callable[[], CpuExpertFn]] = {}
+# kernel name -> factory(threads); a factory imports its optional dependency when called
+CPU_EXPERT_FNS: dict[str, Callable[[int | None], CpuExpertFn]] = {}
+
+FUSED_MAX_TOKENS = 16  # moe_forward's fused kernel up to this many tokens; beyond: bank_moe
 
 
 def register_cpu_expert_fn(
     name: str,
-) -> Callable[[Callable[[], CpuExpertFn]], Callable[[], CpuExpertFn]]:
-    """Decorator: register a zero-argument factory that returns a CpuExpertFn under `name`."""
+) -> Callable[[Callable[[int | None], CpuExpertFn]], Callable[[int | None], CpuExpertFn]]:
+    """Decorator: register a factory(threads) that returns a CpuExpertFn under `name`."""
 
-    def register(factory: Callable[[], CpuExpertFn]) -> Callable[[], CpuExpertFn]:
+    def register(factory: Callable[[int | None], CpuExpertFn]) -> Callable:
         if name in CPU_EXPERT_FNS:
             raise ValueError(f"CPU expert kernel {name!r} is already registered")
         CPU_EXPERT_FNS[name] = factory
@@ -37,12 +42,13 @@ def register_cpu_expert_fn(
     return register
 
 
-def create_cpu_expert_fn(name: str = "torch") -> CpuExpertFn:
-    """The CPU expert kernel registered as `name`."""
+def create_cpu_expert_fn(name: str = "numba", threads: int | None = None) -> CpuExpertFn:
+    """The CPU expert kernel registered as `name`, computing on `threads` threads (None: the
+    kernel's default, every usable core)."""
     if name not in CPU_EXPERT_FNS:
         choices = ", ".join(sorted(CPU_EXPERT_FNS))
         raise ValueError(f"unknown CPU expert kernel {name!r}; choose one of: {choices}")
-    return CPU_EXPERT_FNS[name]()
+    return CPU_EXPERT_FNS[name](threads)
 
 
 def bank_moe(
@@ -50,8 +56,9 @@ def bank_moe(
 ) -> torch.Tensor:
     """Σ_k w[t,k] · down_e(silu(gate_e x_t) ⊙ up_e x_t) with e = expert_ids[t,k]; ids < 0 skipped.
 
-    x [T, H], expert_ids [T, K], weights [T, K], all in host memory -> [T, H] in x's dtype.
-    Equals `moe_reference` on the bank's ExpertWeights views up to summation order.
+    x [T, H], expert_ids [T, K], weights [T, K], all on the bank's device -> [T, H] in x's
+    dtype, computed in x's dtype. For a dense bank of x's dtype it equals `moe_reference` on
+    the bank's ExpertWeights views up to summation order.
     """
     return combine_experts(
         x, expert_ids, weights, lambda h, expert: _bank_expert_mlp(h, bank, expert)
@@ -60,10 +67,51 @@ def bank_moe(
 
 def _bank_expert_mlp(h: torch.Tensor, bank: HostExpertBank, expert: int) -> torch.Tensor:
     """h [n, H] -> down(silu(gate h) * up h) [n, H], gate and up in one GEMM."""
-    gate, up = F.linear(h, bank.gate_up[expert]).chunk(2, dim=-1)  # 2 x [n, I]
-    return F.linear(F.silu(gate) * up, bank.down[expert])
+    gate, up = F.linear(h, bank.gate_up_weights(expert, h.dtype)).chunk(2, dim=-1)  # 2 x [n, I]
+    return F.linear(F.silu(gate) * up, bank.down_weights(expert, h.dtype))
+
+
+def moe_forward(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    bank: HostExpertBank,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """The same sum as `bank_moe`, on a host bank of any format, computed in float32 on
+    `threads` threads; x [T, H], expert_ids [T, K], weights [T, K] -> [T, H] in x's dtype.
+    IndexError for an expert id >= the bank's experts."""
+    tokens, top_k = expert_ids.shape
+    if tokens > FUSED_MAX_TOKENS:
+        return bank_moe(x, expert_ids, weights, bank)
+    from hybridmoe.kernels.numba_moe import run_fused_moe
+
+    hidden, inter, num_experts = bank.hidden_size, bank.intermediate_size, bank.num_experts
+    x32 = x.to(torch.float32).contiguous().view(-1).numpy()  # [T*H]
+    ids64 = expert_ids.to(torch.int64).contiguous().view(-1).numpy()  # [T*K]
+    w32 = weights.to(torch.float32).contiguous().view(-1).numpy()  # [T*K]
+    y = torch.zeros(tokens, hidden)  # [T, H] float32, accumulated by the kernel
+    gate_up, down = bank.byte_views()
+    args = (x32, ids64, w32, gate_up, down, hidden, inter, num_experts, top_k, y.view(-1).numpy())
+    bad_id = run_fused_moe(bank.fmt.name, threads, *args)
+    if bad_id >= 0:
+        raise IndexError(f"expert id {bad_id} out of range: the bank has {num_experts} experts")
+    return y.to(x.dtype)
 
 
 @register_cpu_expert_fn("torch")
-def _create_torch_expert_fn() -> CpuExpertFn:
+def _create_torch_expert_fn(threads: int | None) -> CpuExpertFn:
+    # torch's intra-op threads are process-wide: the engine's `threads` setting governs them
     return bank_moe
+
+
+@register_cpu_expert_fn("numba")
+def _create_numba_expert_fn(threads: int | None) -> CpuExpertFn:
+    from hybridmoe.kernels.numba_moe import max_threads
+
+    if threads is not None and not 1 <= threads <= max_threads():
+        raise ValueError(
+            f"cpu_threads={threads}: the numba CPU expert kernel can use 1 to {max_threads()} "
+            "threads on this machine (NUMBA_NUM_THREADS)"
+        )
+    return partial(moe_forward, threads=threads)

@@ -1,39 +1,119 @@
-"""HostExpertBank: one MoE layer's routed experts stacked [E, ...] in host memory.
+"""HostExpertBank: one MoE layer's routed experts stacked [E, ...] in one weight format.
 
 The bank is the single home of a layer's expert weights: it is filled from the checkpoint
 one layer at a time and the layer's expert matrices are then re-pointed at views of it, so
 the memory-mapped originals are no longer referenced and no second full copy stays alive.
+A bank in a quantised format (quant/) holds GGUF blocks: each row of n weights is
+n / 32 blocks of bytes, so `gate_up` is uint8 [E, 2I, row_bytes(H)]. The accelerator's
+cache slots are a bank too, in the same format as the host banks they copy from.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from hybridmoe.quant.formats import WeightFormat, dense_format
 
-@dataclass
+
+@dataclass(eq=False)
 class HostExpertBank:
-    gate_up: torch.Tensor  # [E, 2I, H]: gate rows, then up rows
-    down: torch.Tensor  # [E, H, I]
+    gate_up: torch.Tensor  # [E, 2I, H] in `fmt` (gate rows, then up rows)
+    down: torch.Tensor  # [E, H, I] in `fmt`
+    fmt: WeightFormat = field(default=None)  # None: the dense format of gate_up's dtype
+    _byte_views: tuple | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.fmt is None:
+            self.fmt = dense_format(self.gate_up.dtype)
 
     @property
     def num_experts(self) -> int:
         return self.gate_up.shape[0]
 
     @property
+    def hidden_size(self) -> int:
+        return self.down.shape[1]  # down's rows are never packed
+
+    @property
     def intermediate_size(self) -> int:
-        return self.down.shape[2]
+        return self.gate_up.shape[1] // 2
 
     @property
     def expert_nbytes(self) -> int:
         """Bytes one expert occupies (what fetching it copies)."""
-        return (self.gate_up[0].numel() + self.down[0].numel()) * self.gate_up.element_size()
+        return self.gate_up[0].nbytes + self.down[0].nbytes
+
+    def gate_up_weights(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `expert`'s gate_up [2I, H] as `dtype` (a view when already so stored)."""
+        return _as_float(self.fmt, self.gate_up[expert], dtype)
+
+    def down_weights(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `expert`'s down [H, I] as `dtype` (a view when already so stored)."""
+        return _as_float(self.fmt, self.down[expert], dtype)
+
+    def byte_views(self) -> tuple:
+        """(gate_up, down) as flat uint8 numpy arrays over the same memory (host banks only)."""
+        if self._byte_views is None:
+            self._byte_views = tuple(
+                t.view(torch.uint8).reshape(-1).numpy() for t in (self.gate_up, self.down)
+            )
+        return self._byte_views
+
+    def converted(self, fmt: WeightFormat, progress: Callable[[int], None] | None = None):
+        """A new bank holding these experts in `fmt`, converted one expert at a time (peak
+        extra memory: one expert in float32). ValueError if H or I is not a whole number of
+        fmt's blocks."""
+        fmt.check_row_length(self.hidden_size, "hidden_size (gate/up rows)")
+        fmt.check_row_length(self.intermediate_size, "moe_intermediate_size (down rows)")
+        num, hidden, inter, device = (
+            self.num_experts,
+            self.hidden_size,
+            self.intermediate_size,
+            self.gate_up.device,
+        )
+        gate_up = self.empty_like_tensor(fmt, (num, 2 * inter, hidden), device)
+        down = self.empty_like_tensor(fmt, (num, hidden, inter), device)
+        for expert in range(num):
+            gate_up[expert] = fmt.quantize(self.gate_up_weights(expert, torch.float32))
+            down[expert] = fmt.quantize(self.down_weights(expert, torch.float32))
+            if progress is not None:
+                progress(1)
+        return HostExpertBank(gate_up, down, fmt)
+
+    def empty_slots(self, num_slots: int, device: torch.device | str) -> HostExpertBank:
+        """A zero-filled bank of `num_slots` experts in this bank's format, on `device`."""
+        shape_gu = (num_slots, *self.gate_up.shape[1:])
+        shape_dn = (num_slots, *self.down.shape[1:])
+        dtype = self.gate_up.dtype
+        gate_up = torch.zeros(shape_gu, dtype=dtype, device=device)
+        down = torch.zeros(shape_dn, dtype=dtype, device=device)
+        return HostExpertBank(gate_up, down, self.fmt)
+
+    def copy_expert_to(self, expert: int, slots: HostExpertBank, slot: int) -> None:
+        """Copy expert `expert`'s stored bytes into slot `slot` of `slots` (same format)."""
+        slots.gate_up[slot].copy_(self.gate_up[expert])
+        slots.down[slot].copy_(self.down[expert])
+
+    @staticmethod
+    def empty_like_tensor(fmt: WeightFormat, shape: Sequence[int], device) -> torch.Tensor:
+        """Uninitialised storage for a float weight of `shape` [..., n] in `fmt`."""
+        return torch.empty(fmt.stored_shape(tuple(shape)), dtype=fmt.storage_dtype, device=device)
 
     @classmethod
     def stack(
         cls, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor]
     ) -> HostExpertBank:
-        """A bank holding a copy of the per-expert gate/up [I, H] and down [H, I] matrices."""
+        """A bank holding a copy of the per-expert gate/up [I, H] and down [H, I] matrices, in
+        their dtype."""
         pairs = zip(gate, up, strict=True)
-        return cls(gate_up=torch.stack([torch.cat(pair) for pair in pairs]), down=torch.stack(down))
+        gate_up = torch.stack([torch.cat(pair) for pair in pairs])
+        return cls(gate_up, torch.stack(down))
+
+
+def _as_float(fmt: WeightFormat, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if not fmt.is_quantized and stored.dtype == dtype:
+        return stored
+    return fmt.dequantize(stored, dtype)

@@ -36,7 +36,7 @@ class OffloadMoeCache:
         max_fetch: int,
         device: torch.device | str = "cpu",
     ) -> None:
-        dtype = _check_banks(banks)
+        _check_banks(banks)
         self.banks = list(banks)
         self.num_experts = banks[0].num_experts
         total = len(banks) * self.num_experts
@@ -50,13 +50,12 @@ class OffloadMoeCache:
         self.num_slots = num_slots
         self.max_fetch = max_fetch
         self.expert_nbytes = banks[0].expert_nbytes
-        gate_up_shape, down_shape = banks[0].gate_up.shape[1:], banks[0].down.shape[1:]
-        # zeros, not empty: a CPU route runs slot 0 with weight 0 on the accelerator side, and
-        # 0 * NaN from uninitialised memory would poison the sum
-        self.gate_up_slots = torch.zeros((num_slots, *gate_up_shape), dtype=dtype, device=device)
-        self.down_slots = torch.zeros((num_slots, *down_shape), dtype=dtype, device=device)
-        self.slot_bank = HostExpertBank(self.gate_up_slots, self.down_slots)  # views of the slots
+        # Slots hold experts in the banks' format (a fetch copies the stored bytes). Zeros, not
+        # empty: a CPU route runs slot 0 with weight 0 on the accelerator side, and 0 * NaN
+        # from uninitialised memory would poison the sum.
+        self.slot_bank = banks[0].empty_slots(num_slots, device)
         # [S, 2I, H] and [S, H, I] on `device`: the views the layer's accelerator math reads.
+        self.gate_up_slots, self.down_slots = self.slot_bank.gate_up, self.slot_bank.down
         self.cpu_executor: CpuExecutor | None = None
         self.hybrid_executor: HybridDecodeExecutor | None = None
         self.reset()
@@ -93,8 +92,7 @@ class OffloadMoeCache:
         earlier call that has not been followed by copy_missing() are copied too."""
         for slot, flat in self._pending.items():
             layer, expert = divmod(flat, self.num_experts)
-            self.gate_up_slots[slot].copy_(self.banks[layer].gate_up[expert])
-            self.down_slots[slot].copy_(self.banks[layer].down[expert])
+            self.banks[layer].copy_expert_to(expert, self.slot_bank, slot)
         self._pending.clear()
 
     def slot_of(self, layer_idx: int, expert: int) -> int | None:
@@ -215,29 +213,28 @@ class OffloadMoeCache:
             raise IndexError(f"layer_idx {layer_idx} out of range: {len(self.banks)} MoE layers")
 
 
-def _check_banks(banks: Sequence[HostExpertBank]) -> torch.dtype:
-    """The banks' common dtype; ValueError naming the first layer whose bank differs."""
+def _check_banks(banks: Sequence[HostExpertBank]) -> None:
+    """ValueError naming the first layer whose bank's format or shapes differ from layer 0's."""
     if not banks:
         raise ValueError("OffloadMoeCache needs one HostExpertBank per MoE layer; got none")
     first = banks[0]
-    num_experts, two_inter, hidden = first.gate_up.shape
-    if first.down.shape != (num_experts, hidden, two_inter // 2) or two_inter % 2:
+    num_experts, two_inter, _ = first.gate_up.shape
+    if first.down.shape[0] != num_experts or two_inter % 2:
         raise ValueError(
             f"layer 0: bank gate_up {tuple(first.gate_up.shape)} [E, 2I, H] does not match "
             f"down {tuple(first.down.shape)} [E, H, I]"
         )
-    dtype, shapes = first.gate_up.dtype, (first.gate_up.shape, first.down.shape)
+    shapes = (first.gate_up.shape, first.down.shape)
     for layer, bank in enumerate(banks):
-        for name, tensor in (("gate_up", bank.gate_up), ("down", bank.down)):
-            if tensor.dtype != dtype:
-                raise ValueError(
-                    f"layer {layer}: bank {name} dtype {tensor.dtype} differs from layer 0's "
-                    f"{dtype}; all MoE layers must share one expert dtype"
-                )
+        if bank.fmt != first.fmt or bank.gate_up.dtype != first.gate_up.dtype:
+            raise ValueError(
+                f"layer {layer}: bank format {bank.fmt.name} ({bank.gate_up.dtype}) differs from "
+                f"layer 0's {first.fmt.name} ({first.gate_up.dtype}); all MoE layers must share "
+                "one expert format"
+            )
         if (bank.gate_up.shape, bank.down.shape) != shapes:
             raise ValueError(
                 f"layer {layer}: bank shapes gate_up {tuple(bank.gate_up.shape)}, down "
                 f"{tuple(bank.down.shape)} differ from layer 0's {tuple(shapes[0])}, "
                 f"{tuple(shapes[1])}; all MoE layers must share expert shapes"
             )
-    return dtype

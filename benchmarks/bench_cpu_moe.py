@@ -1,0 +1,172 @@
+"""One MoE layer's routed experts on the CPU: the fused numba kernel (moe_forward) per weight
+format, against the memory's read bandwidth and the torch per-expert loop, measured side by side.
+
+    python benchmarks/bench_cpu_moe.py [--shapes qwen3-30b-a3b mixtral] [--formats bf16 q8_0 q4_0]
+        [--reps 15] [--threads N]
+
+Shapes: qwen3-30b-a3b (H=2048, I=768, E=128, K=8) and mixtral (H=4096, I=14336, E=8, K=2). The
+banks hold random bytes in each format (valid fp16 scales); the math does not care. Before
+every timed call a 512 MiB buffer is read, so the experts come from DRAM, as they do in a real
+decode step where every other layer's weights went through the caches in between.
+
+Rows per shape and format:
+  T=1          one token, K distinct random experts
+  T=4 shared   four tokens routed to the same K experts: the same bytes as T=1, so time / T=1
+               shows what batching tokens costs (target <= 1.5x)
+  T=4 random   four tokens, each with its own K random experts (up to 4x the bytes)
+Columns: median µs per layer call; effective GB/s = bytes of the distinct experts read / time;
+% of the DRAM read bandwidth measured (torch.sum over 1 GiB, 2 threads) right before that row;
+x torch = the torch per-expert loop's time (bank_moe: the expert dequantised, then F.linear) /
+ours. Reference points on this machine, from the issue: llama.cpp's mul_mat_id on the
+Qwen shape, T=1, 2 threads: q4_0 ~2.0 ms, q8_0 ~3.0 ms per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hybridmoe.moe.cpu_experts import bank_moe, moe_forward
+from hybridmoe.moe.host_banks import HostExpertBank
+from hybridmoe.quant.formats import weight_format
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+
+
+SHAPES = {
+    "qwen3-30b-a3b": Shape(hidden=2048, inter=768, experts=128, top_k=8),
+    "mixtral": Shape(hidden=4096, inter=14336, experts=8, top_k=2),
+}
+FLUSH_BYTES = 512 * 2**20
+SCALE_FP16_BITS = 0x211F  # 0.01: keeps random quants' outputs finite
+
+
+def random_stored(fmt_name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """A [E, rows, n] weight stored in `fmt_name`, filled one expert at a time."""
+    fmt = weight_format(fmt_name)
+    out = torch.empty(fmt.stored_shape(shape), dtype=fmt.storage_dtype)
+    for e in range(shape[0]):
+        if not fmt.is_quantized:
+            out[e] = torch.randn(shape[1:], generator=g).mul_(0.02).to(fmt.storage_dtype)
+            continue
+        out[e] = torch.randint(0, 256, out.shape[1:], dtype=torch.uint8, generator=g)
+        blocks = out[e].view(shape[1], -1, fmt.block_bytes)
+        blocks[..., 0] = SCALE_FP16_BITS & 0xFF
+        blocks[..., 1] = SCALE_FP16_BITS >> 8
+    return out
+
+
+def make_bank(shape: Shape, fmt_name: str) -> HostExpertBank:
+    g = torch.Generator().manual_seed(0)
+    gate_up = random_stored(fmt_name, (shape.experts, 2 * shape.inter, shape.hidden), g)
+    down = random_stored(fmt_name, (shape.experts, shape.hidden, shape.inter), g)
+    return HostExpertBank(gate_up, down, weight_format(fmt_name))
+
+
+class Memory:
+    """DRAM read bandwidth, and a cache flush, from plain torch reads."""
+
+    def __init__(self) -> None:
+        self.flush_buffer = torch.ones(FLUSH_BYTES // 4)
+        self.bw_buffer = torch.ones(2**30 // 4)
+
+    def flush(self) -> None:
+        self.flush_buffer.sum()
+
+    def read_gbps(self, reps: int = 3) -> float:
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            self.bw_buffer.sum()
+            times.append(time.perf_counter() - start)
+        return self.bw_buffer.nbytes / min(times) / 1e9
+
+
+def routes(shape: Shape, tokens: int, shared: bool, g: torch.Generator):
+    rows = 1 if shared else tokens
+    ids = torch.stack(
+        [torch.randperm(shape.experts, generator=g)[: shape.top_k] for _ in range(rows)]
+    )
+    ids = ids.expand(tokens, -1).contiguous()
+    return ids, torch.rand(tokens, shape.top_k, generator=g)
+
+
+def time_calls(fn, bank, shape, tokens, shared, reps, memory, seed=1) -> tuple[float, float]:
+    """(median seconds per call, median bytes of distinct experts read per call)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, shape.hidden, generator=g)
+    fn(x, *routes(shape, tokens, shared, g), bank)  # compile / warm up
+    seconds, nbytes = [], []
+    for _ in range(reps):
+        ids, weights = routes(shape, tokens, shared, g)
+        memory.flush()
+        start = time.perf_counter()
+        fn(x, ids, weights, bank)
+        seconds.append(time.perf_counter() - start)
+        nbytes.append(len(set(ids.flatten().tolist())) * bank.expert_nbytes)
+    return statistics.median(seconds), statistics.median(nbytes)
+
+
+def bench_format(name, shape, fmt_name, args, memory) -> dict[str, float]:
+    start = time.perf_counter()
+    bank = make_bank(shape, fmt_name)
+    print(
+        f"  {fmt_name}: bank of {bank.gate_up.nbytes + bank.down.nbytes >> 20} MiB built in "
+        f"{time.perf_counter() - start:.0f} s",
+        flush=True,
+    )
+    ours = lambda x, ids, w, b: moe_forward(x, ids, w, b, threads=args.threads)  # noqa: E731
+    results = {}
+    for label, tokens, shared in (
+        ("T=1", 1, True),
+        ("T=4 shared", 4, True),
+        ("T=4 random", 4, False),
+    ):
+        bw = memory.read_gbps()
+        t_ours, nbytes = time_calls(ours, bank, shape, tokens, shared, args.reps, memory)
+        t_torch, _ = time_calls(bank_moe, bank, shape, tokens, shared, args.torch_reps, memory)
+        gbps = nbytes / t_ours / 1e9
+        results[label] = t_ours
+        print(
+            f"  {fmt_name:5} {label:11} {t_ours * 1e6:9.0f} µs {gbps:6.1f} GB/s "
+            f"{gbps / bw:5.0%} of {bw:4.1f} GB/s   x torch {t_torch / t_ours:5.1f}",
+            flush=True,
+        )
+    print(
+        f"  {fmt_name:5} T=4 shared / T=1: {results['T=4 shared'] / results['T=1']:.2f}x "
+        "(target <= 1.5x)",
+        flush=True,
+    )
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
+    parser.add_argument("--formats", nargs="+", default=["bf16", "q8_0", "q4_0"])
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--torch-reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="kernel threads (default all)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    memory = Memory()
+    print(f"torch threads {torch.get_num_threads()}, kernel threads {args.threads or 'all'}")
+    for name in args.shapes:
+        shape = SHAPES[name]
+        print(f"{name}: H={shape.hidden} I={shape.inter} E={shape.experts} K={shape.top_k}")
+        for fmt_name in args.formats:
+            bench_format(name, shape, fmt_name, args, memory)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Fast CPU kernels (numba), each checked against its torch reference in moe/cpu_experts.py."""

@@ -1,0 +1,239 @@
+"""The fused CPU MoE kernel: one numba call computes a whole layer's routed experts.
+
+Every weight row is read from memory once and dotted with the activations of all the tokens
+routed to its expert (kernels/numba_simd.py), in two parallel phases: gate/up rows ->
+silu(gate) * up per route, then down rows -> the output, where each work item owns whole
+output rows so no two threads write one value. The GIL is released throughout and numba's
+thread pool persists across calls. Arrays are flat; weights are the bank's raw bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from hybridmoe import env
+from hybridmoe.kernels.numba_simd import BLOCK_BYTES, load_weight, tile_dot
+
+ROWS_PER_ITEM = 16  # weight rows per parallel work item
+_FLAGS = dict(nogil=True, cache=True, fastmath={"contract", "arcp"})
+
+
+@njit(**_FLAGS)
+def _group_routes(ids, num_experts):
+    """Routes r = t * K + k with ids[r] >= 0, sorted by expert: (bad_id, experts [U] ascending,
+    starts [U + 1] into the sorted routes, routes [R]); bad_id is -1 unless some id is
+    >= num_experts."""
+    counts = np.zeros(num_experts + 1, np.int64)
+    for r in range(ids.shape[0]):
+        if ids[r] >= num_experts:
+            return ids[r], counts[:0], counts[:1], counts[:0]
+        if ids[r] >= 0:
+            counts[ids[r] + 1] += 1
+    first = np.cumsum(counts)  # first[e]: position of expert e's first route once sorted
+    experts = np.nonzero(counts[1:])[0]
+    starts = np.empty(experts.shape[0] + 1, np.int64)
+    starts[:-1] = first[experts]
+    starts[-1] = first[-1]
+    routes = np.empty(first[-1], np.int64)
+    fill = first[:-1].copy()
+    for r in range(ids.shape[0]):
+        if ids[r] >= 0:
+            routes[fill[ids[r]]] = r
+            fill[ids[r]] += 1
+    return -1, experts, starts, routes
+
+
+@njit(inline="always", **_FLAGS)
+def _tile(fmt, wrows, xrows, w, w_off, row_bytes, blocks, x, x_offs, first, out, out_off, stride):
+    """tile_dot with the tile shape chosen at run time among TILES (each a compiled branch)."""
+    if xrows == 1:
+        if wrows == 4:
+            tile_dot(fmt, 4, 1, w, w_off, row_bytes, blocks, x, x_offs, first, out, out_off, stride)
+        elif wrows == 2:
+            tile_dot(fmt, 2, 1, w, w_off, row_bytes, blocks, x, x_offs, first, out, out_off, stride)
+        else:
+            tile_dot(fmt, 1, 1, w, w_off, row_bytes, blocks, x, x_offs, first, out, out_off, stride)
+    elif xrows == 2:
+        if wrows == 4:
+            tile_dot(fmt, 4, 2, w, w_off, row_bytes, blocks, x, x_offs, first, out, out_off, stride)
+        elif wrows == 2:
+            tile_dot(fmt, 2, 2, w, w_off, row_bytes, blocks, x, x_offs, first, out, out_off, stride)
+        else:
+            tile_dot(fmt, 1, 2, w, w_off, row_bytes, blocks, x, x_offs, first, out, out_off, stride)
+    elif xrows == 3:
+        if wrows == 2:
+            tile_dot(fmt, 2, 3, w, w_off, row_bytes, blocks, x, x_offs, first, out, out_off, stride)
+        else:
+            tile_dot(fmt, 1, 3, w, w_off, row_bytes, blocks, x, x_offs, first, out, out_off, stride)
+    elif wrows == 2:
+        tile_dot(fmt, 2, 4, w, w_off, row_bytes, blocks, x, x_offs, first, out, out_off, stride)
+    else:
+        tile_dot(fmt, 1, 4, w, w_off, row_bytes, blocks, x, x_offs, first, out, out_off, stride)
+
+
+@njit(inline="always", **_FLAGS)
+def _matmul(fmt, w, w_off, row_bytes, n, nrows, x, x_offs, first, count, out):
+    """out[c * nrows + r] = weight row r · x[x_offs[first + c] :][:n] for r < nrows, c < count;
+    weight row r is n weights at byte w_off + r * row_bytes. Tiles of weight rows outermost,
+    so each row comes from memory once and is reread from L1 for further activation rows."""
+    blocks = n // 32
+    widest = 4 if count <= 2 else 2  # weight rows per tile (TILES)
+    r = 0
+    while r < nrows:
+        wrows = widest if nrows - r >= widest else (2 if nrows - r >= 2 else 1)
+        c = 0
+        while c < count:
+            xrows = min(4, count - c)
+            row_off = w_off + r * row_bytes
+            _tile(
+                fmt,
+                wrows,
+                xrows,
+                w,
+                row_off,
+                row_bytes,
+                blocks,
+                x,
+                x_offs,
+                first + c,
+                out,
+                c * nrows + r,
+                nrows,
+            )
+            c += xrows
+        r += wrows
+    if fmt <= 1:  # dense rows may end in a partial block; quantised rows are whole blocks
+        size = 4 if fmt == 0 else 2
+        for r in range(nrows):
+            for j in range(blocks * 32, n):
+                weight = load_weight(fmt, w, w_off + r * row_bytes + j * size)
+                for c in range(count):
+                    out[c * nrows + r] += weight * x[x_offs[first + c] + j]
+
+
+@njit(**_FLAGS)
+def _silu(g):
+    return g / (np.float32(1.0) + np.exp(-g))
+
+
+@njit(inline="always", **_FLAGS)
+def _fused_moe(fmt, x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y):
+    """y[t] += Σ_k route_weights[t*K+k] · down_e(silu(gate_e x_t) ⊙ up_e x_t), e = ids[t*K+k],
+    ids < 0 skipped. x f32 [T*H], ids int64 [T*K], route_weights f32 [T*K], gate_up / down
+    uint8 (the bank's bytes, [E, 2I, H] / [E, H, I] in format `fmt`), y f32 [T*H].
+    Returns -1, or the first expert id >= num_experts (then y is untouched). `fmt` is a
+    compile-time constant: call it through FUSED_MOE[fmt]."""
+    bad_id, experts, starts, routes = _group_routes(ids, num_experts)
+    if bad_id >= 0:
+        return bad_id
+    block_bytes = BLOCK_BYTES[fmt] if fmt >= 2 else 32 * (4 if fmt == 0 else 2)
+    h_row_bytes = hidden // 32 * block_bytes if fmt >= 2 else hidden * (4 if fmt == 0 else 2)
+    i_row_bytes = inter // 32 * block_bytes if fmt >= 2 else inter * (4 if fmt == 0 else 2)
+    num_routes = starts[-1]
+    x_offs = (routes // top_k) * hidden  # [R] start of each route's token in x
+    act_offs = np.arange(routes.shape[0]) * inter  # [R] start of each route's act row
+    act = np.empty(num_routes * inter, np.float32)  # [R, I] silu(gate) * up per route
+    chunks = (inter + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
+    for item in prange(experts.shape[0] * chunks):
+        u, chunk = item // chunks, item % chunks
+        first, count = starts[u], starts[u + 1] - starts[u]
+        i0 = chunk * ROWS_PER_ITEM
+        rows = min(inter, i0 + ROWS_PER_ITEM) - i0
+        gate, up = np.empty(count * rows, np.float32), np.empty(count * rows, np.float32)
+        gate_off = (experts[u] * 2 * inter + i0) * h_row_bytes
+        up_off = gate_off + inter * h_row_bytes
+        _matmul(fmt, gate_up, gate_off, h_row_bytes, hidden, rows, x, x_offs, first, count, gate)
+        _matmul(fmt, gate_up, up_off, h_row_bytes, hidden, rows, x, x_offs, first, count, up)
+        for c in range(count):
+            for r in range(rows):
+                act[(first + c) * inter + i0 + r] = _silu(gate[c * rows + r]) * up[c * rows + r]
+    max_count = np.max(starts[1:] - starts[:-1]) if num_routes else 0
+    for chunk in prange((hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
+        h0 = chunk * ROWS_PER_ITEM
+        rows = min(hidden, h0 + ROWS_PER_ITEM) - h0
+        out = np.empty(max_count * rows, np.float32)
+        for u in range(experts.shape[0]):
+            first, count = starts[u], starts[u + 1] - starts[u]
+            row_off = (experts[u] * hidden + h0) * i_row_bytes
+            _matmul(fmt, down, row_off, i_row_bytes, inter, rows, act, act_offs, first, count, out)
+            for c in range(count):
+                route = routes[first + c]
+                weight = route_weights[route]
+                for r in range(rows):
+                    y[(route // top_k) * hidden + h0 + r] += weight * out[c * rows + r]
+    return -1
+
+
+# One compiled entry point per format, each with `fmt` a constant (the row_dot intrinsic
+# generates its block loop for one format). Same arguments as _fused_moe, less `fmt`.
+@njit(parallel=True, **_FLAGS)
+def _fused_moe_f32(x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y):
+    return _fused_moe(0, x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y)
+
+
+@njit(parallel=True, **_FLAGS)
+def _fused_moe_bf16(x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y):
+    return _fused_moe(1, x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y)
+
+
+@njit(parallel=True, **_FLAGS)
+def _fused_moe_q8_0(x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y):
+    return _fused_moe(2, x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y)
+
+
+@njit(parallel=True, **_FLAGS)
+def _fused_moe_q4_0(x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y):
+    return _fused_moe(3, x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y)
+
+
+FUSED_MOE = {
+    "f32": _fused_moe_f32,
+    "bf16": _fused_moe_bf16,
+    "q8_0": _fused_moe_q8_0,
+    "q4_0": _fused_moe_q4_0,
+}
+
+# Numba's OpenMP layer streams ~2x faster than its portable 'workqueue' layer here, but an
+# OpenMP team spin-waits after each call by default, and those spinning threads take the
+# cores from the engine's torch threads (measured on 2 cores: layer calls 10x slower while
+# another process ran). Numba's OpenMP runtime is a separate libgomp from torch's, which reads
+# OMP_WAIT_POLICY once when it loads: the pool is started with it set to PASSIVE (unless the
+# user set it), then the variable is restored so child processes' torch is unaffected. The
+# lock keeps any layer safe from concurrent launches (calls would only fight over the cores).
+_LAUNCH_LOCK = threading.Lock()
+_POOL_STARTED: list[bool] = []  # non-empty once _start_pool has run
+
+
+@njit(parallel=True, cache=True)
+def _touch_pool(out):
+    for i in prange(out.shape[0]):
+        out[i] = i
+
+
+def _start_pool() -> None:
+    with env.default_set("OMP_WAIT_POLICY", "PASSIVE"):
+        _touch_pool(np.zeros(max_threads(), np.int64))
+
+
+def max_threads() -> int:
+    """The most threads a kernel call can use (numba's pool size, fixed at import)."""
+    return numba.config.NUMBA_NUM_THREADS
+
+
+def run_fused_moe(fmt: str, threads: int | None, *args) -> int:
+    """FUSED_MOE[fmt](*args) on `threads` threads (None: all of numba's pool). The thread
+    count is per calling thread in numba, so it is set on every call."""
+    kernel = FUSED_MOE[fmt]
+    with _LAUNCH_LOCK:
+        if not _POOL_STARTED:
+            _start_pool()
+            _POOL_STARTED.append(True)
+        numba.set_num_threads(threads or max_threads())
+        # work items handed out one at a time: a thread the OS preempts (another process on
+        # the core) delays the call by one item, not by half the layer
+        numba.set_parallel_chunksize(1)
+        return kernel(*args)

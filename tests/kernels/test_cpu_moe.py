@@ -1,0 +1,180 @@
+"""The fused numba MoE kernel (moe_forward) against the torch reference (bank_moe), for every
+weight format, odd shapes and routing corner cases; its threads and the GIL."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridmoe.kernels.numba_moe import max_threads
+from hybridmoe.moe.cpu_experts import FUSED_MAX_TOKENS, bank_moe, moe_forward
+from hybridmoe.moe.host_banks import HostExpertBank
+from hybridmoe.quant.formats import weight_format
+
+FORMATS = ("f32", "bf16", "q8_0", "q4_0")
+# Both sides compute from the same stored (dequantised) weights in fp32: only the summation
+# order differs, so the tolerance is fp32's, scaled by the output's magnitude.
+FP32_TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def make_bank(fmt: str, experts=8, hidden=64, inter=32, seed=0) -> HostExpertBank:
+    g = torch.Generator().manual_seed(seed)
+    dense = HostExpertBank(
+        torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1,
+        torch.randn(experts, hidden, inter, generator=g) * 0.1,
+    )
+    return dense if fmt == "f32" else dense.converted(weight_format(fmt))
+
+
+def make_routes(tokens: int, top_k: int, experts: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    return ids, weights
+
+
+def x_for(bank: HostExpertBank, tokens: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, bank.hidden_size, generator=g)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 9, 16])
+def test_fused_kernel_matches_reference(fmt: str, tokens: int) -> None:
+    bank = make_bank(fmt)
+    ids, weights = make_routes(tokens, top_k=3, experts=bank.num_experts, seed=tokens)
+    x = x_for(bank, tokens)
+    torch.testing.assert_close(
+        moe_forward(x, ids, weights, bank), bank_moe(x, ids, weights, bank), **FP32_TOL
+    )
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_routing_corner_cases(fmt: str) -> None:
+    bank = make_bank(fmt)
+    x = x_for(bank, 4)
+    weights = torch.rand(4, 2)
+    cases = {
+        "all skipped": torch.full((4, 2), -1),
+        "duplicate ids in a row": torch.tensor([[3, 3], [1, 1], [0, 5], [5, 0]]),
+        "some skipped": torch.tensor([[-1, 2], [2, -1], [-1, -1], [7, 0]]),
+        "one expert for all": torch.full((4, 2), 6),
+    }
+    for name, ids in cases.items():
+        out = moe_forward(x, ids, weights, bank)
+        torch.testing.assert_close(out, bank_moe(x, ids, weights, bank), **FP32_TOL, msg=name)
+    assert not moe_forward(x, cases["all skipped"], weights, bank).any()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_top_k_one_and_many_experts(fmt: str) -> None:
+    bank = make_bank(fmt, experts=40)
+    for tokens, top_k in ((1, 1), (7, 1), (2, 12)):
+        ids, weights = make_routes(tokens, top_k, bank.num_experts, seed=tokens)
+        x = x_for(bank, tokens)
+        expected = bank_moe(x, ids, weights, bank)
+        torch.testing.assert_close(moe_forward(x, ids, weights, bank), expected, **FP32_TOL)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
+@pytest.mark.parametrize(("hidden", "inter"), [(40, 24), (33, 7), (96, 50)])
+def test_dense_rows_with_a_partial_block(fmt: str, hidden: int, inter: int) -> None:
+    bank = make_bank(fmt, hidden=hidden, inter=inter)
+    ids, weights = make_routes(5, 2, bank.num_experts)
+    x = x_for(bank, 5)
+    torch.testing.assert_close(
+        moe_forward(x, ids, weights, bank), bank_moe(x, ids, weights, bank), **FP32_TOL
+    )
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_quantised_rows_must_be_whole_blocks(fmt: str) -> None:
+    with pytest.raises(ValueError, match="hidden_size.*40"):
+        make_bank(fmt, hidden=40, inter=32)
+    with pytest.raises(ValueError, match="moe_intermediate_size.*24"):
+        make_bank(fmt, hidden=64, inter=24)
+
+
+def test_bf16_activations_match_the_reference_in_bf16() -> None:
+    bank = make_bank("bf16").converted(weight_format("bf16"))
+    ids, weights = make_routes(3, 2, bank.num_experts)
+    x = x_for(bank, 3).to(torch.bfloat16)
+    out = moe_forward(x, ids, weights.to(torch.bfloat16), bank)
+    assert out.dtype == torch.bfloat16
+    # the reference rounds every intermediate to bf16, the kernel keeps fp32
+    expected = bank_moe(x, ids, weights.to(torch.bfloat16), bank)
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_prefill_sized_calls_take_the_reference_path() -> None:
+    bank = make_bank("q8_0")
+    tokens = FUSED_MAX_TOKENS + 5
+    ids, weights = make_routes(tokens, 2, bank.num_experts)
+    x = x_for(bank, tokens)
+    torch.testing.assert_close(
+        moe_forward(x, ids, weights, bank), bank_moe(x, ids, weights, bank), **FP32_TOL
+    )
+
+
+def test_out_of_range_id_is_an_index_error() -> None:
+    bank = make_bank("q4_0")
+    x = x_for(bank, 2)
+    with pytest.raises(IndexError, match="expert id 8 out of range.*8 experts"):
+        moe_forward(x, torch.tensor([[0, 8], [1, 2]]), torch.rand(2, 2), bank)
+
+
+def test_result_does_not_depend_on_the_thread_count() -> None:
+    bank = make_bank("q4_0", experts=16, hidden=128, inter=96)
+    ids, weights = make_routes(6, 4, bank.num_experts)
+    x = x_for(bank, 6)
+    results = [moe_forward(x, ids, weights, bank, threads=n) for n in range(1, max_threads() + 1)]
+    for result in results[1:]:
+        assert torch.equal(result, results[0])  # each output row is summed in one fixed order
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_calls_create_no_threads() -> None:
+    bank = make_bank("q8_0")
+    ids, weights = make_routes(2, 2, bank.num_experts)
+    x = x_for(bank, 2)
+    moe_forward(x, ids, weights, bank)  # the pool starts on the first call
+    before = _os_threads()
+    for _ in range(20):
+        moe_forward(x, ids, weights, bank)
+    assert _os_threads() == before
+
+
+def test_the_gil_is_released_while_the_kernel_computes() -> None:
+    """A Python loop on this thread keeps running during one long kernel call on another.
+    Were the GIL held for the call, the loop would stall for the whole call: its longest
+    pause would be the call's duration rather than a small part of it."""
+    bank = make_bank("q8_0", experts=16, hidden=1024, inter=512)
+    ids, weights = make_routes(16, 16, bank.num_experts)  # every token to every expert
+    x = x_for(bank, 16)
+    moe_forward(x, ids, weights, bank, threads=1)  # compile outside the measured call
+    go, call_s = threading.Event(), []
+
+    def call() -> None:
+        go.wait(10)
+        begin = time.perf_counter()
+        moe_forward(x, ids, weights, bank, threads=1)
+        call_s.append(time.perf_counter() - begin)
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    longest_pause, last = 0.0, time.perf_counter()
+    go.set()  # this thread is in its loop before the worker can enter the kernel
+    while worker.is_alive():
+        now = time.perf_counter()
+        longest_pause, last = max(longest_pause, now - last), now
+    worker.join()
+    assert longest_pause < 0.5 * call_s[0], (longest_pause, call_s[0])

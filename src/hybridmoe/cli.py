@@ -1,19 +1,23 @@
-"""Command line: `hybridmoe generate` and `hybridmoe chat`."""
+"""Command line: `hybridmoe generate`, `hybridmoe chat` and `hybridmoe serve`."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.engine.config import DTYPE_CHOICES
 from hybridmoe.errors import HybridMoeError
 from hybridmoe.moe.config import CPU_KERNEL_CHOICES, DECODE_TARGETS, EXPERT_FORMATS, OffloadConfig
+from hybridmoe.server.config import ServerConfig
 
 ENGINE_DEFAULTS = EngineConfig()
 OFFLOAD_DEFAULTS = OffloadConfig()
 SAMPLING_DEFAULTS = SamplingParams()
+SERVER_DEFAULTS = ServerConfig()
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +77,25 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def _add_server_flags(parser: argparse.ArgumentParser) -> None:
+    d = SERVER_DEFAULTS
+    parser.add_argument("--host", default=d.host, help="address to listen on (default: loopback)")
+    parser.add_argument("--port", type=int, default=d.port, help="0 = any free port")
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=d.max_seq_len,
+        help="KV positions per request, prompt + completion "
+        "(default: the model's context window, at most 4096)",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=ENGINE_DEFAULTS.max_batch,
+        help="requests decoded together; each holds a KV-cache row of --max-seq-len positions",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridmoe", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (generate, chat):
         _add_engine_flags(sub)
         _add_sampling_flags(sub)
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_engine_flags(serve)
+    _add_server_flags(serve)
     return parser
 
 
@@ -97,7 +123,9 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def _load_engine(args: argparse.Namespace) -> Engine:
+def _engine_config(
+    args: argparse.Namespace, max_batch: int = ENGINE_DEFAULTS.max_batch
+) -> EngineConfig:
     offload = OffloadConfig(
         decode_target=args.decode_target,
         expert_cache_slots=args.expert_cache_slots,
@@ -108,13 +136,21 @@ def _load_engine(args: argparse.Namespace) -> Engine:
         expert_format=args.expert_format,
         cpu_kernel=args.cpu_kernel,
     )
-    config = EngineConfig(dtype=args.dtype, threads=args.threads, progress=True, offload=offload)
-    model_dir = args.model
-    if model_dir is None:
+    return EngineConfig(
+        dtype=args.dtype, threads=args.threads, max_batch=max_batch, progress=True, offload=offload
+    )
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    if args.model is None:
         from hybridmoe.demo import demo_checkpoint_dir
 
-        model_dir = demo_checkpoint_dir()
-    return Engine.from_pretrained(model_dir, config)
+        return demo_checkpoint_dir()
+    return Path(args.model)
+
+
+def _load_engine(args: argparse.Namespace, max_batch: int = ENGINE_DEFAULTS.max_batch) -> Engine:
+    return Engine.from_pretrained(_model_dir(args), _engine_config(args, max_batch))
 
 
 def _stream(engine: Engine, prompt: str | list[int], params: SamplingParams) -> str:
@@ -157,7 +193,17 @@ def _chat_loop(engine: Engine, args: argparse.Namespace, params: SamplingParams)
         messages.append({"role": "assistant", "content": reply})
 
 
-COMMANDS = {"generate": run_generate, "chat": run_chat}
+def run_serve(args: argparse.Namespace) -> None:
+    from hybridmoe.server.run import serve  # the web stack, only when serving
+
+    config = ServerConfig(host=args.host, port=args.port, max_seq_len=args.max_seq_len)
+    model_dir = _model_dir(args)
+    model_id = Path(os.path.abspath(model_dir)).name  # clients name the model by its directory
+    with _load_engine(args, args.max_batch) as engine:
+        serve(engine, config, model_id)
+
+
+COMMANDS = {"generate": run_generate, "chat": run_chat, "serve": run_serve}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

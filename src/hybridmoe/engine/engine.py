@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
+from hybridmoe.engine import steps
 from hybridmoe.engine.config import EngineConfig
 from hybridmoe.engine.kv_cache import KVCache
 from hybridmoe.engine.moe_runtime import create_moe_runtime
-from hybridmoe.engine.sampling import SamplingParams, sample_batch
+from hybridmoe.engine.sampling import SamplingParams
 from hybridmoe.engine.sequence import Completion, Sequence
 from hybridmoe.engine.stats import GenerationStats
 from hybridmoe.errors import CheckpointError
@@ -56,12 +57,12 @@ class Engine:
 
     def generate_ids(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Generated token ids per prompt (EOS included when it ended the sequence)."""
-        seqs = [self._sequence(ids, params, with_text=False) for ids in prompts]
+        seqs = [self.new_sequence(ids, params, with_text=False) for ids in prompts]
         self._run_to_end(seqs)
         return [seq.output_ids for seq in seqs]
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[Completion]:
-        seqs = [self._sequence(self.encode(p), params, with_text=True) for p in prompts]
+        seqs = [self.new_sequence(self.encode(p), params, with_text=True) for p in prompts]
         self._run_to_end(seqs)
         return [seq.completion() for seq in seqs]
 
@@ -70,7 +71,7 @@ class Engine:
 
         `prompt` is text (tokenised with the checkpoint's special tokens) or token ids."""
         ids = self.encode(prompt) if isinstance(prompt, str) else prompt
-        seq = self._sequence(ids, params, with_text=True)
+        seq = self.new_sequence(ids, params, with_text=True)
         for deltas in self._run([seq]):
             if deltas[0]:
                 yield deltas[0]
@@ -88,8 +89,16 @@ class Engine:
 
     # --- the generation loop ---------------------------------------------------------------
 
-    def _sequence(self, prompt_ids: list[int], params: SamplingParams, with_text: bool) -> Sequence:
-        limit = self.model.cfg.max_position_embeddings
+    def new_sequence(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        with_text: bool,
+        max_len: int | None = None,
+    ) -> Sequence:
+        """A fresh Sequence for `prompt_ids`; prompt + output stay below `max_len` (default: the
+        model's context window). Raises ValueError if the prompt alone does not fit."""
+        limit = max_len or self.model.cfg.max_position_embeddings
         if len(prompt_ids) >= limit:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context window is {limit}")
         detok = self.require_tokenizer().incremental_decoder() if with_text else None
@@ -110,7 +119,7 @@ class Engine:
         self.stats = GenerationStats(prompt_tokens=sum(len(s.prompt_ids) for s in seqs))
         self.moe_runtime.reset_stats()
         start = time.perf_counter()
-        yield [self._prefill(seq, row, cache) for row, seq in enumerate(seqs)]
+        yield [steps.prefill(self.model, seq, row, cache) for row, seq in enumerate(seqs)]
         self.stats.prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         while any(not s.finished for s in seqs):
@@ -118,21 +127,11 @@ class Engine:
         self.stats.decode_s = time.perf_counter() - start
         self.stats.experts = self.moe_runtime.stats()
 
-    def _prefill(self, seq: Sequence, row: int, cache: KVCache) -> str:
-        ids = torch.tensor([seq.prompt_ids])  # [1, T]
-        batch = self.model.make_batch(torch.arange(ids.shape[1])[None], [row], cache)
-        logits = self.model.forward(ids, batch)  # [1, V]
-        return seq.append(sample_batch(logits, [seq.sampler])[0])
-
     def _decode_step(self, seqs: list[Sequence], cache: KVCache) -> list[str]:
         rows = [row for row, seq in enumerate(seqs) if not seq.finished]
-        ids = torch.tensor([[seqs[r].output_ids[-1]] for r in rows])  # [B, 1]
-        positions = torch.tensor([[seqs[r].next_position] for r in rows])  # [B, 1]
-        batch = self.model.make_batch(positions, rows, cache, is_decode=True)
-        logits = self.model.forward(ids, batch)  # [B, V]
-        tokens = sample_batch(logits, [seqs[r].sampler for r in rows])
+        live_deltas = steps.decode(self.model, rows, [seqs[r] for r in rows], cache)
         deltas = [""] * len(seqs)
-        for row, token in zip(rows, tokens, strict=True):
-            deltas[row] = seqs[row].append(token)
+        for row, delta in zip(rows, live_deltas, strict=True):
+            deltas[row] = delta
         self.stats.decode_tokens += len(rows)
         return deltas

@@ -41,3 +41,31 @@ class GenerationStats:
             f"fetched/token: {e.fetched / tokens:.2f} | "
             f"copied/token: {e.bytes_copied / tokens / 2**20:.2f} MiB"
         )
+
+
+@dataclass
+class ServingStats:
+    """Counters of a Scheduler since it started; a snapshot when returned by Scheduler.stats()."""
+
+    requests_served: int = 0  # finished normally (stop or length)
+    requests_failed: int = 0  # ended by an error
+    requests_cancelled: int = 0  # dropped because the client went away
+    requests_running: int = 0  # holding a KV-cache row now
+    requests_waiting: int = 0  # queued for a row
+    prompt_tokens: int = 0  # prefilled
+    completion_tokens: int = 0  # sampled, by prefill and decode steps
+    decode_tokens: int = 0  # sampled by decode steps
+    decode_steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    experts: ExpertCacheStats | None = None  # over every decode step; None when unused
+
+    @property
+    def decode_tok_per_s(self) -> float:
+        """Aggregate decode throughput while decoding: tokens of all requests per step second."""
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def mean_batch(self) -> float:
+        """Average number of sequences one decode step advanced."""
+        return self.decode_tokens / self.decode_steps if self.decode_steps else 0.0

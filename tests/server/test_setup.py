@@ -1,0 +1,87 @@
+"""Server configuration and request preparation, in-process: config validation, the context
+window, a checkpoint without a chat template, and `serve` refusing bad flags."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from hybridmoe.engine import Engine, EngineConfig, SamplingParams
+from hybridmoe.engine.scheduler import Scheduler
+from hybridmoe.moe.config import OffloadConfig
+from hybridmoe.server.app import stats_body
+from hybridmoe.server.config import DEFAULT_MAX_SEQ_LEN, ServerConfig
+from hybridmoe.server.errors import ApiError
+from hybridmoe.server.generation import ServedModel, start_chat
+from hybridmoe.server.protocol import ChatCompletionRequest
+
+
+@pytest.mark.parametrize(
+    ("fields", "word"),
+    [({"port": 70000}, "port"), ({"max_seq_len": 1}, "max_seq_len"), ({"host": ""}, "host")],
+)
+def test_server_config_refuses_bad_values(fields, word):
+    with pytest.raises(ValueError, match=word):
+        ServerConfig(**fields)
+
+
+def test_max_seq_len_defaults_to_the_context_window_capped():
+    assert ServerConfig().resolve_max_seq_len(2048) == 2048
+    assert ServerConfig().resolve_max_seq_len(32768) == DEFAULT_MAX_SEQ_LEN
+    assert ServerConfig(max_seq_len=512).resolve_max_seq_len(2048) == 512
+    with pytest.raises(ValueError, match="context window"):
+        ServerConfig(max_seq_len=4096).resolve_max_seq_len(2048)
+
+
+def test_chat_on_a_checkpoint_without_a_template_is_a_400(demo_variant):
+    engine = Engine.from_pretrained(demo_variant(skip=("tokenizer_config.json",)))
+    served = ServedModel("m", engine, Scheduler(engine, max_seq_len=64), created=0)
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(ApiError) as caught:
+        start_chat(served, request)
+    assert (caught.value.status, caught.value.param) == (400, "messages")
+    assert "chat_template" in caught.value.message
+
+
+def run_serve(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "hybridmoe", "serve", *args]
+    return subprocess.run(command, capture_output=True, encoding="utf-8", timeout=300)
+
+
+def test_serve_refuses_max_seq_len_beyond_the_model(demo_checkpoint):
+    result = run_serve("--model", str(demo_checkpoint), "--max-seq-len", "100000", "--port", "0")
+    assert result.returncode == 2
+    assert "max_seq_len 100000" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_reports_a_port_in_use(demo_checkpoint):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_serve("--model", str(demo_checkpoint), "--port", str(port))
+    assert result.returncode == 2
+    assert "address already in use" in result.stderr and "did not start" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_stats_report_the_expert_cache_when_hybrid(demo_checkpoint):
+    # The torch CPU kernel: no JIT compile, and the kernel is not what this test is about.
+    offload = OffloadConfig(decode_target="hybrid", expert_cache_ratio=0.25, cpu_kernel="torch")
+    with Engine.from_pretrained(demo_checkpoint, EngineConfig(offload=offload)) as engine:
+        served = ServedModel("m", engine, Scheduler(engine, max_seq_len=64), created=0)
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        for prompt in ("def f(x):", "hello"):
+            served.scheduler.submit(engine.encode(prompt), params, lambda output: None)
+        while not served.scheduler.idle:
+            served.scheduler.step()
+        body = stats_body(served)
+    assert body["decode_target"] == "hybrid"
+    assert (body["requests_served"], body["completion_tokens"]) == (2, 16)
+    experts = body["experts"]
+    assert set(experts) == {"hit_rate", "cpu_route_share", "fetched_per_token"}
+    assert 0 <= experts["hit_rate"] <= 1 and 0 < experts["cpu_route_share"] <= 1
+    assert experts["fetched_per_token"] >= 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +16,15 @@ def cache_dir() -> Path:
         return Path(explicit)
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "hybridmoe"
+
+
+def kernel_cache_dir(*sources: str | Path) -> Path:
+    """Where compiled CPU kernels are cached: under $NUMBA_CACHE_DIR if set, else cache_dir(),
+    in a directory named by a hash of the kernels' source files (a changed source never
+    meets code compiled from the old one)."""
+    digest = hashlib.sha256(b"".join(Path(s).read_bytes() for s in sources)).hexdigest()[:16]
+    root = os.environ.get("NUMBA_CACHE_DIR")
+    return (Path(root) if root else cache_dir() / "numba") / digest
 
 
 def hybrid_overlap() -> bool:

@@ -16,10 +16,17 @@ import numpy as np
 from numba import njit, prange
 
 from hybridmoe import env
+from hybridmoe.kernels import numba_simd
 from hybridmoe.kernels.numba_simd import BLOCK_BYTES, load_weight, tile_dot
 
 ROWS_PER_ITEM = 16  # weight rows per parallel work item
 _FLAGS = dict(nogil=True, cache=True, fastmath={"contract", "arcp"})
+
+# Numba keys its on-disk cache on this file's timestamp only, so a changed numba_simd.py would
+# reuse stale machine code. The kernels of this module are cached in a directory named by a
+# hash of both sources instead (numba picks the directory when a function is decorated).
+_previous_cache_dir = numba.config.CACHE_DIR
+numba.config.CACHE_DIR = str(env.kernel_cache_dir(__file__, numba_simd.__file__))
 
 
 @njit(**_FLAGS)
@@ -237,3 +244,6 @@ def run_fused_moe(fmt: str, threads: int | None, *args) -> int:
         # the core) delays the call by one item, not by half the layer
         numba.set_parallel_chunksize(1)
         return kernel(*args)
+
+
+numba.config.CACHE_DIR = _previous_cache_dir  # every cached function above is decorated

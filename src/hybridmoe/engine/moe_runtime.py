@@ -88,10 +88,9 @@ def create_moe_runtime(
 def _adopt_banks(
     layers: list, config: OffloadConfig, dtype: torch.dtype, progress: bool
 ) -> list[HostExpertBank]:
-    fmt = weight_format(config.expert_format) if config.expert_format else dense_format(dtype)
-    if config.decode_target == "gpu" and fmt == dense_format(dtype):
-        return []
-    if fmt == dense_format(dtype):
-        return [layer.adopt_bank() for layer in layers]
+    native = dense_format(dtype)
+    fmt = weight_format(config.expert_format) if config.expert_format else native
+    if fmt == native:
+        return [] if config.decode_target == "gpu" else [layer.adopt_bank() for layer in layers]
     bar = tqdm(layers, desc=f"experts -> {fmt.name}", unit="layer", disable=not progress)
     return [layer.adopt_bank(fmt) for layer in bar]

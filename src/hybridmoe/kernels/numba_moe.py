@@ -9,6 +9,7 @@ thread pool persists across calls. Arrays are flat; weights are the bank's raw b
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numba
@@ -114,7 +115,7 @@ def _matmul(fmt, w, w_off, row_bytes, n, nrows, x, x_offs, first, count, out):
             c += xrows
         r += wrows
     if fmt <= 1:  # dense rows may end in a partial block; quantised rows are whole blocks
-        size = 4 if fmt == 0 else 2
+        size = BLOCK_BYTES[fmt] // 32  # bytes per weight
         for r in range(nrows):
             for j in range(blocks * 32, n):
                 weight = load_weight(fmt, w, w_off + r * row_bytes + j * size)
@@ -137,9 +138,8 @@ def _fused_moe(fmt, x, ids, route_weights, gate_up, down, hidden, inter, num_exp
     bad_id, experts, starts, routes = _group_routes(ids, num_experts)
     if bad_id >= 0:
         return bad_id
-    block_bytes = BLOCK_BYTES[fmt] if fmt >= 2 else 32 * (4 if fmt == 0 else 2)
-    h_row_bytes = hidden // 32 * block_bytes if fmt >= 2 else hidden * (4 if fmt == 0 else 2)
-    i_row_bytes = inter // 32 * block_bytes if fmt >= 2 else inter * (4 if fmt == 0 else 2)
+    # a row of n weights takes n * BLOCK_BYTES / 32 bytes: whole blocks when quantised
+    h_row_bytes, i_row_bytes = hidden * BLOCK_BYTES[fmt] // 32, inter * BLOCK_BYTES[fmt] // 32
     num_routes = starts[-1]
     x_offs = (routes // top_k) * hidden  # [R] start of each route's token in x
     act_offs = np.arange(routes.shape[0]) * inter  # [R] start of each route's act row
@@ -175,7 +175,7 @@ def _fused_moe(fmt, x, ids, route_weights, gate_up, down, hidden, inter, num_exp
     return -1
 
 
-# One compiled entry point per format, each with `fmt` a constant (the row_dot intrinsic
+# One compiled entry point per format, each with `fmt` a constant (the tile_dot intrinsic
 # generates its block loop for one format). Same arguments as _fused_moe, less `fmt`.
 @njit(parallel=True, **_FLAGS)
 def _fused_moe_f32(x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y):
@@ -212,7 +212,6 @@ FUSED_MOE = {
 # user set it), then the variable is restored so child processes' torch is unaffected. The
 # lock keeps any layer safe from concurrent launches (calls would only fight over the cores).
 _LAUNCH_LOCK = threading.Lock()
-_POOL_STARTED: list[bool] = []  # non-empty once _start_pool has run
 
 
 @njit(parallel=True, cache=True)
@@ -221,6 +220,7 @@ def _touch_pool(out):
         out[i] = i
 
 
+@functools.cache  # once per process
 def _start_pool() -> None:
     with env.default_set("OMP_WAIT_POLICY", "PASSIVE"):
         _touch_pool(np.zeros(max_threads(), np.int64))
@@ -236,9 +236,7 @@ def run_fused_moe(fmt: str, threads: int | None, *args) -> int:
     count is per calling thread in numba, so it is set on every call."""
     kernel = FUSED_MOE[fmt]
     with _LAUNCH_LOCK:
-        if not _POOL_STARTED:
-            _start_pool()
-            _POOL_STARTED.append(True)
+        _start_pool()
         numba.set_num_threads(threads or max_threads())
         # work items handed out one at a time: a thread the OS preempts (another process on
         # the core) delays the call by one item, not by half the layer

@@ -8,7 +8,7 @@ activation block is loaded once for all weight rows. Nothing is written to memor
 end of the rows, and the weight bytes are prefetched ahead of use.
 
 Every format is read from a flat uint8 array at a byte offset; the activations are a flat
-float32 array. Formats (codes match FORMAT_CODES): f32, bf16 (32 weights = 128 / 64 bytes)
+float32 array. Formats, by code 0..3: f32, bf16 (32 weights = 128 / 64 bytes)
 and GGUF's q8_0 / q4_0 blocks (34 / 18 bytes: fp16 scale, then int8 / 4-bit values).
 """
 
@@ -19,9 +19,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-FORMAT_CODES = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_0": 3}
-BLOCK_BYTES = (128, 64, 34, 18)  # per 32-weight block, by format code
-MAX_ROWS = 4  # activation rows one call accumulates in registers
+BLOCK_BYTES = (128, 64, 34, 18)  # per 32-weight block, by format code: f32, bf16, q8_0, q4_0
 # (weight rows, activation rows) of a tile_dot call: at most 8 <32 x float> accumulators,
 # which with the dequantised blocks and activations fit AVX-512's 32 vector registers
 TILES = ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2), (1, 3), (2, 3), (1, 4), (2, 4))
@@ -182,8 +180,8 @@ def tile_dot(
     x[x_offs[first + c] + 32 b : ... + 32] for r < wrows, c < xrows, over `nblocks` 32-weight
     blocks; weight row r starts at byte w_off + r * row_bytes of `weights`.
 
-    `fmt` (a FORMAT_CODES value), `wrows` and `xrows` are compile-time constants; TILES lists
-    the (wrows, xrows) pairs that fit the vector registers."""
+    `fmt` (a format code, see BLOCK_BYTES), `wrows` and `xrows` are compile-time constants;
+    TILES lists the (wrows, xrows) pairs that fit the vector registers."""
     literals = (fmt, wrows, xrows)
     if not all(isinstance(v, types.IntegerLiteral) for v in literals):
         return None

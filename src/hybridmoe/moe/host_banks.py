@@ -10,7 +10,7 @@ cache slots are a bank too, in the same format as the host banks they copy from.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -62,7 +62,7 @@ class HostExpertBank:
             )
         return self._byte_views
 
-    def converted(self, fmt: WeightFormat, progress: Callable[[int], None] | None = None):
+    def converted(self, fmt: WeightFormat) -> HostExpertBank:
         """A new bank holding these experts in `fmt`, converted one expert at a time (peak
         extra memory: one expert in float32). ValueError if H or I is not a whole number of
         fmt's blocks."""
@@ -79,8 +79,6 @@ class HostExpertBank:
         for expert in range(num):
             gate_up[expert] = fmt.quantize(self.gate_up_weights(expert, torch.float32))
             down[expert] = fmt.quantize(self.down_weights(expert, torch.float32))
-            if progress is not None:
-                progress(1)
         return HostExpertBank(gate_up, down, fmt)
 
     def empty_slots(self, num_slots: int, device: torch.device | str) -> HostExpertBank:

@@ -219,7 +219,10 @@ def _check_banks(banks: Sequence[HostExpertBank]) -> None:
         raise ValueError("OffloadMoeCache needs one HostExpertBank per MoE layer; got none")
     first = banks[0]
     num_experts, two_inter, _ = first.gate_up.shape
-    if first.down.shape[0] != num_experts or two_inter % 2:
+    hidden, inter = first.hidden_size, first.intermediate_size
+    logical = ((num_experts, 2 * inter, hidden), (num_experts, hidden, inter))
+    stored = tuple(first.fmt.stored_shape(shape) for shape in logical)
+    if (first.gate_up.shape, first.down.shape) != stored or two_inter % 2:
         raise ValueError(
             f"layer 0: bank gate_up {tuple(first.gate_up.shape)} [E, 2I, H] does not match "
             f"down {tuple(first.down.shape)} [E, H, I]"

@@ -11,7 +11,14 @@ from pathlib import Path
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.engine.config import DTYPE_CHOICES
 from hybridmoe.errors import HybridMoeError
-from hybridmoe.moe.config import CPU_KERNEL_CHOICES, DECODE_TARGETS, EXPERT_FORMATS, OffloadConfig
+from hybridmoe.moe.config import (
+    CPU_KERNEL_CHOICES,
+    DECODE_TARGETS,
+    EXPERT_FORMATS,
+    PREFILL_CHOICES,
+    OffloadConfig,
+)
+from hybridmoe.platform.base import DEVICE_HELP
 from hybridmoe.server.config import ServerConfig
 
 ENGINE_DEFAULTS = EngineConfig()
@@ -26,7 +33,29 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=ENGINE_DEFAULTS.dtype)
     parser.add_argument("--threads", type=int, default=ENGINE_DEFAULTS.threads)
+    parser.add_argument("--device", default=ENGINE_DEFAULTS.device, help=DEVICE_HELP)
+    parser.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=ENGINE_DEFAULTS.gpu_memory,
+        help="GiB of device memory to use; expert slots fill what the dense weights and KV "
+        "cache leave (default: the device's free memory)",
+    )
     d = OFFLOAD_DEFAULTS
+    parser.add_argument(
+        "--no-pin-memory",
+        action="store_true",
+        help="keep expert banks in pageable host memory (slower fetches; for systems that "
+        "refuse to page-lock that much)",
+    )
+    parser.add_argument(
+        "--prefill",
+        choices=PREFILL_CHOICES,
+        default=d.prefill,
+        help="where prefill's routed experts run: stream layers to the accelerator, the CPU, "
+        "or auto (cpu up to --prefill-cpu-tokens tokens)",
+    )
+    parser.add_argument("--prefill-cpu-tokens", type=int, default=d.prefill_cpu_tokens)
     parser.add_argument(
         "--decode-target",
         choices=DECODE_TARGETS,
@@ -39,7 +68,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--expert-cache-ratio",
         type=float,
         default=d.expert_cache_ratio,
-        help="expert cache size as a share of all routed experts",
+        help="expert cache size as a share of all routed experts (default: 0.25 on the cpu "
+        "device; on an accelerator, as many as --gpu-memory leaves room for)",
     )
     parser.add_argument(
         "--max-fetch", type=int, default=d.max_fetch, help="hybrid: misses fetched per layer"
@@ -124,7 +154,9 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _engine_config(
-    args: argparse.Namespace, max_batch: int = ENGINE_DEFAULTS.max_batch
+    args: argparse.Namespace,
+    max_batch: int = ENGINE_DEFAULTS.max_batch,
+    max_seq_len: int | None = None,
 ) -> EngineConfig:
     offload = OffloadConfig(
         decode_target=args.decode_target,
@@ -135,9 +167,19 @@ def _engine_config(
         cpu_threads=args.cpu_threads,
         expert_format=args.expert_format,
         cpu_kernel=args.cpu_kernel,
+        pin_memory=not args.no_pin_memory,
+        prefill=args.prefill,
+        prefill_cpu_tokens=args.prefill_cpu_tokens,
     )
     return EngineConfig(
-        dtype=args.dtype, threads=args.threads, max_batch=max_batch, progress=True, offload=offload
+        dtype=args.dtype,
+        threads=args.threads,
+        max_batch=max_batch,
+        progress=True,
+        offload=offload,
+        device=args.device,
+        gpu_memory=args.gpu_memory,
+        max_seq_len=max_seq_len,
     )
 
 
@@ -149,8 +191,13 @@ def _model_dir(args: argparse.Namespace) -> Path:
     return Path(args.model)
 
 
-def _load_engine(args: argparse.Namespace, max_batch: int = ENGINE_DEFAULTS.max_batch) -> Engine:
-    return Engine.from_pretrained(_model_dir(args), _engine_config(args, max_batch))
+def _load_engine(
+    args: argparse.Namespace,
+    max_batch: int = ENGINE_DEFAULTS.max_batch,
+    max_seq_len: int | None = None,
+) -> Engine:
+    config = _engine_config(args, max_batch, max_seq_len)
+    return Engine.from_pretrained(_model_dir(args), config)
 
 
 def _stream(engine: Engine, prompt: str | list[int], params: SamplingParams) -> str:
@@ -199,7 +246,7 @@ def run_serve(args: argparse.Namespace) -> None:
     config = ServerConfig(host=args.host, port=args.port, max_seq_len=args.max_seq_len)
     model_dir = _model_dir(args)
     model_id = Path(os.path.abspath(model_dir)).name  # clients name the model by its directory
-    with _load_engine(args, args.max_batch) as engine:
+    with _load_engine(args, args.max_batch, args.max_seq_len) as engine:
         serve(engine, config, model_id)
 
 

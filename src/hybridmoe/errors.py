@@ -15,3 +15,11 @@ class UnsupportedConfigError(CheckpointError):
 
 class CpuExpertError(HybridMoeError, RuntimeError):
     """The CPU worker failed while computing a layer's expert routes; the cause is chained."""
+
+
+class PinnedMemoryError(HybridMoeError, RuntimeError):
+    """The system refused to page-lock host memory for the expert banks."""
+
+
+class DeviceMemoryError(HybridMoeError, ValueError):
+    """What was asked for does not fit in the accelerator's memory budget."""

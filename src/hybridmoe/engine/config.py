@@ -14,6 +14,12 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 for bf16 checkpoints, float32 otherwise
     threads: int | None = None  # torch intra-op threads; None: torch's default
     max_batch: int = 16  # sequences decoded together
+    device: str = "auto"  # platform/base.py DEVICE_HELP: auto, cpu, cuda, cuda:N
+    # GiB of device memory hybridmoe may use (dense weights, KV cache, expert slots); None:
+    # what is free at load on an accelerator, no limit on the cpu device
+    gpu_memory: float | None = None
+    max_seq_len: int | None = None  # longest sequence the KV cache is planned for; None: the
+    # context window, at most 4096
     progress: bool = False  # progress bar while loading weights
     offload: OffloadConfig = field(default_factory=OffloadConfig)  # where experts decode
 
@@ -24,3 +30,7 @@ class EngineConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.gpu_memory is not None and not self.gpu_memory > 0:
+            raise ValueError(f"gpu_memory must be > 0 GiB, got {self.gpu_memory}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")

@@ -12,6 +12,7 @@ from hybridmoe.engine import steps
 from hybridmoe.engine.config import EngineConfig
 from hybridmoe.engine.kv_cache import KVCache
 from hybridmoe.engine.moe_runtime import create_moe_runtime
+from hybridmoe.engine.placement import plan_device_memory
 from hybridmoe.engine.sampling import SamplingParams
 from hybridmoe.engine.sequence import Completion, Sequence
 from hybridmoe.engine.stats import GenerationStats
@@ -19,12 +20,22 @@ from hybridmoe.errors import CheckpointError
 from hybridmoe.loader.checkpoint import load_model, parse_dtype
 from hybridmoe.loader.tokenizer import Tokenizer
 from hybridmoe.models.transformer import MoeCausalLM
+from hybridmoe.platform.base import create_platform
 
 
 class Engine:
     def __init__(self, model: MoeCausalLM, tokenizer: Tokenizer | None, config: EngineConfig):
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.moe_runtime = create_moe_runtime(model, config.offload, progress=config.progress)
+        platform = create_platform(config.device)
+        try:
+            memory = plan_device_memory(model, config, platform)
+            self.moe_runtime = create_moe_runtime(
+                model, config.offload, platform, config.progress, memory
+            )
+        except BaseException:
+            platform.close()
+            raise
+        model.to(platform.device)
         self.eos_ids = frozenset(model.cfg.eos_token_ids) | (
             tokenizer.eos_token_ids if tokenizer else frozenset()
         )
@@ -115,7 +126,7 @@ class Engine:
         if len(seqs) > self.config.max_batch:
             raise ValueError(f"{len(seqs)} prompts exceed max_batch={self.config.max_batch}")
         max_len = max(min(len(s.prompt_ids) + s.params.max_tokens, s.max_len) for s in seqs)
-        cache = KVCache(self.model.cfg, len(seqs), max_len, self.model.dtype)
+        cache = KVCache(self.model.cfg, len(seqs), max_len, self.model.dtype, self.model.device)
         self.stats = GenerationStats(prompt_tokens=sum(len(s.prompt_ids) for s in seqs))
         self.moe_runtime.reset_stats()
         start = time.perf_counter()

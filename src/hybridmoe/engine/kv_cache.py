@@ -9,11 +9,24 @@ from hybridmoe.models.config import ModelConfig
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, rows: int, max_len: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rows: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         shape = (rows, cfg.num_kv_heads, max_len, cfg.head_dim)
         self.max_len = max_len
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+
+    @staticmethod
+    def nbytes(cfg: ModelConfig, rows: int, max_len: int, dtype: torch.dtype) -> int:
+        """Bytes a cache of `rows` x `max_len` positions takes (for memory planning)."""
+        per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+        return rows * max_len * per_position
 
     def update(
         self, layer_idx: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor

@@ -76,7 +76,8 @@ class Scheduler:
             )
         self.engine, self.max_seq_len = engine, max_seq_len
         self.max_batch = engine.config.max_batch
-        self.cache = KVCache(engine.model.cfg, self.max_batch, max_seq_len, engine.model.dtype)
+        model = engine.model
+        self.cache = KVCache(model.cfg, self.max_batch, max_seq_len, model.dtype, model.device)
         self.free_rows = list(range(self.max_batch))  # a min-heap: low rows keep batches dense
         self.running: dict[int, ScheduledRequest] = {}  # KV row -> request
         self.waiting: deque[ScheduledRequest] = deque()

@@ -54,6 +54,19 @@ class Attention:
         )  # [B, heads, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, cfg.q_size))
 
+    def to(self, device: torch.device) -> None:
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            linear.to(device)
+        self.q_norm = None if self.q_norm is None else self.q_norm.to(device)
+        self.k_norm = None if self.k_norm is None else self.k_norm.to(device)
+
+    def dense_tensors(self) -> list[torch.Tensor]:
+        """The weights to() moves."""
+        found = [t for t in (self.q_norm, self.k_norm) if t is not None]
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            found += linear.dense_tensors()
+        return found
+
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)

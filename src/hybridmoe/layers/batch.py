@@ -42,7 +42,7 @@ def build_attention_mask(
             return None, False  # one query sees every key stored so far
         if tokens == kv_len:  # the positions are 0..T-1: one sequence from its start
             return None, True
-    key_pos = torch.arange(kv_len)  # [S]
+    key_pos = torch.arange(kv_len, device=positions.device)  # [S]
     query_pos = positions[:, None, :, None]  # [B, 1, T, 1]
     mask = key_pos <= query_pos
     if sliding_window is not None:

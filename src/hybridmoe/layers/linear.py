@@ -23,6 +23,13 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def to(self, device: torch.device) -> None:
+        self.weight = self.weight.to(device)
+        self.bias = None if self.bias is None else self.bias.to(device)
+
+    def dense_tensors(self) -> list[torch.Tensor]:
+        return [self.weight] if self.bias is None else [self.weight, self.bias]
+
 
 class GatedMLP:
     """SwiGLU MLP: down(silu(gate x) * up x)."""
@@ -48,3 +55,10 @@ class GatedMLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
+
+    def to(self, device: torch.device) -> None:
+        for linear in (self.gate, self.up, self.down):
+            linear.to(device)
+
+    def dense_tensors(self) -> list[torch.Tensor]:
+        return [t for linear in (self.gate, self.up, self.down) for t in linear.dense_tensors()]

@@ -11,16 +11,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridmoe.kernels.torch_moe import gathered_moe
 from hybridmoe.layers.linear import GatedMLP, Linear
 from hybridmoe.loader.weights import WeightSource, release_pages
 from hybridmoe.models.config import ModelConfig
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
-from hybridmoe.moe.cpu_experts import bank_moe
+from hybridmoe.moe.cpu_experts import FUSED_MAX_TOKENS, bank_moe
 from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.moe.hybrid_decode import HybridDecodeRequest
 from hybridmoe.moe.offload_cache import OffloadMoeCache
+from hybridmoe.moe.prefill import ExpertPrefill
 from hybridmoe.moe.routing import combine_experts, route
-from hybridmoe.quant.formats import WeightFormat
+from hybridmoe.quant.formats import WeightFormat, dense_format
+
+GATHER_MAX_TOKENS = FUSED_MAX_TOKENS  # decode batches up to this size gather on an accelerator
 
 
 @dataclass
@@ -105,17 +109,37 @@ class OffloadMoELayer:
         self.bank: HostExpertBank | None = None
         self.cache: OffloadMoeCache | None = None
         self.cpu_executor: CpuMoeExecutor | None = None
+        self.prefill: ExpertPrefill | None = None  # prefill experts when not resident
 
-    def adopt_bank(self, fmt: WeightFormat | None = None) -> HostExpertBank:
+    def to(self, device: torch.device) -> None:
+        """Moves the router and the shared expert; the routed experts are the runtime's."""
+        self.router.to(device)
+        if self.shared_expert is not None:
+            self.shared_expert.to(device)
+            self.shared_expert_gate.to(device)
+
+    def dense_tensors(self) -> list[torch.Tensor]:
+        """The weights to() moves."""
+        found = self.router.dense_tensors()
+        if self.shared_expert is not None:
+            found += self.shared_expert.dense_tensors() + self.shared_expert_gate.dense_tensors()
+        return found
+
+    def adopt_bank(
+        self, fmt: WeightFormat | None = None, drop_experts: bool = False
+    ) -> HostExpertBank:
         """Move this layer's experts into a stacked host bank in `fmt` (None: their dtype).
-        A bank in their own dtype re-points the ExpertWeights at views of it; a converted bank
-        replaces them (`experts` becomes None and every path computes from the bank)."""
+        A bank in their own dtype re-points the ExpertWeights at views of it, unless
+        `drop_experts`; a converted bank replaces them (`experts` becomes None and every path
+        computes from the bank)."""
         old = self.experts
         bank = HostExpertBank.stack(old.gate, old.up, old.down)
         release_pages(old.gate + old.up + old.down)  # the bank is now their only copy
         if fmt is not None and fmt != bank.fmt:
-            self.bank, self.experts = bank.converted(fmt), None
-            return self.bank
+            bank = bank.converted(fmt)
+        if drop_experts or bank.fmt != dense_format(old.gate[0].dtype):
+            self.bank, self.experts = bank, None
+            return bank
         inter = bank.intermediate_size
         self.experts.gate = list(bank.gate_up[:, :inter])
         self.experts.up = list(bank.gate_up[:, inter:])
@@ -128,8 +152,10 @@ class OffloadMoELayer:
         decode_target: str,
         cache: OffloadMoeCache | None = None,
         cpu_executor: CpuMoeExecutor | None = None,
+        prefill: ExpertPrefill | None = None,
     ) -> None:
         self.decode_target, self.cache, self.cpu_executor = decode_target, cache, cpu_executor
+        self.prefill = prefill
 
     def __call__(self, x: torch.Tensor, is_decode: bool = False) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]."""
@@ -137,6 +163,8 @@ class OffloadMoELayer:
         topk_ids, topk_weights = route(self.router(flat), self.cfg.top_k, self.cfg.norm_topk_prob)
         if is_decode:
             out = self._decode_experts(flat, topk_ids, topk_weights)
+        elif self.prefill is not None:
+            out = self.prefill(self.moe_idx, flat, topk_ids, topk_weights)
         elif self.experts is None:  # the experts live only in a converted bank
             out = bank_moe(flat, topk_ids, topk_weights, self.bank)
         else:
@@ -185,6 +213,9 @@ class OffloadMoELayer:
     def _expert_gemm(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, bank: HostExpertBank
     ) -> torch.Tensor:
-        """Expert math on stacked weights of any format (quantised experts are dequantised to
-        x's dtype one at a time); the accelerator's expert kernel."""
+        """Expert math on stacked weights of any format, on the bank's device; the accelerator's
+        expert kernel. On an accelerator, decode's few routes take `gathered_moe` (no host
+        sync, the same kernels whatever the routing); otherwise the grouped reference."""
+        if x.device.type != "cpu" and x.shape[0] <= GATHER_MAX_TOKENS:
+            return gathered_moe(x, ids, weights, bank)
         return bank_moe(x, ids, weights, bank)

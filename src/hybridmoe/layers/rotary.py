@@ -77,6 +77,9 @@ class RotaryEmbedding:
     def __init__(self, rope: RopeConfig, head_dim: int):
         self.inv_freq, self.attention_factor = _ROPE_TYPES[rope.rope_type](rope, head_dim)
 
+    def to(self, device: torch.device) -> None:
+        self.inv_freq = self.inv_freq.to(device)
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """positions [B, T] int -> cos, sin [B, T, D] in dtype."""
         freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]

@@ -33,6 +33,13 @@ class DecoderLayer:
         else:
             self.mlp = GatedMLP.load(source, f"{prefix}.mlp", hidden, cfg.intermediate_size)
 
+    def to(self, device: torch.device) -> None:
+        """Moves the dense weights (routed experts stay where the MoE runtime put them)."""
+        self.input_norm = self.input_norm.to(device)
+        self.post_attention_norm = self.post_attention_norm.to(device)
+        self.attn.to(device)
+        self.mlp.to(device)
+
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = x + self.attn(rms_norm(x, self.input_norm, self.eps), batch)
         h = rms_norm(x, self.post_attention_norm, self.eps)
@@ -55,6 +62,27 @@ class MoeCausalLM:
         tied = cfg.tie_word_embeddings or not source.has("lm_head.weight")
         self.lm_head = self.embed if tied else source.get("lm_head.weight", embed_shape)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+        self.device = torch.device("cpu")
+
+    def to(self, device: torch.device) -> None:
+        """Moves every dense weight to `device`: embeddings, attention, norms, dense MLPs,
+        routers and shared experts. Routed experts are the MoE runtime's (engine/moe_runtime)."""
+        tied = self.lm_head is self.embed
+        self.embed = self.embed.to(device)
+        self.lm_head = self.embed if tied else self.lm_head.to(device)
+        self.norm = self.norm.to(device)
+        self.rotary.to(device)
+        for layer in self.layers:
+            layer.to(device)
+        self.device = torch.device(device)
+
+    def dense_nbytes(self) -> int:
+        """Bytes of every weight to() moves (the tied head counted once)."""
+        found = [self.embed, self.lm_head, self.norm]
+        for layer in self.layers:
+            found += [layer.input_norm, layer.post_attention_norm]
+            found += layer.attn.dense_tensors() + layer.mlp.dense_tensors()
+        return sum(t.nbytes for t in {id(t): t for t in found}.values())
 
     @property
     def moe_layers(self) -> list[OffloadMoELayer]:
@@ -64,9 +92,10 @@ class MoeCausalLM:
         self, positions: torch.Tensor, rows: list[int], kv: KVStore | None, is_decode: bool = False
     ) -> ForwardBatch:
         kv_len = int(positions.max()) + 1
+        positions = positions.to(self.device)
         mask, is_causal = build_attention_mask(positions, kv_len, self.cfg.sliding_window)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        row_index = torch.tensor(rows)
+        row_index = torch.tensor(rows, device=self.device)
         return ForwardBatch(
             positions, rows, row_index, kv_len, mask, is_causal, cos, sin, kv, is_decode
         )
@@ -75,13 +104,15 @@ class MoeCausalLM:
     def forward(
         self, input_ids: torch.Tensor, batch: ForwardBatch, last_only: bool = True
     ) -> torch.Tensor:
-        """input_ids [B, T] -> float32 logits [B, V] (last token) or [B, T, V]."""
-        x = F.embedding(input_ids, self.embed)  # [B, T, H]
+        """input_ids [B, T] -> float32 logits [B, V] (last token) or [B, T, V], in host
+        memory (where sampling runs)."""
+        x = F.embedding(input_ids.to(self.device), self.embed)  # [B, T, H]
         for layer in self.layers:
             x = layer(x, batch)
         if last_only:
             x = x[:, -1]
-        return F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        logits = F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head)
+        return logits.float().cpu()
 
     def logits(self, input_ids: list[int]) -> torch.Tensor:
         """[T, V] float32 logits of a fresh sequence; no state is kept."""

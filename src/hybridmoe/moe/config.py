@@ -7,6 +7,8 @@ from dataclasses import dataclass
 DECODE_TARGETS = ("gpu", "offload", "cpu", "hybrid")
 CPU_KERNEL_CHOICES = ("numba", "torch")
 EXPERT_FORMATS = ("f32", "bf16", "q8_0", "q4_0")  # GGUF's names; see quant/formats.py
+PREFILL_CHOICES = ("auto", "stream", "cpu")  # see moe/prefill.py
+DEFAULT_CACHE_RATIO = 0.25
 
 
 @dataclass(frozen=True)
@@ -15,8 +17,10 @@ class OffloadConfig:
     # cpu: every routed expert on the CPU; hybrid: cache hits on the accelerator, misses on
     # the CPU except up to `max_fetch` fetched per layer call.
     decode_target: str = "gpu"
-    expert_cache_slots: int | None = None  # slots in the shared expert cache; None: use ratio
-    expert_cache_ratio: float = 0.25  # share of all routed experts the cache holds
+    # slots in the shared expert cache; None: expert_cache_ratio of all routed experts, or,
+    # when neither is given and device memory is planned (engine/placement.py), all that fit
+    expert_cache_slots: int | None = None
+    expert_cache_ratio: float | None = None  # None: DEFAULT_CACHE_RATIO without a memory plan
     max_fetch: int = 1  # misses fetched per layer call in hybrid (0 = never fetch)
     overlap: bool = True  # hybrid: CPU experts overlap the accelerator's work
     cpu_threads: int | None = None  # threads of the CPU expert kernel; None: every usable core
@@ -24,6 +28,14 @@ class OffloadConfig:
     # load from the checkpoint's floats, and every decode target computes with them.
     expert_format: str | None = None
     cpu_kernel: str = "numba"  # CPU expert kernel (moe/cpu_experts.py); torch: the reference
+    # host banks page-locked on an accelerator (fast asynchronous fetches); False: pageable,
+    # only when asked for (when the system refuses to lock that much memory)
+    pin_memory: bool = True
+    # where prefill's routed experts run when they are not all resident (moe/prefill.py):
+    # stream layer banks to the accelerator, compute on the CPU, or auto (cpu for at most
+    # prefill_cpu_tokens tokens, else stream). On the cpu device auto computes from the banks.
+    prefill: str = "auto"
+    prefill_cpu_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.decode_target not in DECODE_TARGETS:
@@ -33,7 +45,7 @@ class OffloadConfig:
             )
         if self.expert_cache_slots is not None and self.expert_cache_slots < 1:
             raise ValueError(f"expert_cache_slots must be >= 1, got {self.expert_cache_slots}")
-        if not 0.0 < self.expert_cache_ratio <= 1.0:
+        if self.expert_cache_ratio is not None and not 0.0 < self.expert_cache_ratio <= 1.0:
             raise ValueError(f"expert_cache_ratio must be in (0, 1], got {self.expert_cache_ratio}")
         if self.max_fetch < 0:
             raise ValueError(f"max_fetch must be >= 0, got {self.max_fetch}")
@@ -44,6 +56,12 @@ class OffloadConfig:
                 f"cpu_kernel must be one of {', '.join(CPU_KERNEL_CHOICES)}, "
                 f"got {self.cpu_kernel!r}"
             )
+        if self.prefill not in PREFILL_CHOICES:
+            raise ValueError(
+                f"prefill must be one of {', '.join(PREFILL_CHOICES)}, got {self.prefill!r}"
+            )
+        if self.prefill_cpu_tokens < 0:
+            raise ValueError(f"prefill_cpu_tokens must be >= 0, got {self.prefill_cpu_tokens}")
         if self.expert_format is not None and self.expert_format not in EXPERT_FORMATS:
             raise ValueError(
                 f"expert_format must be one of {', '.join(EXPERT_FORMATS)}, "
@@ -62,4 +80,8 @@ class OffloadConfig:
         """Slots for a model with `total_experts` routed experts over all MoE layers."""
         if self.expert_cache_slots is not None:
             return self.expert_cache_slots
-        return max(1, round(self.expert_cache_ratio * total_experts))
+        return max(1, round((self.expert_cache_ratio or DEFAULT_CACHE_RATIO) * total_experts))
+
+    @property
+    def cache_size_given(self) -> bool:
+        return self.expert_cache_slots is not None or self.expert_cache_ratio is not None

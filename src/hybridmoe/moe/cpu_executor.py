@@ -145,7 +145,7 @@ class CpuMoeExecutor:
         stats.jobs += 1
         stats.routes += job.routes
         stats.busy_s += job.busy_s
-        return self.sync.to_device(job.output_cpu, job.device)
+        return self.sync.to_device(job.ready, job.output_cpu, job.device)
 
     def close(self) -> None:
         """Stop and join every worker (queued jobs finish first). Idempotent."""

@@ -46,12 +46,14 @@ class HostExpertBank:
         """Bytes one expert occupies (what fetching it copies)."""
         return self.gate_up[0].nbytes + self.down[0].nbytes
 
-    def gate_up_weights(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        """Expert `expert`'s gate_up [2I, H] as `dtype` (a view when already so stored)."""
+    def gate_up_weights(self, expert: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `expert`'s gate_up [2I, H] as `dtype` (a view when already so stored); for
+        a tensor of n expert indices (on the bank's device), their gate_up [n, 2I, H]."""
         return _as_float(self.fmt, self.gate_up[expert], dtype)
 
-    def down_weights(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        """Expert `expert`'s down [H, I] as `dtype` (a view when already so stored)."""
+    def down_weights(self, expert: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `expert`'s down [H, I] as `dtype` (a view when already so stored); for a
+        tensor of n expert indices, their down [n, H, I]."""
         return _as_float(self.fmt, self.down[expert], dtype)
 
     def byte_views(self) -> tuple:
@@ -90,10 +92,22 @@ class HostExpertBank:
         down = torch.zeros(shape_dn, dtype=dtype, device=device)
         return HostExpertBank(gate_up, down, self.fmt)
 
-    def copy_expert_to(self, expert: int, slots: HostExpertBank, slot: int) -> None:
-        """Copy expert `expert`'s stored bytes into slot `slot` of `slots` (same format)."""
-        slots.gate_up[slot].copy_(self.gate_up[expert])
-        slots.down[slot].copy_(self.down[expert])
+    def expert_copies(
+        self, expert: int, slots: HostExpertBank, slot: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(source, destination) pairs that copy expert `expert`'s stored bytes into slot `slot`
+        of `slots` (same format); Platform.copy_experts performs them."""
+        return [(self.gate_up[expert], slots.gate_up[slot]), (self.down[expert], slots.down[slot])]
+
+    def to(self, device: torch.device | str) -> HostExpertBank:
+        """This bank on `device` (itself when already there)."""
+        if self.gate_up.device == torch.device(device):
+            return self
+        return HostExpertBank(self.gate_up.to(device), self.down.to(device), self.fmt)
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
 
     @staticmethod
     def empty_like_tensor(fmt: WeightFormat, shape: Sequence[int], device) -> torch.Tensor:

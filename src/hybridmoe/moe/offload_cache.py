@@ -16,6 +16,8 @@ import torch
 from hybridmoe.moe.cache_stats import ExpertCacheStats
 from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.moe.hybrid_decode import CpuExecutor, HybridDecodeExecutor
+from hybridmoe.platform.base import Platform
+from hybridmoe.platform.cpu import CpuPlatform
 
 
 class OffloadMoeCache:
@@ -34,7 +36,7 @@ class OffloadMoeCache:
         banks: Sequence[HostExpertBank],
         num_slots: int,
         max_fetch: int,
-        device: torch.device | str = "cpu",
+        platform: Platform | None = None,
     ) -> None:
         _check_banks(banks)
         self.banks = list(banks)
@@ -53,7 +55,8 @@ class OffloadMoeCache:
         # Slots hold experts in the banks' format (a fetch copies the stored bytes). Zeros, not
         # empty: a CPU route runs slot 0 with weight 0 on the accelerator side, and 0 * NaN
         # from uninitialised memory would poison the sum.
-        self.slot_bank = banks[0].empty_slots(num_slots, device)
+        self.platform = platform if platform is not None else CpuPlatform()
+        self.slot_bank = banks[0].empty_slots(num_slots, self.platform.device)
         # [S, 2I, H] and [S, H, I] on `device`: the views the layer's accelerator math reads.
         self.gate_up_slots, self.down_slots = self.slot_bank.gate_up, self.slot_bank.down
         self.cpu_executor: CpuExecutor | None = None
@@ -89,10 +92,13 @@ class OffloadMoeCache:
 
     def copy_missing(self) -> None:
         """Copy every planned expert bank -> slot and clear the plan. Experts planned by any
-        earlier call that has not been followed by copy_missing() are copied too."""
+        earlier call that has not been followed by copy_missing() are copied too. The platform
+        orders the copies after the accelerator work already issued and before what follows."""
+        copies = []
         for slot, flat in self._pending.items():
             layer, expert = divmod(flat, self.num_experts)
-            self.banks[layer].copy_expert_to(expert, self.slot_bank, slot)
+            copies += self.banks[layer].expert_copies(expert, self.slot_bank, slot)
+        self.platform.finish_copies(self.platform.start_copies(copies))
         self._pending.clear()
 
     def slot_of(self, layer_idx: int, expert: int) -> int | None:

@@ -50,7 +50,7 @@ def combine_experts(
             t, r = tokens[0], routes[0]
             out[t : t + 1] += expert_mlp(x[t : t + 1], expert) * route_weights[r : r + 1]
             continue
-        token_idx = torch.tensor(tokens)
+        token_idx = torch.tensor(tokens, device=x.device)  # index_add_ needs out's device
         h = expert_mlp(x[token_idx], expert)  # [n, H]
-        out.index_add_(0, token_idx, h * route_weights[torch.tensor(routes)])
+        out.index_add_(0, token_idx, h * route_weights[torch.tensor(routes, device=x.device)])
     return out

@@ -1,7 +1,7 @@
-"""CpuDeviceSync: the DeviceSync for the `cpu` device, where the accelerator tier is host memory.
+"""The `cpu` platform, where the accelerator tier is host memory.
 
-Nothing to copy and nothing to wait for: the tensors the compute thread hands over are already
-in host memory and complete when handed over.
+Nothing to copy asynchronously and nothing to wait for: tensors handed over are already in
+host memory and complete when handed over, and a copy has finished when it returns.
 """
 
 from __future__ import annotations
@@ -24,7 +24,36 @@ class CpuDeviceSync:
     def wait_ready(self, handle: None) -> None:
         return None
 
-    def to_device(self, host_tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def to_device(
+        self, handle: None, host_tensor: torch.Tensor, device: torch.device
+    ) -> torch.Tensor:
         if torch.device(device).type != "cpu":
             raise ValueError(f"CpuDeviceSync cannot move a tensor to {device}")
         return host_tensor
+
+
+class CpuPlatform:
+    device = torch.device("cpu")
+    name = "cpu"
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor  # host memory is the tier itself: nothing is copied asynchronously
+
+    def start_copies(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for src, dst in copies:
+            dst.copy_(src)  # finished when it returns
+
+    def finish_copies(self, handle: None) -> None:
+        return None
+
+    def memory_bytes(self) -> None:
+        return None
+
+    def device_sync(self) -> CpuDeviceSync:
+        return CpuDeviceSync()
+
+    def synchronize(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None

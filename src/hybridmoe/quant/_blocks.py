@@ -45,7 +45,7 @@ def quantize_blocks(
     if w.dim() == 0 or n % BLOCK_SIZE:
         raise row_length_error(what, n, fmt, BLOCK_SIZE)
     blocks = w.reshape(-1, BLOCK_SIZE)  # [B, 32], a view when w is contiguous
-    out = torch.empty(blocks.shape[0], block_bytes, dtype=torch.uint8)  # [B, block_bytes]
+    out = torch.empty(blocks.shape[0], block_bytes, dtype=torch.uint8, device=w.device)
     for start in range(0, blocks.shape[0], CHUNK_BLOCKS):
         x = blocks[start : start + CHUNK_BLOCKS].to(torch.float32)  # [b, 32]; never modified
         d, payload = quantize_chunk(x)
@@ -91,9 +91,11 @@ def dequantize_blocks(
             f"{fmt} blocks of {block_bytes} bytes"
         )
     blocks = q.reshape(-1, block_bytes)  # [B, block_bytes]
-    out = torch.empty(blocks.shape[0], BLOCK_SIZE, dtype=dtype)  # [B, 32]
-    for start in range(0, blocks.shape[0], CHUNK_BLOCKS):
-        out[start : start + CHUNK_BLOCKS] = dequantize_chunk(blocks[start : start + CHUNK_BLOCKS])
+    out = torch.empty(blocks.shape[0], BLOCK_SIZE, dtype=dtype, device=q.device)  # [B, 32]
+    # On an accelerator one chunk: its memory is plentiful and each chunk costs kernel launches.
+    chunk = CHUNK_BLOCKS if q.device.type == "cpu" else max(1, blocks.shape[0])
+    for start in range(0, blocks.shape[0], chunk):
+        out[start : start + chunk] = dequantize_chunk(blocks[start : start + chunk])
     return out.reshape(*q.shape[:-1], row_bytes // block_bytes * BLOCK_SIZE)
 
 

@@ -1,0 +1,90 @@
+"""Device memory planning: how many expert slots fit beside the dense weights and KV cache.
+
+The budget is `--gpu-memory` GiB when given, else the accelerator's free memory at load; on
+the cpu device without `--gpu-memory` nothing is planned (host memory is the tier and the
+slot count comes from OffloadConfig alone). What does not fit is refused with the figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridmoe.engine.config import EngineConfig
+from hybridmoe.engine.kv_cache import KVCache
+from hybridmoe.errors import DeviceMemoryError
+from hybridmoe.models.transformer import MoeCausalLM
+from hybridmoe.platform.base import Platform
+
+GIB = 2**30
+# Activations, logits, the expert kernel's gathered weights and allocator slack.
+ACTIVATION_RESERVE_BYTES = GIB // 2
+
+
+@dataclass(frozen=True)
+class DeviceMemoryPlan:
+    budget_bytes: int
+    dense_bytes: int
+    kv_bytes: int
+    reserve_bytes: int = ACTIVATION_RESERVE_BYTES
+
+    @property
+    def expert_bytes(self) -> int:
+        """What is left for expert slots (and prefill's layer buffers)."""
+        return self.budget_bytes - self.dense_bytes - self.kv_bytes - self.reserve_bytes
+
+    def describe(self) -> str:
+        return (
+            f"budget {self.budget_bytes / GIB:.2f} GiB = dense weights "
+            f"{self.dense_bytes / GIB:.2f} GiB + KV cache {self.kv_bytes / GIB:.2f} GiB + "
+            f"reserve {self.reserve_bytes / GIB:.2f} GiB + experts "
+            f"{self.expert_bytes / GIB:.2f} GiB"
+        )
+
+    def slots(
+        self, needed_bytes: int, expert_nbytes: int, total: int, asked: int | None, target: str
+    ) -> int:
+        """Expert slots that fit once `needed_bytes` (prefill buffers) are set aside: `asked`
+        when given and it fits, else as many as fit, at most `total`. DeviceMemoryError
+        naming the flags when nothing (or not `asked`) fits."""
+        fit = max(0, (self.expert_bytes - needed_bytes) // expert_nbytes)
+        if target == "gpu" and fit < total:
+            raise DeviceMemoryError(
+                f"decode target 'gpu' keeps all {total} experts on the device "
+                f"({total * expert_nbytes / GIB:.2f} GiB) but only {fit} fit: {self.describe()}; "
+                "use --decode-target hybrid (or offload), or raise --gpu-memory"
+            )
+        if asked is not None and asked > fit:
+            raise DeviceMemoryError(
+                f"an expert cache of {asked} slots (--expert-cache-slots/--expert-cache-ratio) "
+                f"needs {asked * expert_nbytes / GIB:.2f} GiB but {fit} slots fit "
+                f"({self.describe()}); ask for fewer, or raise --gpu-memory"
+            )
+        if fit < 1:
+            raise DeviceMemoryError(
+                f"no expert slot fits on the device ({self.describe()}, prefill buffers "
+                f"{needed_bytes / GIB:.2f} GiB); lower --max-batch or --max-seq-len, use "
+                "--prefill cpu, or raise --gpu-memory"
+            )
+        return asked if asked is not None else min(total, fit)
+
+
+def plan_device_memory(
+    model: MoeCausalLM, config: EngineConfig, platform: Platform
+) -> DeviceMemoryPlan | None:
+    """The plan for `model` on `platform`, or None when nothing is to be planned."""
+    if config.gpu_memory is not None:
+        budget = int(config.gpu_memory * GIB)
+    else:
+        memory = platform.memory_bytes()
+        if memory is None:
+            return None
+        budget = memory[0]  # free now: the dense weights are still in host memory
+    seq_len = config.max_seq_len or min(model.cfg.max_position_embeddings, 4096)
+    kv_bytes = KVCache.nbytes(model.cfg, config.max_batch, seq_len, model.dtype)
+    plan = DeviceMemoryPlan(budget, model.dense_nbytes(), kv_bytes)
+    if plan.expert_bytes < 0:
+        raise DeviceMemoryError(
+            f"the model does not fit on the device even without experts: {plan.describe()}; "
+            "lower --max-batch or --max-seq-len, or raise --gpu-memory"
+        )
+    return plan

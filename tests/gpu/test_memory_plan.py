@@ -1,0 +1,117 @@
+"""Memory planning on the device: a `--gpu-memory` budget gives the slot count that fits beside
+the dense weights, the KV cache, the reserve and prefill's layer buffers, and the engine then
+allocates no more than planned; what does not fit is refused naming the flag to change."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_checkpoints import PROMPT_IDS
+from hybridmoe.engine import Engine, EngineConfig, SamplingParams
+from hybridmoe.engine.kv_cache import KVCache
+from hybridmoe.engine.placement import GIB, DeviceMemoryPlan
+from hybridmoe.errors import DeviceMemoryError
+from hybridmoe.loader.checkpoint import load_model
+from hybridmoe.moe.config import OffloadConfig
+
+MAX_BATCH, MAX_SEQ_LEN = 2, 128
+SLOTS = 5
+FOUR_TOKENS = SamplingParams(max_tokens=4, ignore_eos=True)
+# The allocator rounds every block up to 512 bytes: slack for the tiny model's ~60 dense tensors.
+ROUNDING_SLACK_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the plan of a float32 engine with MAX_BATCH x MAX_SEQ_LEN counts, in bytes."""
+
+    dense: int
+    kv: int
+    expert: int
+    total_experts: int
+    prefill: int  # prefill's two layer buffers: on an accelerator `auto` streams long prompts
+
+    def budget(self, experts: int, with_prefill: bool) -> int:
+        """A budget with room for `experts` experts (and half of one more)."""
+        reserve = DeviceMemoryPlan(0, 0, 0).reserve_bytes
+        fixed = self.dense + self.kv + reserve + (self.prefill if with_prefill else 0)
+        return fixed + experts * self.expert + self.expert // 2
+
+
+@pytest.fixture(scope="module")
+def sizes(tiny_checkpoint: Path, device: torch.device) -> Sizes:
+    model = load_model(tiny_checkpoint, torch.float32, False)
+    cfg = model.cfg
+    expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4
+    layer = cfg.num_experts * expert
+    return Sizes(
+        dense=model.dense_nbytes(),
+        kv=KVCache.nbytes(cfg, MAX_BATCH, MAX_SEQ_LEN, torch.float32),
+        expert=expert,
+        total_experts=cfg.num_experts * len(cfg.moe_layer_ids),
+        prefill=2 * layer if device.type != "cpu" else 0,
+    )
+
+
+def engine_config(device: torch.device, budget_bytes: int, **offload) -> EngineConfig:
+    return EngineConfig(
+        dtype="float32",
+        device=str(device),
+        max_batch=MAX_BATCH,
+        max_seq_len=MAX_SEQ_LEN,
+        gpu_memory=budget_bytes / GIB,
+        offload=OffloadConfig(**offload),
+    )
+
+
+def allocated_bytes(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def test_a_budget_gives_the_slots_that_fit(tiny_checkpoint: Path, device, sizes: Sizes) -> None:
+    before = allocated_bytes(device)
+    config = engine_config(device, sizes.budget(SLOTS, with_prefill=True), decode_target="hybrid")
+    with Engine.from_pretrained(tiny_checkpoint, config) as engine:
+        assert engine.moe_runtime.cache.num_slots == SLOTS
+        planned = sizes.dense + sizes.prefill + SLOTS * sizes.expert
+        if device.type == "cuda":
+            assert allocated_bytes(device) - before <= planned + ROUNDING_SLACK_BYTES
+        engine.generate_ids([PROMPT_IDS], FOUR_TOKENS)
+
+
+def test_gpu_target_that_fits_holds_every_expert(tiny_checkpoint: Path, device, sizes) -> None:
+    before = allocated_bytes(device)
+    budget = sizes.budget(sizes.total_experts, with_prefill=False)
+    with Engine.from_pretrained(tiny_checkpoint, engine_config(device, budget)) as engine:
+        planned = sizes.dense + sizes.total_experts * sizes.expert
+        if device.type == "cuda":
+            assert allocated_bytes(device) - before <= planned + ROUNDING_SLACK_BYTES
+        engine.generate_ids([PROMPT_IDS], FOUR_TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("case", "offload", "message"),
+    [
+        ("below-the-reserve", {"decode_target": "hybrid"}, r"does not fit.*--gpu-memory"),
+        ("gpu-target-too-big", {"decode_target": "gpu"}, r"'gpu'.*--decode-target hybrid"),
+        (
+            "slots-beyond-the-budget",
+            {"decode_target": "hybrid", "expert_cache_slots": SLOTS + 1},
+            r"--expert-cache-slots",
+        ),
+    ],
+)
+def test_what_does_not_fit_is_refused(tiny_checkpoint: Path, device, sizes, case, offload, message):
+    budgets = {
+        "below-the-reserve": GIB // 10,
+        "gpu-target-too-big": sizes.budget(sizes.total_experts - 1, with_prefill=False),
+        "slots-beyond-the-budget": sizes.budget(SLOTS, with_prefill=True),
+    }
+    before = allocated_bytes(device)
+    with pytest.raises(DeviceMemoryError, match=message):
+        Engine.from_pretrained(tiny_checkpoint, engine_config(device, budgets[case], **offload))
+    assert allocated_bytes(device) == before  # a refused engine leaves nothing on the device

@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hybridmoe.demo import _write_checkpoint
+from hybridmoe.demo import DEMO_MODEL_NAME, require_demo_checkpoint
 
 
 @pytest.fixture(scope="session")
 def demo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The embedded demo checkpoint (fp32, ~30 MB), built once per session. Tests must not
-    modify it; `demo_variant` makes modified copies."""
-    directory = tmp_path_factory.mktemp("demo-checkpoint")
-    _write_checkpoint(directory)
+    """A copy of the embedded demo checkpoint (fp32, ~17 MB), made once per session so no test
+    can touch the package's files. Tests must not modify it; `demo_variant` makes modified
+    copies."""
+    directory = tmp_path_factory.mktemp("demo-checkpoint") / DEMO_MODEL_NAME
+    shutil.copytree(require_demo_checkpoint(), directory)
     return directory
 
 

@@ -1,5 +1,5 @@
-"""The command line, run in a subprocess exactly as a user runs it, on the embedded demo model
-built into a fresh cache directory."""
+"""The command line, run in a subprocess exactly as a user runs it, on the embedded demo model,
+with a fresh cache directory."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridmoe.demo import DEMO_VERSION
+from hybridmoe.demo import require_demo_checkpoint
 
 PROMPT = "def fibonacci(n):"
 GENERATE = ["generate", PROMPT, "--max-tokens", "8"]
@@ -24,8 +24,6 @@ SUBPROCESS_TIMEOUT_S = 300  # only so a hung CLI fails the test instead of hangi
 class GreedyRuns:
     first: subprocess.CompletedProcess
     second: subprocess.CompletedProcess
-    weights_before: os.stat_result  # the cached demo's weights after the first run
-    weights_after: os.stat_result  # ... and after the second
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +50,10 @@ def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
-def demo_weights(cache_dir: Path) -> Path:
-    return cache_dir / f"demo-qwen3moe-{DEMO_VERSION}" / "model.safetensors"
-
-
 @pytest.fixture(scope="module")
 def greedy_runs(cache_dir: Path) -> GreedyRuns:
-    """`generate` twice with the same flags; the first run builds the demo checkpoint."""
-    first = ok(run_cli(GENERATE, cache_dir))
-    before = demo_weights(cache_dir).stat()
-    second = ok(run_cli(GENERATE, cache_dir))
-    return GreedyRuns(first, second, before, demo_weights(cache_dir).stat())
+    """`generate` twice with the same flags, on the default (demo) model."""
+    return GreedyRuns(ok(run_cli(GENERATE, cache_dir)), ok(run_cli(GENERATE, cache_dir)))
 
 
 def generated_text(result: subprocess.CompletedProcess) -> str:
@@ -81,10 +72,9 @@ def test_greedy_generate_is_deterministic(greedy_runs):
     assert greedy_runs.second.stdout == greedy_runs.first.stdout
 
 
-def test_second_run_reuses_cached_demo(greedy_runs, cache_dir):
-    before, after = greedy_runs.weights_before, greedy_runs.weights_after
-    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
-    assert [p.name for p in cache_dir.iterdir()] == [f"demo-qwen3moe-{DEMO_VERSION}"]
+def test_demo_is_read_from_the_package(greedy_runs, cache_dir):
+    # never generated into the cache, as the random-weight demo (v1) was
+    assert not [p.name for p in cache_dir.iterdir() if p.name.startswith("demo-")]
 
 
 def test_console_script(greedy_runs, cache_dir):
@@ -102,10 +92,9 @@ def test_seeded_sampling_is_reproducible(greedy_runs, cache_dir):
     assert second.stdout == first.stdout
 
 
-def test_model_dir_flag(greedy_runs, cache_dir, demo_checkpoint):
-    result = ok(run_cli(GENERATE + ["--model", str(demo_checkpoint)], cache_dir))
-    # The test fixture and the CLI's cache hold the same deterministic demo weights.
-    assert result.stdout == greedy_runs.first.stdout
+def test_model_dir_flag(greedy_runs, cache_dir):
+    result = ok(run_cli(GENERATE + ["--model", str(require_demo_checkpoint())], cache_dir))
+    assert result.stdout == greedy_runs.first.stdout  # the default model is the shipped demo
 
 
 def test_stop_string_cuts_output(greedy_runs, cache_dir):

@@ -185,9 +185,9 @@ def _engine_config(
 
 def _model_dir(args: argparse.Namespace) -> Path:
     if args.model is None:
-        from hybridmoe.demo import demo_checkpoint_dir
+        from hybridmoe.demo import require_demo_checkpoint
 
-        return demo_checkpoint_dir()
+        return require_demo_checkpoint()
     return Path(args.model)
 
 

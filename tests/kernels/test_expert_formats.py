@@ -43,7 +43,7 @@ def test_every_target_agrees_within_a_format(demo_checkpoint: Path, fmt: str) ->
 def test_quantised_experts_change_the_model_only_slightly(demo_checkpoint: Path) -> None:
     f32, _ = generate(demo_checkpoint, OffloadConfig())
     q8, _ = generate(demo_checkpoint, OffloadConfig(decode_target="cpu", expert_format="q8_0"))
-    assert q8[0][:3] == f32[0][:3]  # a random model's greedy path diverges eventually
+    assert q8[0][:3] == f32[0][:3]  # near-ties may flip later, and the paths diverge from there
 
 
 def test_converted_banks_replace_the_float_experts(demo_checkpoint: Path) -> None:

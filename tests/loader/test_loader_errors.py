@@ -99,7 +99,9 @@ def test_tensor_with_wrong_shape(demo_checkpoint, demo_variant):
     directory = with_weights(demo_checkpoint, demo_variant, shrink)
     message = checkpoint_error(directory)
     assert EXPERT_TENSOR in message and WEIGHTS_FILE in message
-    assert "(255, 256)" in message and "(256, 256)" in message
+    config = json.loads((demo_checkpoint / "config.json").read_text())
+    inter, hidden = config["moe_intermediate_size"], config["hidden_size"]
+    assert f"({inter - 1}, {hidden})" in message and f"({inter}, {hidden})" in message
 
 
 def _truncated(data: bytes) -> bytes:

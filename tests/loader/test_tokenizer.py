@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import hybridmoe.demo
+from hybridmoe.demo import demo_checkpoint_dir
 from hybridmoe.errors import CheckpointError
 from hybridmoe.loader.tokenizer import Tokenizer
 
@@ -18,7 +18,7 @@ from hybridmoe.loader.tokenizer import Tokenizer
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-DEMO_DIR = Path(hybridmoe.demo.__file__).parent / "assets"
+DEMO_DIR = demo_checkpoint_dir()  # only read
 TEXTS = [
     "Hello, world!",
     "def f(x):\n    return x * 2\n",
@@ -102,7 +102,9 @@ def test_special_tokens_are_single_ids_and_skipped_by_default(demo):
 
 
 def test_demo_special_ids(demo):
-    assert demo.eos_token_ids == frozenset({2})
+    # <|im_end|> ends a chat turn (tokenizer_config.json), <|endoftext|> a text
+    # (generation_config.json)
+    assert demo.eos_token_ids == frozenset({0, 2})
     assert demo.pad_token_id == 0
     assert demo.bos_token_id is None
     assert demo.vocab_size == 4096

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,10 @@ from typing import Any
 import pytest
 
 from hybridmoe.demo import DEMO_MODEL_NAME, require_demo_checkpoint
+
+# `--device auto` means cpu in this suite, on a GPU machine too (and in the servers it starts):
+# the suite tests the cpu tier; tests/gpu names its device explicitly.
+os.environ.setdefault("HYBRIDMOE_AUTO_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")

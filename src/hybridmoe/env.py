@@ -33,6 +33,12 @@ def hybrid_overlap() -> bool:
     return os.environ.get("HYBRIDMOE_HYBRID_OVERLAP", "1") != "0"
 
 
+def auto_device() -> str | None:
+    """HYBRIDMOE_AUTO_DEVICE: what `--device auto` means instead of "the accelerator if any"
+    (the CPU test suite sets it to cpu, so it tests the cpu tier on a GPU machine too)."""
+    return os.environ.get("HYBRIDMOE_AUTO_DEVICE") or None
+
+
 @contextmanager
 def default_set(name: str, value: str) -> Iterator[None]:
     """Within the block, `name` is `value` unless the user set it; restored afterwards. For

@@ -18,8 +18,23 @@ def test_cpu_is_always_available():
 
 
 @no_cuda
-def test_auto_picks_the_cpu_without_an_accelerator():
+def test_auto_picks_the_cpu_without_an_accelerator(monkeypatch):
+    monkeypatch.delenv("HYBRIDMOE_AUTO_DEVICE", raising=False)
     assert resolve_device("auto") == torch.device("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_picks_the_first_accelerator(monkeypatch):
+    monkeypatch.delenv("HYBRIDMOE_AUTO_DEVICE", raising=False)
+    assert resolve_device("auto") == torch.device("cuda", 0)
+
+
+def test_auto_can_be_pinned_by_the_environment(monkeypatch):
+    monkeypatch.setenv("HYBRIDMOE_AUTO_DEVICE", "cpu")
+    assert resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setenv("HYBRIDMOE_AUTO_DEVICE", "meta")
+    with pytest.raises(ValueError, match="--device 'meta'"):
+        resolve_device("auto")
 
 
 @no_cuda

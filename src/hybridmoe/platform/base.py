@@ -21,6 +21,8 @@ from typing import Protocol
 
 import torch
 
+from hybridmoe import env
+
 # Opaque: only the DeviceSync that returned it from to_host() reads it.
 ReadyHandle = object
 # Opaque: only the Platform that returned it from start_copies() reads it.
@@ -99,8 +101,11 @@ class Platform(Protocol):
 
 def resolve_device(spec: str) -> torch.device:
     """The torch device `--device spec` names; ValueError naming the flag when torch cannot
-    use it. `auto` is the first accelerator when torch sees one, else `cpu`."""
+    use it. `auto` is the first accelerator when torch sees one, else `cpu` (or what
+    HYBRIDMOE_AUTO_DEVICE says, env.auto_device)."""
     if spec == "auto":
+        if env.auto_device() is not None:
+            return resolve_device(env.auto_device())
         return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     try:
         device = torch.device(spec)

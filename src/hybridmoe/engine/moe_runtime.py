@@ -88,17 +88,17 @@ def create_moe_runtime(
     if on_accelerator and config.pin_memory:
         for bank in tqdm(banks, desc="pinning expert banks", unit="layer", disable=not progress):
             platform.pin(bank.gate_up), platform.pin(bank.down)
-    prefill_bytes = _prefill_bytes(config, banks[0], on_accelerator, memory)
-    cache = executor = None
+    # On the cpu device `auto` computes prefill from the banks in place: no ExpertPrefill.
+    prefill_mode = config.prefill if on_accelerator or config.prefill != "auto" else None
+    prefill_bytes = _prefill_bytes(prefill_mode, banks[0], memory)
+    cache = executor = prefill = None
     if config.uses_cache:
         slots = _num_slots(model, config, banks, memory, prefill_bytes)
         cache = OffloadMoeCache(banks, slots, config.max_fetch, platform)
-    expert_fn = create_cpu_expert_fn(config.cpu_kernel, config.cpu_threads)
-    prefill = None
-    if on_accelerator or config.prefill != "auto":
-        prefill = ExpertPrefill(
-            banks, platform, expert_fn, config.prefill, config.prefill_cpu_tokens
-        )
+    if prefill_mode is not None or config.uses_cpu_executor:
+        expert_fn = create_cpu_expert_fn(config.cpu_kernel, config.cpu_threads)
+    if prefill_mode is not None:
+        prefill = ExpertPrefill(banks, platform, expert_fn, prefill_mode, config.prefill_cpu_tokens)
     if config.uses_cpu_executor:  # last: nothing after it can fail and leave its threads
         executor = CpuMoeExecutor(banks, expert_fn=expert_fn, sync=platform.device_sync())
         if cache is not None:
@@ -107,13 +107,10 @@ def create_moe_runtime(
 
 
 def _prefill_bytes(
-    config: OffloadConfig,
-    bank: HostExpertBank,
-    on_accelerator: bool,
-    memory: DeviceMemoryPlan | None,
+    prefill_mode: str | None, bank: HostExpertBank, memory: DeviceMemoryPlan | None
 ) -> int:
     """Device bytes of prefill's layer buffers (none when prefill never streams)."""
-    streams = config.prefill == "stream" or (on_accelerator and config.prefill == "auto")
+    streams = prefill_mode is not None and ExpertPrefill.streams(prefill_mode)
     needed = LayerStreamer.nbytes(bank) if streams else 0
     if memory is not None and needed > memory.expert_bytes:
         raise DeviceMemoryError(
@@ -134,7 +131,7 @@ def _attach_resident(
     """The `gpu` target: every bank on the device (none when the layers keep their experts)."""
     if memory is not None and banks:
         total = sum(bank.num_experts for bank in banks)
-        memory.slots(0, banks[0].expert_nbytes, total, None, "gpu")
+        memory.check_all_experts_fit(banks[0].expert_nbytes, total)
     device_banks = [bank.to(platform.device) for bank in banks]  # frees the host copies
     for layer, bank in zip(layers[: len(device_banks)], device_banks, strict=True):
         layer.bank = bank
@@ -159,7 +156,7 @@ def _num_slots(
         slots = config.num_slots(total)
     else:  # a size the user gave must fit; else the slots fill the budget
         asked = config.num_slots(total) if config.cache_size_given else None
-        slots = memory.slots(prefill_bytes, banks[0].expert_nbytes, total, asked, "hybrid")
+        slots = memory.slots(prefill_bytes, banks[0].expert_nbytes, total, asked)
     needed = OffloadMoeCache.min_slots(model.cfg.top_k, 1, model.cfg.num_experts)
     if config.decode_target == "offload" and slots < needed:
         raise ValueError(

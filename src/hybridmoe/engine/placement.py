@@ -40,19 +40,22 @@ class DeviceMemoryPlan:
             f"{self.expert_bytes / GIB:.2f} GiB"
         )
 
-    def slots(
-        self, needed_bytes: int, expert_nbytes: int, total: int, asked: int | None, target: str
-    ) -> int:
-        """Expert slots that fit once `needed_bytes` (prefill buffers) are set aside: `asked`
-        when given and it fits, else as many as fit, at most `total`. DeviceMemoryError
-        naming the flags when nothing (or not `asked`) fits."""
-        fit = max(0, (self.expert_bytes - needed_bytes) // expert_nbytes)
-        if target == "gpu" and fit < total:
+    def check_all_experts_fit(self, expert_nbytes: int, total: int) -> None:
+        """DeviceMemoryError naming the flags unless all `total` experts fit (the `gpu`
+        target keeps every expert on the device)."""
+        fit = max(0, self.expert_bytes // expert_nbytes)
+        if fit < total:
             raise DeviceMemoryError(
                 f"decode target 'gpu' keeps all {total} experts on the device "
                 f"({total * expert_nbytes / GIB:.2f} GiB) but only {fit} fit: {self.describe()}; "
                 "use --decode-target hybrid (or offload), or raise --gpu-memory"
             )
+
+    def slots(self, needed_bytes: int, expert_nbytes: int, total: int, asked: int | None) -> int:
+        """Expert slots that fit once `needed_bytes` (prefill buffers) are set aside: `asked`
+        when given and it fits, else as many as fit, at most `total`. DeviceMemoryError
+        naming the flags when nothing (or not `asked`) fits."""
+        fit = max(0, (self.expert_bytes - needed_bytes) // expert_nbytes)
         if asked is not None and asked > fit:
             raise DeviceMemoryError(
                 f"an expert cache of {asked} slots (--expert-cache-slots/--expert-cache-ratio) "

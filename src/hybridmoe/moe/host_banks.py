@@ -96,7 +96,7 @@ class HostExpertBank:
         self, expert: int, slots: HostExpertBank, slot: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(source, destination) pairs that copy expert `expert`'s stored bytes into slot `slot`
-        of `slots` (same format); Platform.copy_experts performs them."""
+        of `slots` (same format), for Platform.start_copies."""
         return [(self.gate_up[expert], slots.gate_up[slot]), (self.down[expert], slots.down[slot])]
 
     def to(self, device: torch.device | str) -> HostExpertBank:

@@ -76,7 +76,12 @@ class ExpertPrefill:
     ):
         self.banks, self.platform, self.cpu_expert_fn = list(banks), platform, cpu_expert_fn
         self.mode, self.cpu_tokens = mode, cpu_tokens
-        self.streamer = LayerStreamer(banks, platform) if mode != "cpu" else None
+        self.streamer = LayerStreamer(banks, platform) if self.streams(mode) else None
+
+    @staticmethod
+    def streams(mode: str) -> bool:
+        """Whether `mode` may stream layers (and so holds a LayerStreamer's buffers)."""
+        return mode != "cpu"
 
     def uses_cpu(self, tokens: int) -> bool:
         return self.mode == "cpu" or (self.mode == "auto" and tokens <= self.cpu_tokens)

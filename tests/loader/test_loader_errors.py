@@ -17,6 +17,7 @@ from hybridmoe.engine import Engine, EngineConfig
 from hybridmoe.errors import CheckpointError, UnsupportedConfigError
 from hybridmoe.loader.checkpoint import load_model
 from hybridmoe.loader.weights import INDEX_FILE
+from safetensors_layout import tensor_offsets_mod_64
 
 WEIGHTS_FILE = "model.safetensors"
 EXPERT_TENSOR = "model.layers.2.mlp.experts.5.up_proj.weight"
@@ -216,6 +217,11 @@ def write_sharded(demo_checkpoint: Path, demo_variant: Callable[..., Path]) -> P
 
 def test_sharded_checkpoint_gives_identical_logits(demo_checkpoint, demo_variant):
     sharded = write_sharded(demo_checkpoint, demo_variant)
+    shard_offsets = {}
+    for shard in sharded.glob("*.safetensors"):
+        shard_offsets.update(tensor_offsets_mod_64(shard))
+    # the same weights at other addresses mod 64 (which must not change a bit of the logits)
+    assert shard_offsets != tensor_offsets_mod_64(demo_checkpoint / WEIGHTS_FILE)
     single = Engine.from_pretrained(demo_checkpoint)
     ids = single.encode(PROMPT)
     expected = single.model.logits(ids)  # [T, V]
@@ -243,16 +249,16 @@ print(after_fp32 - before, after_bf16 - after_fp32)
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
-def test_same_dtype_load_is_memory_mapped(demo_checkpoint):
+def test_same_dtype_load_is_memory_mapped(aligned_demo_checkpoint):
     # A fresh process, so memory freed by earlier tests cannot hide a copy.
     result = subprocess.run(
-        [sys.executable, "-c", RSS_SCRIPT, str(demo_checkpoint)],
+        [sys.executable, "-c", RSS_SCRIPT, str(aligned_demo_checkpoint)],
         capture_output=True,
         text=True,
         check=True,
     )
     fp32_growth, bf16_growth = map(int, result.stdout.split())
-    weight_bytes = (demo_checkpoint / WEIGHTS_FILE).stat().st_size
+    weight_bytes = (aligned_demo_checkpoint / WEIGHTS_FILE).stat().st_size
     assert fp32_growth < 0.5 * weight_bytes, (
         f"fp32 load grew anonymous memory by {fp32_growth} bytes; weights are {weight_bytes}"
     )

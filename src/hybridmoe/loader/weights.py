@@ -1,7 +1,9 @@
 """WeightSource: named tensors of a checkpoint, memory-mapped from its safetensors files.
 
 Tensors whose dtype already matches are returned as views into the file mapping, so the
-model's weights are not copied into anonymous memory; the page cache holds them once.
+model's weights are not copied into anonymous memory; the page cache holds them once. The
+exception is a tensor whose data is not 64-byte aligned in its file: it is copied once into
+aligned memory (see `aligned`), so every tensor handed out is 64-byte aligned.
 """
 
 from __future__ import annotations
@@ -87,10 +89,29 @@ class WeightSource:
                 f"config.json implies {tuple(shape)}"
             )
         self._bar.update()
-        return tensor if tensor.dtype == self.dtype else tensor.to(self.dtype)
+        return aligned(tensor if tensor.dtype == self.dtype else tensor.to(self.dtype))
 
     def close(self) -> None:
         self._bar.close()
+
+
+ALIGNMENT_BYTES = 64  # an AVX-512 vector and a cache line: the widest any CPU kernel peels to
+
+
+def aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` if its data starts at a multiple of ALIGNMENT_BYTES, else an aligned copy (the
+    mapped pages behind the original are released; torch's CPU allocator aligns to 64 bytes).
+
+    Why: a CPU GEMV kernel may peel an unaligned head off each row, so its summation order,
+    hence the last bits of the result, depend on the weight's address mod the vector width
+    (MKL's sgemv on its SSE4.2 path does; MKL picks its paths by CPU vendor and model, so this
+    differs between x86-64 machines). safetensors writers align tensors to 8 bytes only, so
+    without this the same weights in one file or in shards could give different logits."""
+    if tensor.data_ptr() % ALIGNMENT_BYTES == 0:
+        return tensor
+    copy = tensor.clone(memory_format=torch.contiguous_format)
+    release_pages([tensor])
+    return copy
 
 
 _MADV_DONTNEED = 4  # linux/mman.h

@@ -15,6 +15,7 @@ from hybridmoe.kernels.numba_moe import max_threads
 from hybridmoe.moe.cpu_experts import FUSED_MAX_TOKENS, bank_moe, moe_forward
 from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.quant.formats import weight_format
+from rounding import assert_same_rounding
 
 FORMATS = ("f32", "bf16", "q8_0", "q4_0")
 # Both sides compute from the same stored (dequantised) weights in fp32: only the summation
@@ -100,15 +101,13 @@ def test_quantised_rows_must_be_whole_blocks(fmt: str) -> None:
         make_bank(fmt, hidden=64, inter=24)
 
 
-def test_bf16_activations_match_the_reference_in_bf16() -> None:
-    bank = make_bank("bf16").converted(weight_format("bf16"))
-    ids, weights = make_routes(3, 2, bank.num_experts)
-    x = x_for(bank, 3).to(torch.bfloat16)
-    out = moe_forward(x, ids, weights.to(torch.bfloat16), bank)
-    assert out.dtype == torch.bfloat16
-    # the reference rounds every intermediate to bf16, the kernel keeps fp32
-    expected = bank_moe(x, ids, weights.to(torch.bfloat16), bank)
-    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_bf16_activations_round_where_the_reference_does(fmt: str, tokens: int) -> None:
+    bank = make_bank(fmt, hidden=128, inter=64)
+    ids, weights = make_routes(tokens, 4, bank.num_experts, seed=tokens)
+    x = x_for(bank, tokens).to(torch.bfloat16)
+    assert_same_rounding(moe_forward(x, ids, weights, bank), bank_moe(x, ids, weights, bank))
 
 
 def test_prefill_sized_calls_take_the_reference_path() -> None:

@@ -129,10 +129,41 @@ def _silu(g):
 
 
 @njit(inline="always", **_FLAGS)
-def _fused_moe(fmt, x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y):
+def _round_bf16(a, n):
+    """Rounds a[:n] (float32) to the nearest bfloat16 value, ties to even, as torch's cast does;
+    inf and nan are kept."""
+    bits = a.view(np.uint32)
+    for i in range(n):
+        b = np.int64(bits[i])
+        if (b & 0x7F800000) != 0x7F800000:
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        bits[i] = np.uint32(b)
+
+
+@njit(inline="always", **_FLAGS)
+def _swiglu(gate, up, n, act_bf16):
+    """gate[:n] = silu(gate) * up, each step rounded to bf16 when `act_bf16` (as torch computes
+    it on bf16 tensors); gate and up are the projections, already in the activation dtype."""
+    for j in range(n):
+        gate[j] = _silu(gate[j])
+    if act_bf16:
+        _round_bf16(gate, n)
+    for j in range(n):
+        gate[j] *= up[j]
+    if act_bf16:
+        _round_bf16(gate, n)
+
+
+@njit(inline="always", **_FLAGS)
+def _fused_moe(
+    fmt, x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, act_bf16, y
+):
     """y[t] += Σ_k route_weights[t*K+k] · down_e(silu(gate_e x_t) ⊙ up_e x_t), e = ids[t*K+k],
     ids < 0 skipped. x f32 [T*H], ids int64 [T*K], route_weights f32 [T*K], gate_up / down
     uint8 (the bank's bytes, [E, 2I, H] / [E, H, I] in format `fmt`), y f32 [T*H].
+    The accumulation contract (docs/architecture.md): every dot product in float32 from the
+    exact weights; when `act_bf16` each projection, silu and product is rounded to bf16 as the
+    torch reference computes them in bf16; the weighted sum over routes stays float32.
     Returns -1, or the first expert id >= num_experts (then y is untouched). `fmt` is a
     compile-time constant: call it through FUSED_MOE[fmt]."""
     bad_id, experts, starts, routes = _group_routes(ids, num_experts)
@@ -155,9 +186,13 @@ def _fused_moe(fmt, x, ids, route_weights, gate_up, down, hidden, inter, num_exp
         up_off = gate_off + inter * h_row_bytes
         _matmul(fmt, gate_up, gate_off, h_row_bytes, hidden, rows, x, x_offs, first, count, gate)
         _matmul(fmt, gate_up, up_off, h_row_bytes, hidden, rows, x, x_offs, first, count, up)
+        if act_bf16:
+            _round_bf16(gate, count * rows)
+            _round_bf16(up, count * rows)
+        _swiglu(gate, up, count * rows, act_bf16)
         for c in range(count):
             for r in range(rows):
-                act[(first + c) * inter + i0 + r] = _silu(gate[c * rows + r]) * up[c * rows + r]
+                act[(first + c) * inter + i0 + r] = gate[c * rows + r]
     max_count = np.max(starts[1:] - starts[:-1]) if num_routes else 0
     for chunk in prange((hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
         h0 = chunk * ROWS_PER_ITEM
@@ -167,6 +202,8 @@ def _fused_moe(fmt, x, ids, route_weights, gate_up, down, hidden, inter, num_exp
             first, count = starts[u], starts[u + 1] - starts[u]
             row_off = (experts[u] * hidden + h0) * i_row_bytes
             _matmul(fmt, down, row_off, i_row_bytes, inter, rows, act, act_offs, first, count, out)
+            if act_bf16:
+                _round_bf16(out, count * rows)
             for c in range(count):
                 route = routes[first + c]
                 weight = route_weights[route]
@@ -178,23 +215,23 @@ def _fused_moe(fmt, x, ids, route_weights, gate_up, down, hidden, inter, num_exp
 # One compiled entry point per format, each with `fmt` a constant (the tile_dot intrinsic
 # generates its block loop for one format). Same arguments as _fused_moe, less `fmt`.
 @njit(parallel=True, **_FLAGS)
-def _fused_moe_f32(x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y):
-    return _fused_moe(0, x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y)
+def _fused_moe_f32(x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y):
+    return _fused_moe(0, x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y)
 
 
 @njit(parallel=True, **_FLAGS)
-def _fused_moe_bf16(x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y):
-    return _fused_moe(1, x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y)
+def _fused_moe_bf16(x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y):
+    return _fused_moe(1, x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y)
 
 
 @njit(parallel=True, **_FLAGS)
-def _fused_moe_q8_0(x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y):
-    return _fused_moe(2, x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y)
+def _fused_moe_q8_0(x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y):
+    return _fused_moe(2, x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y)
 
 
 @njit(parallel=True, **_FLAGS)
-def _fused_moe_q4_0(x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y):
-    return _fused_moe(3, x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, y)
+def _fused_moe_q4_0(x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y):
+    return _fused_moe(3, x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y)
 
 
 FUSED_MOE = {

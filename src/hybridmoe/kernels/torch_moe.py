@@ -17,8 +17,12 @@ import torch.nn.functional as F
 
 from hybridmoe.moe.host_banks import HostExpertBank
 
-# Bound on the dequantised weights one chunk of routes gathers (per projection).
+# Bound on the expanded weights (all three projections) one chunk of routes gathers.
 GATHER_CHUNK_BYTES = 256 * 2**20
+# Device bytes per weight that expanding quantised blocks holds at once (quant/_blocks.py on an
+# accelerator, one chunk): the float32 output, the unpacked uint8 values, and two float32
+# intermediates of the unpack-shift-scale expression; rounded up from 13.
+DEQUANT_BYTES_PER_WEIGHT = 14
 
 
 def gathered_moe(
@@ -26,25 +30,63 @@ def gathered_moe(
 ) -> torch.Tensor:
     """Σ_k w[t,k] · down_e(silu(gate_e x_t) ⊙ up_e x_t) with e = expert_ids[t,k]; ids < 0
     contribute nothing. x [T, H], expert_ids [T, K], weights [T, K], all on the bank's device
-    -> [T, H] in x's dtype, computed in x's dtype. Never reads a tensor on the host."""
+    -> the float32 partial [T, H] of the accumulation contract (each route's MLP in x's dtype,
+    the weighted sum over k in float32). Never reads a tensor on the host."""
     tokens, top_k = expert_ids.shape
     routes, hidden = tokens * top_k, x.shape[1]
     valid = (expert_ids >= 0).reshape(routes, 1)  # [R, 1]
     ids = expert_ids.clamp(min=0).reshape(routes)  # [R]; route r = t * K + k
     x_routes = x.repeat_interleave(top_k, dim=0)  # [R, H]
     y_routes = torch.empty(routes, hidden, dtype=x.dtype, device=x.device)  # [R, H]
-    expert_bytes = 3 * bank.intermediate_size * hidden * x.element_size()
-    chunk = max(1, GATHER_CHUNK_BYTES // expert_bytes)
+    chunk = routes_per_chunk(bank, x.dtype)
     for start in range(0, routes, chunk):
         rows = slice(start, start + chunk)
         y_routes[rows] = _routes_mlp(x_routes[rows], ids[rows], bank)
-    weighted = torch.where(valid, y_routes * weights.reshape(routes, 1).to(x.dtype), 0)
+    weighted = y_routes.float() * weights.reshape(routes, 1).float()  # [R, H]
+    weighted = torch.where(valid, weighted, 0)
     return weighted.view(tokens, top_k, hidden).sum(dim=1)
 
 
+def routes_per_chunk(bank: HostExpertBank, act_dtype: torch.dtype) -> int:
+    """Routes one chunk gathers: their expanded weights of all three projections fit
+    GATHER_CHUNK_BYTES."""
+    compute_bytes = bank.compute_dtype(act_dtype).itemsize
+    return max(
+        1, GATHER_CHUNK_BYTES // (3 * bank.intermediate_size * bank.hidden_size * compute_bytes)
+    )
+
+
+def gathered_moe_peak_bytes(
+    bank: HostExpertBank, tokens: int, top_k: int, act_dtype: torch.dtype
+) -> int:
+    """Peak device bytes of the temporaries one gathered_moe call over `tokens` x `top_k` routes
+    allocates (its output excluded): one chunk's gate_up weights gathered and expanded (the
+    larger of the two projections, expanded one at a time), plus the per-route activations."""
+    routes = tokens * top_k
+    chunk = min(routes, routes_per_chunk(bank, act_dtype))
+    hidden, inter = bank.hidden_size, bank.intermediate_size
+    weights = chunk * 2 * inter * hidden  # gate_up of one chunk
+    stored = chunk * bank.gate_up[0].nbytes  # the gathered stored rows
+    compute_bytes = bank.compute_dtype(act_dtype).itemsize
+    if bank.fmt.is_quantized:
+        expanded = weights * DEQUANT_BYTES_PER_WEIGHT
+    elif bank.fmt.storage_dtype != bank.compute_dtype(act_dtype):
+        expanded = weights * compute_bytes  # a cast of the gathered rows
+    else:
+        expanded = 0  # the gathered rows are the weights
+    act_bytes = act_dtype.itemsize
+    per_route = hidden * (2 * act_bytes + 2 * 4) + 2 * inter * (2 * act_bytes + compute_bytes)
+    return stored + expanded + routes * per_route
+
+
 def _routes_mlp(x: torch.Tensor, ids: torch.Tensor, bank: HostExpertBank) -> torch.Tensor:
-    """x [c, H], ids [c] -> down(silu(gate x) * up x) [c, H], route by route."""
-    gate_up = bank.gate_up_weights(ids, x.dtype)  # [c, 2I, H]
-    gate, up = torch.bmm(gate_up, x[:, :, None])[..., 0].chunk(2, dim=-1)  # 2 x [c, I]
-    down = bank.down_weights(ids, x.dtype)  # [c, H, I]
-    return torch.bmm(down, (F.silu(gate) * up)[:, :, None])[..., 0]
+    """x [c, H], ids [c] -> down(silu(gate x) * up x) [c, H] in x's dtype, route by route; each
+    projection from the exact weights, its output rounded to x's dtype (as bank_moe)."""
+    dtype = bank.compute_dtype(x.dtype)
+    gate_up = bank.gate_up_weights(ids, dtype)  # [c, 2I, H]
+    projected = torch.bmm(gate_up, x.to(dtype)[:, :, None])[..., 0].to(x.dtype)  # [c, 2I]
+    del gate_up  # before the down projection's weights are expanded: one at a time
+    gate, up = projected.chunk(2, dim=-1)  # 2 x [c, I]
+    act = (F.silu(gate) * up).to(dtype)
+    down = bank.down_weights(ids, dtype)  # [c, H, I]
+    return torch.bmm(down, act[:, :, None])[..., 0].to(x.dtype)

@@ -61,7 +61,8 @@ def moe_reference(
 ) -> torch.Tensor:
     """Σ_k w[t,k] · down_e(silu(gate_e x_t) ⊙ up_e x_t) with e = topk_ids[t,k]; ids < 0 skipped.
 
-    x [T, H], topk_ids [T, K], topk_weights [T, K] -> [T, H] in x's dtype.
+    x [T, H], topk_ids [T, K], topk_weights [T, K] -> the float32 partial [T, H]: each
+    expert's MLP in x's dtype (as `transformers` computes it), the weighted sum in float32.
     """
     return combine_experts(
         x, topk_ids, topk_weights, lambda h, expert: _expert_mlp(h, experts, expert)
@@ -158,17 +159,22 @@ class OffloadMoELayer:
         self.prefill = prefill
 
     def __call__(self, x: torch.Tensor, is_decode: bool = False) -> torch.Tensor:
-        """x [B, T, H] -> [B, T, H]."""
+        """x [B, T, H] -> [B, T, H]. Every expert path returns its float32 partial; the routed
+        output is rounded to x's dtype here, once (the accumulation contract)."""
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
-        topk_ids, topk_weights = route(self.router(flat), self.cfg.top_k, self.cfg.norm_topk_prob)
+        cfg = self.cfg
+        topk_ids, topk_weights = route(
+            self.router(flat), cfg.top_k, cfg.norm_topk_prob, cfg.router_weights_fp32
+        )
         if is_decode:
-            out = self._decode_experts(flat, topk_ids, topk_weights)
+            partial = self._decode_experts(flat, topk_ids, topk_weights)
         elif self.prefill is not None:
-            out = self.prefill(self.moe_idx, flat, topk_ids, topk_weights)
+            partial = self.prefill(self.moe_idx, flat, topk_ids, topk_weights)
         elif self.experts is None:  # the experts live only in a converted bank
-            out = bank_moe(flat, topk_ids, topk_weights, self.bank)
+            partial = bank_moe(flat, topk_ids, topk_weights, self.bank)
         else:
-            out = moe_reference(flat, topk_ids, topk_weights, self.experts)
+            partial = moe_reference(flat, topk_ids, topk_weights, self.experts)
+        out = partial.to(x.dtype)  # [N, H]
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view_as(x)
@@ -176,7 +182,8 @@ class OffloadMoELayer:
     def _decode_experts(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        """x [T, H], topk_ids [T, K] (rewritten in place by the cache), topk_weights [T, K]."""
+        """x [T, H], topk_ids [T, K] (rewritten in place by the cache), topk_weights [T, K]
+        -> the float32 partial [T, H]."""
         target = self.decode_target
         if target == "gpu" and self.bank is not None:
             return self._expert_gemm(x, topk_ids, topk_weights, self.bank)

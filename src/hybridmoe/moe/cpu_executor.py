@@ -107,7 +107,7 @@ class CpuMoeExecutor:
             # Nothing to compute and nothing to stage: finish here, skipping a thread
             # round trip. The caller still submits and syncs, so its structure is unchanged.
             job = _Job(layer_idx, (), None, hidden_states.device)
-            job.output_cpu = torch.zeros_like(hidden_states)
+            job.output_cpu = torch.zeros(hidden_states.shape, dtype=torch.float32)
             job.done.release()
             self._pending[layer_idx] = job
             return
@@ -117,7 +117,8 @@ class CpuMoeExecutor:
         self._jobs.put(job)
 
     def decode_sync(self, layer_idx: int) -> torch.Tensor:
-        """Wait for layer `layer_idx`'s submitted job; its partial [T, H] on the input's device.
+        """Wait for layer `layer_idx`'s submitted job; its float32 partial [T, H] on the input's
+        device (the expert kernel's, unrounded: the accumulation contract).
 
         Raises CpuExpertError (cause chained) if the worker failed, and TimeoutError after
         `timeout_s`; a timed-out job stays pending, so decode_sync may be called again.

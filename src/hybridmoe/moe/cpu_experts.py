@@ -6,6 +6,9 @@ quantised. `moe_forward` is the fast path: for up to FUSED_MAX_TOKENS tokens one
 per layer reads each weight row once for all tokens (kernels/numba_moe.py); beyond that
 (prefill) compute dominates and the dequantise-then-GEMM reference is the better kernel.
 Kernels are registered by name in CPU_EXPERT_FNS; their factories import them lazily.
+
+Every kernel keeps the accumulation contract (docs/architecture.md): it returns the float32
+partial sum [T, H], which the MoE layer rounds to the activation dtype once.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch.nn.functional as F
 from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.moe.routing import combine_experts
 
-# (x [T, H], expert_ids [T, K], weights [T, K], bank) -> [T, H]; ids < 0 skipped
+# (x [T, H], expert_ids [T, K], weights [T, K], bank) -> float32 partial [T, H]; ids < 0 skipped
 CpuExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, HostExpertBank], torch.Tensor]
 
 # kernel name -> factory(threads); a factory imports its optional dependency when called
@@ -56,9 +59,10 @@ def bank_moe(
 ) -> torch.Tensor:
     """Σ_k w[t,k] · down_e(silu(gate_e x_t) ⊙ up_e x_t) with e = expert_ids[t,k]; ids < 0 skipped.
 
-    x [T, H], expert_ids [T, K], weights [T, K], all on the bank's device -> [T, H] in x's
-    dtype, computed in x's dtype. For a dense bank of x's dtype it equals `moe_reference` on
-    the bank's ExpertWeights views up to summation order.
+    x [T, H], expert_ids [T, K], weights [T, K], all on the bank's device -> the float32
+    partial [T, H] of the accumulation contract (each expert's MLP in x's dtype, the weighted
+    sum in float32). For a dense bank of x's dtype it equals `moe_reference` on the bank's
+    ExpertWeights views up to summation order.
     """
     return combine_experts(
         x, expert_ids, weights, lambda h, expert: _bank_expert_mlp(h, bank, expert)
@@ -66,9 +70,13 @@ def bank_moe(
 
 
 def _bank_expert_mlp(h: torch.Tensor, bank: HostExpertBank, expert: int) -> torch.Tensor:
-    """h [n, H] -> down(silu(gate h) * up h) [n, H], gate and up in one GEMM."""
-    gate, up = F.linear(h, bank.gate_up_weights(expert, h.dtype)).chunk(2, dim=-1)  # 2 x [n, I]
-    return F.linear(F.silu(gate) * up, bank.down_weights(expert, h.dtype))
+    """h [n, H] -> down(silu(gate h) * up h) [n, H] in h's dtype, gate and up in one GEMM;
+    each projection from the exact weights, its output rounded to h's dtype."""
+    dtype = bank.compute_dtype(h.dtype)
+    gate_up = F.linear(h.to(dtype), bank.gate_up_weights(expert, dtype)).to(h.dtype)  # [n, 2I]
+    gate, up = gate_up.chunk(2, dim=-1)  # 2 x [n, I]
+    act = (F.silu(gate) * up).to(dtype)
+    return F.linear(act, bank.down_weights(expert, dtype)).to(h.dtype)
 
 
 def moe_forward(
@@ -78,9 +86,9 @@ def moe_forward(
     bank: HostExpertBank,
     threads: int | None = None,
 ) -> torch.Tensor:
-    """The same sum as `bank_moe`, on a host bank of any format, computed in float32 on
-    `threads` threads; x [T, H], expert_ids [T, K], weights [T, K] -> [T, H] in x's dtype.
-    IndexError for an expert id >= the bank's experts."""
+    """The same sum as `bank_moe`, on a host bank of any format, on `threads` threads, with
+    the same rounding points; x [T, H] (float32 or bfloat16), expert_ids [T, K], weights [T, K]
+    -> the float32 partial [T, H]. IndexError for an expert id >= the bank's experts."""
     tokens, top_k = expert_ids.shape
     if tokens > FUSED_MAX_TOKENS:
         return bank_moe(x, expert_ids, weights, bank)
@@ -92,11 +100,19 @@ def moe_forward(
     w32 = weights.to(torch.float32).contiguous().view(-1).numpy()  # [T*K]
     y = torch.zeros(tokens, hidden)  # [T, H] float32, accumulated by the kernel
     gate_up, down = bank.byte_views()
-    args = (x32, ids64, w32, gate_up, down, hidden, inter, num_experts, top_k, y.view(-1).numpy())
-    bad_id = run_fused_moe(bank.fmt.name, threads, *args)
+    act_bf16 = _bf16_activations(x.dtype)
+    args = (x32, ids64, w32, gate_up, down, hidden, inter, num_experts, top_k, act_bf16)
+    bad_id = run_fused_moe(bank.fmt.name, threads, *args, y.view(-1).numpy())
     if bad_id >= 0:
         raise IndexError(f"expert id {bad_id} out of range: the bank has {num_experts} experts")
-    return y.to(x.dtype)
+    return y
+
+
+def _bf16_activations(dtype: torch.dtype) -> bool:
+    """Whether the kernel rounds its intermediates to bf16; it computes float32 or bf16 only."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"the numba CPU expert kernel computes float32 or bfloat16, not {dtype}")
+    return dtype == torch.bfloat16
 
 
 @register_cpu_expert_fn("torch")

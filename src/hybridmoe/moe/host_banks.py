@@ -46,6 +46,15 @@ class HostExpertBank:
         """Bytes one expert occupies (what fetching it copies)."""
         return self.gate_up[0].nbytes + self.down[0].nbytes
 
+    def compute_dtype(self, act_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the experts' projections are computed in for activations of `act_dtype`:
+        `act_dtype` when the bank stores exactly that dtype, else float32, in which every
+        stored format (quantised blocks, f32, bf16) expands exactly. Either way each
+        projection's output is then rounded to `act_dtype` (the accumulation contract)."""
+        if not self.fmt.is_quantized and self.fmt.storage_dtype == act_dtype:
+            return act_dtype
+        return torch.float32
+
     def gate_up_weights(self, expert: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Expert `expert`'s gate_up [2I, H] as `dtype` (a view when already so stored); for
         a tensor of n expert indices (on the bank's device), their gate_up [n, 2I, H]."""

@@ -46,12 +46,12 @@ class CpuExecutor(Protocol):
         ...
 
     def decode_sync(self, layer_idx: int) -> torch.Tensor:
-        """Wait for the submitted work; its partial output [T, H] on the accelerator. A worker
-        failure raises here."""
+        """Wait for the submitted work; its float32 partial output [T, H] on the accelerator. A
+        worker failure raises here."""
         ...
 
 
-# (hidden [T, H], slots [T, K], weights [T, K]) -> accelerator partial [T, H]
+# (hidden [T, H], slots [T, K], weights [T, K]) -> accelerator partial [T, H] in float32
 GpuExpertRunner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -81,7 +81,9 @@ class HybridDecodeExecutor:
     def decode(
         self, request: HybridDecodeRequest, gpu_expert_runner: GpuExpertRunner
     ) -> torch.Tensor:
-        """The MoE output [T, H]: every routed contribution computed exactly once, on one side."""
+        """The routed experts' float32 sum [T, H]: every routed contribution computed exactly
+        once, on one side; the two float32 partials are added before the caller's one
+        rounding to the activation dtype."""
         original_ids = request.topk_ids.clone()  # 1. keep the router's expert ids
         self.cache.ensure_experts_hybrid(request.layer_idx, request.topk_ids)  # 2. in place
         on_cpu = request.topk_ids < 0  # 3. slot >= 0: accelerator; -1: CPU

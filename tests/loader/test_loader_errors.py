@@ -155,6 +155,7 @@ UNSUPPORTED_CONFIGS = {
     "top-k above experts": ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
     "top-k zero": ({"num_experts_per_tok": 0}, "num_experts_per_tok"),
     "zero heads": ({"num_attention_heads": 0}, "num_attention_heads"),
+    "zero layers": ({"num_hidden_layers": 0}, "num_hidden_layers"),
     "zero kv heads": ({"num_key_value_heads": 0}, "num_key_value_heads"),
     "heads not a multiple of kv heads": ({"num_key_value_heads": 3}, "num_key_value_heads"),
     "mlp_only_layers not a list": ({"mlp_only_layers": 0}, "mlp_only_layers"),

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
 
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.engine.moe_runtime import MoeRuntime, create_moe_runtime
@@ -95,9 +96,18 @@ def test_event_order(overlap, expected):
 
 
 @pytest.fixture
-def small_demo(demo_variant):
-    """The demo checkpoint cut to 3 decoder layers: 2 MoE layers (layer 0 is dense)."""
-    return demo_variant({"num_hidden_layers": 3})
+def small_demo(demo_checkpoint, demo_variant):
+    """The demo checkpoint cut to 3 decoder layers: 2 MoE layers (layer 0 is dense). The
+    weights of the other layers are left out (the loader refuses tensors a model does not use)."""
+    directory = demo_variant({"num_hidden_layers": 3}, skip=("model.safetensors",))
+    weights = load_file(str(demo_checkpoint / "model.safetensors"))
+
+    def in_cut_layer(name: str) -> bool:  # model.layers.<i>.* with i >= 3
+        return name.startswith("model.layers.") and int(name.split(".")[2]) >= 3
+
+    kept = {name: t for name, t in weights.items() if not in_cut_layer(name)}
+    save_file(kept, str(directory / "model.safetensors"))
+    return directory
 
 
 @pytest.fixture

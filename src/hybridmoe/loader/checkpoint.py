@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -11,6 +12,12 @@ from hybridmoe.loader.files import read_json_object
 from hybridmoe.loader.weights import WeightSource
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Tensors a checkpoint may hold that the model legitimately does not read: rotary inverse
+# frequencies that old exporters saved per layer; we derive them from config.json, and
+# transformers skips them the same way (`rotary_emb\.inv_freq` in its unexpected-key patterns).
+IGNORED_TENSORS = re.compile(r"rotary_emb\.inv_freq$")
+SHOWN_UNUSED = 5  # unused tensors named in the error; the rest are counted
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -30,7 +37,6 @@ def load_model(
 ):
     """MoeCausalLM of the checkpoint in `directory`, weights memory-mapped where dtypes agree.
     `dtype` None picks it from config.json (see stored_dtype)."""
-    from hybridmoe.models.config import HfConfigReader
     from hybridmoe.models.registry import family_for
     from hybridmoe.models.transformer import MoeCausalLM
 
@@ -40,9 +46,24 @@ def load_model(
     config_path = directory / "config.json"
     raw = read_json_object(config_path)
     family = family_for(raw, str(config_path))
-    cfg = family.parse_config(HfConfigReader(raw, str(config_path)))
+    cfg = family.config_from(raw, str(config_path))
     source = WeightSource.from_dir(directory, dtype or stored_dtype(raw), progress)
     try:
-        return MoeCausalLM(cfg, family, source)
+        model = MoeCausalLM(cfg, family, source)
+        check_all_used(source, config_path)
+        return model
     finally:
         source.close()
+
+
+def check_all_used(source: WeightSource, config_path: Path) -> None:
+    """CheckpointError naming the tensors the model built from config.json did not read: a
+    config that silently drops weights (a missing field, too few layers) runs a different model."""
+    unused = [name for name in source.unread_names() if not IGNORED_TENSORS.search(name)]
+    if unused:
+        shown = ", ".join(unused[:SHOWN_UNUSED])
+        more = f" and {len(unused) - SHOWN_UNUSED} more" if len(unused) > SHOWN_UNUSED else ""
+        raise CheckpointError(
+            f"{config_path} describes a model that does not use {len(unused)} of the "
+            f"checkpoint's tensors: {shown}{more}"
+        )

@@ -51,6 +51,7 @@ class WeightSource:
         self.dtype = dtype
         self._handles = {}
         self._file_of: dict[str, Path] = {}
+        self._read: set[str] = set()  # names `get` has handed out
         for path in files:
             handle = self._open(path)
             self._handles[path] = handle
@@ -79,6 +80,7 @@ class WeightSource:
         path = self._file_of.get(name)
         if path is None:
             raise CheckpointError(f"tensor '{name}' is missing from the checkpoint")
+        self._read.add(name)
         try:
             tensor = self._handles[path].get_tensor(name)
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
@@ -90,6 +92,10 @@ class WeightSource:
             )
         self._bar.update()
         return aligned(tensor if tensor.dtype == self.dtype else tensor.to(self.dtype))
+
+    def unread_names(self) -> list[str]:
+        """Names in the checkpoint that `get` has not been asked for, sorted."""
+        return sorted(self._file_of.keys() - self._read)
 
     def close(self) -> None:
         self._bar.close()

@@ -6,6 +6,7 @@ model registry reads `config.json` directly.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -56,8 +57,17 @@ class ModelConfig:
     sliding_window: int | None = None
     shared_expert_intermediate_size: int = 0  # 0 = no shared expert
     eos_token_ids: tuple[int, ...] = ()
+    # True: the router's top-k weights stay float32 (MixtralTopKRouter never casts its float32
+    # softmax values); False: they are rounded to the activation dtype, as the Qwen3-MoE,
+    # Qwen2-MoE and OLMoE TopKRouters do (`router_top_value.to(router_logits.dtype)`).
+    router_weights_fp32: bool = False
 
     def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise UnsupportedConfigError(
+                f"num_hidden_layers ({self.num_layers}) must be >= 1: a model without decoder "
+                "layers would ignore every layer's weights"
+            )
         if len(self.sparse_layers) != self.num_layers:
             raise UnsupportedConfigError(
                 f"sparse layer map has {len(self.sparse_layers)} entries, "
@@ -86,21 +96,47 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
-class HfConfigReader:
-    """Reads fields of a config.json dict; every error names the field and the file."""
+# A family's reference defaults: config.json field -> the value its `transformers` config class
+# gives when the field is absent, or a function of the reader for a default derived from other
+# fields (head_dim = hidden_size // num_attention_heads).
+ConfigDefaults = Mapping[str, Any]
 
-    def __init__(self, raw: dict[str, Any], source: str = "config.json"):
+
+class HfConfigReader:
+    """Reads fields of a config.json dict; every error names the field and the file.
+
+    `get` takes an absent (or null) field's value from `defaults`, the family's table, and only
+    from there: a field without a reference default is `require`d instead."""
+
+    def __init__(
+        self,
+        raw: dict[str, Any],
+        source: str = "config.json",
+        defaults: ConfigDefaults | None = None,
+    ):
         self.raw = raw
         self.source = source
+        self.defaults = defaults or {}
 
     def require(self, name: str, kind: type = int) -> Any:
         if name not in self.raw or self.raw[name] is None:
             raise UnsupportedConfigError(f"{self.source}: required field '{name}' is missing")
         return self._typed(name, self.raw[name], kind)
 
-    def get(self, name: str, default: Any, kind: type = int) -> Any:
+    def get(self, name: str, kind: type = int) -> Any:
         value = self.raw.get(name)
-        return default if value is None else self._typed(name, value, kind)
+        return self.default(name) if value is None else self._typed(name, value, kind)
+
+    def default(self, name: str) -> Any:
+        if name not in self.defaults:
+            raise KeyError(f"no reference default for '{name}' in this family's table")
+        default = self.defaults[name]
+        return default(self) if callable(default) else default
+
+    def section(self, name: str) -> dict[str, Any]:
+        """A nested object such as `rope_scaling`; {} when absent or null."""
+        value = self.raw.get(name)
+        return {} if value is None else dict(self._typed(name, value, dict))
 
     def first(self, names: tuple[str, ...], kind: type = int) -> Any:
         for name in names:
@@ -129,6 +165,7 @@ class HfConfigReader:
 
     def eos_token_ids(self) -> tuple[int, ...]:
         eos = self.raw.get("eos_token_id")
+        eos = self.default("eos_token_id") if eos is None else eos
         ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
         # bool is an int subclass; `true` here is a corrupt file, not id 1.
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
@@ -137,19 +174,21 @@ class HfConfigReader:
             )
         return tuple(ids)
 
-    def head_dim(self) -> int:
+    def hidden_per_head(self) -> int:
+        """hidden_size // num_attention_heads: the reference head_dim when it is absent."""
         hidden, heads = self.require("hidden_size"), self.require("num_attention_heads")
         self.refuse_if("num_attention_heads", heads < 1, "must be >= 1")
-        return self.get("head_dim", hidden // heads)
+        return hidden // heads
 
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
 def read_rope(reader: HfConfigReader) -> RopeConfig:
-    """RoPE settings from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`."""
-    field = "rope_parameters" if reader.raw.get("rope_parameters") else "rope_scaling"
-    params = dict(reader.get(field, {}, dict))
+    """RoPE settings from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`;
+    like transformers, a `rope_scaling` that is present wins over `rope_parameters`."""
+    field = "rope_scaling" if reader.raw.get("rope_scaling") else "rope_parameters"
+    params = reader.section(field)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedConfigError(
@@ -161,8 +200,8 @@ def read_rope(reader: HfConfigReader) -> RopeConfig:
         raise UnsupportedConfigError(
             f"{reader.source}: field 'partial_rotary_factor' = {partial!r} is not supported"
         )
-    theta = params.get("rope_theta", reader.raw.get("rope_theta", 10000.0))
-    max_pos = reader.get("max_position_embeddings", 4096)
+    theta = params["rope_theta"] if "rope_theta" in params else reader.get("rope_theta", float)
+    max_pos = reader.get("max_position_embeddings")
     if rope_type != "default" and params.get("factor") is None:
         raise UnsupportedConfigError(f"{reader.source}: field '{field}.factor' is missing")
     try:

@@ -6,15 +6,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybridmoe.errors import UnsupportedConfigError
-from hybridmoe.models.config import HfConfigReader, ModelConfig
+from hybridmoe.models.config import ConfigDefaults, HfConfigReader, ModelConfig
 
 
 @dataclass(frozen=True)
 class ModelFamily:
     architecture: str
     parse_config: Callable[[HfConfigReader], ModelConfig]
+    defaults: ConfigDefaults  # the reference default of every field parse_config `get`s
     moe_prefix: str = "mlp"  # where a decoder layer's MoE block lives
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+    def config_from(self, raw_config: dict, source: str = "config.json") -> ModelConfig:
+        return self.parse_config(HfConfigReader(raw_config, source, self.defaults))
 
 
 MODEL_REGISTRY: dict[str, ModelFamily] = {}

@@ -59,10 +59,19 @@ class MoeCausalLM:
             DecoderLayer(cfg, family, i, source, moe_idx[i]) for i in range(cfg.num_layers)
         ]
         self.norm = source.get("model.norm.weight", (cfg.hidden_size,))
-        tied = cfg.tie_word_embeddings or not source.has("lm_head.weight")
-        self.lm_head = self.embed if tied else source.get("lm_head.weight", embed_shape)
+        self.lm_head = self._lm_head(cfg, source)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
         self.device = torch.device("cpu")
+
+    def _lm_head(self, cfg: ModelConfig, source: WeightSource) -> torch.Tensor:
+        """The output projection [V, H], as transformers picks it: under tie_word_embeddings the
+        embeddings, unless the checkpoint stores an lm_head.weight that differs from them
+        (transformers then unties); otherwise lm_head.weight, which must be present."""
+        tied = cfg.tie_word_embeddings
+        if tied and not source.has("lm_head.weight"):
+            return self.embed
+        head = source.get("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
+        return self.embed if tied and torch.equal(head, self.embed) else head
 
     def to(self, device: torch.device) -> None:
         """Moves every dense weight to `device`: embeddings, attention, norms, dense MLPs,

@@ -233,7 +233,7 @@ def run_pass(
     cache = OffloadMoeCache(banks, num_slots, args.max_fetch)
     cpu_fn = timed_cpu_fn(clock, zeros, result.real)
     cpu = CpuMoeExecutor(banks, threads=args.workers, expert_fn=cpu_fn)
-    hybrid = cache.attach_cpu_executor(cpu, result.overlap)
+    hybrid = HybridDecodeExecutor(cache, cpu, result.overlap)
     gpu_runner = timed_gpu_runner(clock, cache.slot_bank, zeros, result.real)
     undo = instrument(hybrid, clock) if result.instrumented else (lambda: None)
     try:

@@ -63,7 +63,7 @@ def run(directory: Path, device: torch.device, offload: OffloadConfig) -> Run:
         stats = engine.stats
         logits = decode_logits(engine, PROMPTS, N_TOKENS)
         streamer = runtime.prefill.streamer if runtime.prefill is not None else None
-        hybrid = runtime.cache.hybrid_executor if runtime.cache is not None else None
+        hybrid = runtime.hybrid_executor
     return Run(
         tokens,
         logits,

@@ -20,7 +20,6 @@ from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import bank_moe
 from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor, HybridDecodeRequest
-from hybridmoe.moe.offload_cache import OffloadMoeCache
 
 HIDDEN, INTER, EXPERTS = 8, 4, 64
 WAIT_S = 10.0  # upper bound on any wait; only reached when the code under test is broken
@@ -135,7 +134,7 @@ def test_overlap_env_switch_serialises_the_runtime(
     if env is not None:
         monkeypatch.setenv("HYBRIDMOE_HYBRID_OVERLAP", env)
     runtime = make_runtime(decode_target="hybrid", overlap=config_overlap)
-    assert runtime.cache.hybrid_executor.overlap is overlap
+    assert runtime.hybrid_executor.overlap is overlap
 
 
 # --- route split ----------------------------------------------------------------------------
@@ -235,13 +234,15 @@ def make_bank(seed: int) -> HostExpertBank:
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_attach_cpu_executor_creates_one_hybrid_executor_beside_it(overlap):
-    cache = OffloadMoeCache([make_bank(0), make_bank(1)], num_slots=4, max_fetch=1)
-    executor = FakeCpuExecutor(torch.zeros(1, HIDDEN), [])
-    hybrid = cache.attach_cpu_executor(executor, overlap)
-    assert isinstance(hybrid, HybridDecodeExecutor) and cache.hybrid_executor is hybrid
-    assert hybrid.cache is cache and hybrid.cpu_executor is executor
-    assert cache.cpu_executor is executor and hybrid.overlap is overlap
+def test_the_runtime_owns_one_hybrid_executor_over_its_cache_and_cpu_executor(
+    make_runtime, overlap
+):
+    runtime = make_runtime(decode_target="hybrid", overlap=overlap)
+    hybrid = runtime.hybrid_executor
+    assert isinstance(hybrid, HybridDecodeExecutor) and hybrid.overlap is overlap
+    assert hybrid.cache is runtime.cache and hybrid.cpu_executor is runtime.cpu_executor
+    assert all(layer.hybrid_executor is hybrid for layer in runtime.layers)
+    assert not hasattr(runtime.cache, "hybrid_executor")  # the cache knows no executor
 
 
 class SpyHybridExecutor:
@@ -263,9 +264,10 @@ def test_layer_delegates_decode_steps_to_the_hybrid_executor(small_demo, max_tok
     with Engine(model, None, EngineConfig(offload=offload)) as engine:
         runtime = engine.moe_runtime
         runtime.cpu_executor.timeout_s = WAIT_S
-        spy = SpyHybridExecutor(runtime.cache.hybrid_executor)
-        runtime.cache.hybrid_executor = spy
+        spy = SpyHybridExecutor(runtime.hybrid_executor)
         layers = model.moe_layers
+        for layer in layers:
+            layer.hybrid_executor = spy
         assert len(layers) == 2
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         [out] = engine.generate_ids([[1, 2, 3]], params)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hybridmoe.layers.moe import ExpertWeights, moe_reference
 from hybridmoe.moe.cache_stats import ExpertCacheStats
 from hybridmoe.moe.host_banks import HostExpertBank
-from hybridmoe.moe.hybrid_decode import HybridDecodeRequest
+from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor, HybridDecodeRequest
 from hybridmoe.moe.offload_cache import OffloadMoeCache
 
 LAYERS, E, H, I = 3, 6, 8, 4  # noqa: E741
@@ -248,14 +248,11 @@ def slot_runner(cache: OffloadMoeCache):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_attach_cpu_executor_wires_one_hybrid_executor(overlap):
+def test_a_hybrid_executor_over_the_cache_decodes_exactly(overlap):
     cache = make_cache(num_slots=3, max_fetch=1)
-    assert cache.hybrid_executor is None and cache.cpu_executor is None
     fake = FakeCpuExecutor()
-    executor = cache.attach_cpu_executor(fake, overlap=overlap)
-    assert cache.hybrid_executor is executor and cache.cpu_executor is fake
-    assert executor.cache is cache and executor.cpu_executor is fake
-    assert executor.overlap is overlap
+    executor = HybridDecodeExecutor(cache, fake, overlap)
+    assert not hasattr(cache, "hybrid_executor") and not hasattr(cache, "cpu_executor")
     g = torch.Generator().manual_seed(1)
     for layer, rows in [(0, [[1, 2], [2, 3]]), (1, [[1, 2], [2, 3]]), (0, [[2, 4], [5, 1]])]:
         ids = torch.tensor(rows)

@@ -1,7 +1,8 @@
-"""MoeRuntime: the decode-time expert machinery one engine owns (banks, cache, CPU executor).
+"""MoeRuntime: the decode-time expert machinery one engine owns.
 
-The cache owns the HybridDecodeExecutor beside the CPU executor, as the reference does for
-now; moving that ownership here is a follow-up (docs/proposals/0001).
+It owns the banks, the cache, the CpuMoeExecutor, the HybridDecodeExecutor over those two, the
+prefill and the platform, and closes them in order. Nothing it owns refers back to it or to
+each other in a cycle, so `close()` releases the device memory of the slots and banks at once.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hybridmoe.moe.config import OffloadConfig
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import create_cpu_expert_fn
 from hybridmoe.moe.host_banks import HostExpertBank
+from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor
 from hybridmoe.moe.offload_cache import OffloadMoeCache
 from hybridmoe.moe.prefill import ExpertPrefill, LayerStreamer
 from hybridmoe.platform.base import Platform
@@ -28,27 +30,38 @@ from hybridmoe.quant.formats import dense_format, weight_format
 
 if TYPE_CHECKING:
     from hybridmoe.engine.placement import DeviceMemoryPlan
+    from hybridmoe.layers.moe import OffloadMoELayer
 
 
 @dataclass
 class MoeRuntime:
     config: OffloadConfig
+    layers: list[OffloadMoELayer]
     banks: list[HostExpertBank]
     cache: OffloadMoeCache | None
     cpu_executor: CpuMoeExecutor | None
+    hybrid_executor: HybridDecodeExecutor | None
     platform: Platform
     prefill: ExpertPrefill | None = None
 
     def close(self) -> None:
+        """Join the CPU workers, detach the layers, release the slots, prefill's buffers and
+        the banks, then close the platform (which unpins the host banks)."""
         if self.cpu_executor is not None:
             self.cpu_executor.close()
+        for layer in self.layers:
+            layer.detach()
+        if self.cache is not None:
+            self.cache.close()
+        self.hybrid_executor = self.prefill = self.cache = None
+        self.banks = []
         self.platform.close()
 
     def reset_stats(self) -> None:
         if self.cache is not None:
             self.cache.reset_stats()
-            if self.cache.hybrid_executor is not None:
-                self.cache.hybrid_executor.stats.clear()
+        if self.hybrid_executor is not None:
+            self.hybrid_executor.stats.clear()
         if self.cpu_executor is not None:
             self.cpu_executor.stats.clear()
 
@@ -84,14 +97,14 @@ def create_moe_runtime(
     if config.decode_target == "gpu":
         return _attach_resident(layers, config, platform, banks, memory)
     if not banks:  # a model without MoE layers
-        return _attach(layers, config, platform, banks, None, None, None)
+        return _attach(layers, config, platform, banks)
     if on_accelerator and config.pin_memory:
         for bank in tqdm(banks, desc="pinning expert banks", unit="layer", disable=not progress):
             platform.pin(bank.gate_up), platform.pin(bank.down)
     # On the cpu device `auto` computes prefill from the banks in place: no ExpertPrefill.
     prefill_mode = config.prefill if on_accelerator or config.prefill != "auto" else None
     prefill_bytes = _prefill_bytes(prefill_mode, banks[0], memory)
-    cache = executor = prefill = None
+    cache = executor = hybrid = prefill = None
     if config.uses_cache:
         slots = _num_slots(model, config, banks, memory, prefill_bytes)
         cache = OffloadMoeCache(banks, slots, config.max_fetch, platform)
@@ -102,8 +115,8 @@ def create_moe_runtime(
     if config.uses_cpu_executor:  # last: nothing after it can fail and leave its threads
         executor = CpuMoeExecutor(banks, expert_fn=expert_fn, sync=platform.device_sync())
         if cache is not None:
-            cache.attach_cpu_executor(executor, config.overlap and env.hybrid_overlap())
-    return _attach(layers, config, platform, banks, cache, executor, prefill)
+            hybrid = HybridDecodeExecutor(cache, executor, config.overlap and env.hybrid_overlap())
+    return _attach(layers, config, platform, banks, cache, executor, hybrid, prefill)
 
 
 def _prefill_bytes(
@@ -135,13 +148,22 @@ def _attach_resident(
     device_banks = [bank.to(platform.device) for bank in banks]  # frees the host copies
     for layer, bank in zip(layers[: len(device_banks)], device_banks, strict=True):
         layer.bank = bank
-    return _attach(layers, config, platform, device_banks, None, None, None)
+    return _attach(layers, config, platform, device_banks)
 
 
-def _attach(layers, config, platform, banks, cache, executor, prefill) -> MoeRuntime:
+def _attach(
+    layers: list[OffloadMoELayer],
+    config: OffloadConfig,
+    platform: Platform,
+    banks: list[HostExpertBank],
+    cache: OffloadMoeCache | None = None,
+    executor: CpuMoeExecutor | None = None,
+    hybrid: HybridDecodeExecutor | None = None,
+    prefill: ExpertPrefill | None = None,
+) -> MoeRuntime:
     for layer in layers:
-        layer.attach(config.decode_target, cache, executor, prefill)
-    return MoeRuntime(config, banks, cache, executor, platform, prefill)
+        layer.attach(config.decode_target, cache, executor, hybrid, prefill)
+    return MoeRuntime(config, layers, banks, cache, executor, hybrid, platform, prefill)
 
 
 def _num_slots(

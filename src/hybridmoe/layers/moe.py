@@ -18,7 +18,7 @@ from hybridmoe.models.config import ModelConfig
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import FUSED_MAX_TOKENS, bank_moe
 from hybridmoe.moe.host_banks import HostExpertBank
-from hybridmoe.moe.hybrid_decode import HybridDecodeRequest
+from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor, HybridDecodeRequest
 from hybridmoe.moe.offload_cache import OffloadMoeCache
 from hybridmoe.moe.prefill import ExpertPrefill
 from hybridmoe.moe.routing import combine_experts, route
@@ -110,6 +110,7 @@ class OffloadMoELayer:
         self.bank: HostExpertBank | None = None
         self.cache: OffloadMoeCache | None = None
         self.cpu_executor: CpuMoeExecutor | None = None
+        self.hybrid_executor: HybridDecodeExecutor | None = None
         self.prefill: ExpertPrefill | None = None  # prefill experts when not resident
 
     def to(self, device: torch.device) -> None:
@@ -153,10 +154,17 @@ class OffloadMoELayer:
         decode_target: str,
         cache: OffloadMoeCache | None = None,
         cpu_executor: CpuMoeExecutor | None = None,
+        hybrid_executor: HybridDecodeExecutor | None = None,
         prefill: ExpertPrefill | None = None,
     ) -> None:
         self.decode_target, self.cache, self.cpu_executor = decode_target, cache, cpu_executor
-        self.prefill = prefill
+        self.hybrid_executor, self.prefill = hybrid_executor, prefill
+
+    def detach(self) -> None:
+        """Drop the runtime's parts and the bank (device memory for `gpu` on an accelerator);
+        a layer whose experts lived only in its bank cannot run afterwards."""
+        self.attach(self.decode_target)
+        self.bank = None
 
     def __call__(self, x: torch.Tensor, is_decode: bool = False) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]. Every expert path returns its float32 partial; the routed
@@ -194,7 +202,7 @@ class OffloadMoELayer:
             return self.cpu_executor.decode_sync(self.moe_idx)
         if target == "hybrid":
             request = HybridDecodeRequest(self.moe_idx, x, topk_ids, topk_weights)
-            return self.cache.hybrid_executor.decode(request, self._run_cached_decode_experts)
+            return self.hybrid_executor.decode(request, self._run_cached_decode_experts)
         return moe_reference(x, topk_ids, topk_weights, self.experts)
 
     def _decode_offload(
@@ -202,7 +210,8 @@ class OffloadMoELayer:
     ) -> torch.Tensor:
         """Every miss fetched. A batched step routing to more distinct experts than the cache
         holds runs token by token (exact: tokens are independent in the MoE)."""
-        if torch.unique(topk_ids).numel() > self.cache.num_slots and x.shape[0] > 1:
+        may_overflow = x.shape[0] > 1 and topk_ids.numel() > self.cache.num_slots  # no sync
+        if may_overflow and torch.unique(topk_ids).numel() > self.cache.num_slots:
             rows = [slice(t, t + 1) for t in range(x.shape[0])]
             return torch.cat(
                 [self._decode_offload(x[r], topk_ids[r], topk_weights[r]) for r in rows]

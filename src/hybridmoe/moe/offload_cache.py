@@ -15,7 +15,6 @@ import torch
 
 from hybridmoe.moe.cache_stats import ExpertCacheStats
 from hybridmoe.moe.host_banks import HostExpertBank
-from hybridmoe.moe.hybrid_decode import CpuExecutor, HybridDecodeExecutor
 from hybridmoe.platform.base import Platform
 from hybridmoe.platform.cpu import CpuPlatform
 
@@ -59,8 +58,7 @@ class OffloadMoeCache:
         self.slot_bank = banks[0].empty_slots(num_slots, self.platform.device)
         # [S, 2I, H] and [S, H, I] on `device`: the views the layer's accelerator math reads.
         self.gate_up_slots, self.down_slots = self.slot_bank.gate_up, self.slot_bank.down
-        self.cpu_executor: CpuExecutor | None = None
-        self.hybrid_executor: HybridDecodeExecutor | None = None
+        self._ids_pinned: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # see _write_back
         self.reset()
 
     def reset(self) -> None:
@@ -121,15 +119,12 @@ class OffloadMoeCache:
         need = tokens * top_k
         return need if num_experts is None else min(need, num_experts)
 
-    def attach_cpu_executor(self, executor: CpuExecutor, overlap: bool) -> HybridDecodeExecutor:
-        """Keep `executor` and one HybridDecodeExecutor over (this cache, executor) beside the
-        cache; returns the executor. Temporary ownership, as in the reference, until a runtime
-        object owns both."""
-        self.cpu_executor = executor
-        self.hybrid_executor = HybridDecodeExecutor(self, executor, overlap)
-        return self.hybrid_executor
-
-    # -- policy ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the slots (device memory on an accelerator) now, without waiting for the
+        garbage collector; the cache cannot be used afterwards."""
+        self.slot_bank = self.gate_up_slots = self.down_slots = None
+        self._pending.clear()
+        self._ids_pinned.clear()
 
     def _ensure(self, layer_idx: int, topk_ids: torch.Tensor, fetch_cap: int | None) -> None:
         self._check_layer(layer_idx)
@@ -146,7 +141,22 @@ class OffloadMoeCache:
         fetched = self._fetch_misses(layer_idx, counts, slot_of_expert, fetch_cap)
         self._record(self.stats_by_layer[layer_idx], counts, hits, fetched)
         rewritten = [slot_of_expert.get(e, -1) for e in flat_ids]  # ids < 0 are never keys
-        topk_ids.copy_(torch.tensor(rewritten, dtype=topk_ids.dtype).view(topk_ids.shape))
+        self._write_back(topk_ids, rewritten)
+
+    def _write_back(self, topk_ids: torch.Tensor, rewritten: list[int]) -> None:
+        """topk_ids[:] = rewritten. On an accelerator through one reused page-locked buffer per
+        shape, copied without blocking: reusing it is safe because every call starts with the
+        `tolist()` read of ids that the compute stream produced after the last copy."""
+        if topk_ids.device.type == "cpu":
+            topk_ids.copy_(torch.tensor(rewritten, dtype=topk_ids.dtype).view(topk_ids.shape))
+            return
+        key = (topk_ids.numel(), topk_ids.dtype)
+        ids_pinned = self._ids_pinned.get(key)
+        if ids_pinned is None:
+            ids_pinned = torch.empty(key[0], dtype=key[1], pin_memory=True)
+            self._ids_pinned[key] = ids_pinned
+        ids_pinned.numpy()[:] = rewritten
+        topk_ids.copy_(ids_pinned.view(topk_ids.shape), non_blocking=True)
 
     def _count_routes(self, layer_idx: int, flat_ids: list[int]) -> Counter[int]:
         counts = Counter(e for e in flat_ids if e >= 0)

@@ -194,7 +194,9 @@ def _adopt_banks(
     native = dense_format(dtype)
     fmt = weight_format(config.expert_format) if config.expert_format else native
     if fmt == native:
-        if config.decode_target == "gpu" and not always:
+        if config.decode_target == "gpu" and not always:  # computed from the mapped experts
+            for layer in layers:
+                layer.experts.align()
             return []
         return [layer.adopt_bank(None, drop_experts=always) for layer in layers]
     bar = tqdm(layers, desc=f"experts -> {fmt.name}", unit="layer", disable=not progress)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from hybridmoe.kernels.torch_moe import gathered_moe
 from hybridmoe.layers.linear import GatedMLP, Linear
-from hybridmoe.loader.weights import WeightSource, release_pages
+from hybridmoe.loader.weights import WeightSource, aligned, release_pages
 from hybridmoe.models.config import ModelConfig
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import FUSED_MAX_TOKENS, bank_moe
@@ -49,11 +49,23 @@ class ExpertWeights:
     ) -> ExpertWeights:
         hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
         shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+        # Unaligned views: most targets copy them into a bank (aligned) anyway, and one that
+        # computes from them in place aligns them first (align()).
         per_projection = [
-            [source.get(f"{prefix}.{e}.{name}.weight", shape) for e in range(cfg.num_experts)]
+            [
+                source.get(f"{prefix}.{e}.{name}.weight", shape, align=False)
+                for e in range(cfg.num_experts)
+            ]
             for name, shape in zip(names, shapes, strict=True)
         ]
         return cls(*per_projection)
+
+    def align(self) -> None:
+        """Make every matrix 64-byte aligned (loader.weights.aligned: a CPU kernel's result may
+        depend on its weight's address), copying the few that are not."""
+        self.gate, self.up, self.down = (
+            [aligned(w) for w in ws] for ws in (self.gate, self.up, self.down)
+        )
 
 
 def moe_reference(

@@ -75,8 +75,10 @@ class WeightSource:
     def has(self, name: str) -> bool:
         return name in self._file_of
 
-    def get(self, name: str, shape: Sequence[int]) -> torch.Tensor:
-        """Tensor `name` in the source dtype; CheckpointError if it is missing or mis-shaped."""
+    def get(self, name: str, shape: Sequence[int], align: bool = True) -> torch.Tensor:
+        """Tensor `name` in the source dtype; CheckpointError if it is missing or mis-shaped.
+        With `align=False` a tensor in the source dtype stays the file's view wherever it lies
+        (for weights the caller copies anyway, or aligns itself: see `aligned`)."""
         path = self._file_of.get(name)
         if path is None:
             raise CheckpointError(f"tensor '{name}' is missing from the checkpoint")
@@ -91,7 +93,8 @@ class WeightSource:
                 f"config.json implies {tuple(shape)}"
             )
         self._bar.update()
-        return aligned(tensor if tensor.dtype == self.dtype else tensor.to(self.dtype))
+        tensor = tensor if tensor.dtype == self.dtype else tensor.to(self.dtype)
+        return aligned(tensor) if align else tensor
 
     def unread_names(self) -> list[str]:
         """Names in the checkpoint that `get` has not been asked for, sorted."""

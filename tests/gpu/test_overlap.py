@@ -20,6 +20,8 @@ from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor, HybridDecodeReques
 from hybridmoe.moe.offload_cache import OffloadMoeCache
 from hybridmoe.platform.base import Platform, create_platform
 
+from .device_helpers import spin_cycles
+
 pytestmark = pytest.mark.cuda_only
 
 E, H, INTER = 8, 128, 64
@@ -46,18 +48,6 @@ class DeviceClock:
 
     def host_s(self, event: torch.cuda.Event) -> float:
         return self.ref_host_s + self.ref.elapsed_time(event) / 1000  # elapsed_time is in ms
-
-
-def spin_cycles(device: torch.device, seconds: float) -> int:
-    """Clock cycles for which torch.cuda._sleep spins about `seconds` on this device."""
-    calibration_cycles = 20_000_000
-    torch.cuda._sleep(1000)  # load the kernel
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(calibration_cycles)
-    end.record()
-    end.synchronize()
-    return int(calibration_cycles * seconds * 1000 / start.elapsed_time(end))
 
 
 def overlap_s(a: Interval, b: Interval) -> float:

@@ -145,3 +145,14 @@ def create_platform(device: torch.device | str) -> Platform:
 def create_device_sync(device: torch.device | str) -> DeviceSync:
     """The DeviceSync for `device`'s type."""
     return create_platform(device).device_sync()
+
+
+def to_device_no_sync(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`; a host tensor reaches an accelerator without the host waiting
+    for the device (staged through pinned memory), and the caller may change or free it at
+    once. On the cpu device it is `tensor` itself."""
+    if tensor.device.type != "cpu" or device.type == "cpu":
+        return tensor.to(device)
+    from hybridmoe.platform.cuda import to_device_no_sync as cuda_to_device_no_sync
+
+    return cuda_to_device_no_sync(tensor, device)

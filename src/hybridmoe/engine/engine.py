@@ -11,7 +11,7 @@ import torch
 from hybridmoe.engine import steps
 from hybridmoe.engine.config import EngineConfig
 from hybridmoe.engine.kv_cache import KVCache
-from hybridmoe.engine.moe_runtime import create_moe_runtime
+from hybridmoe.engine.moe_runtime import MoeRuntime, create_moe_runtime
 from hybridmoe.engine.placement import plan_device_memory
 from hybridmoe.engine.sampling import SamplingParams
 from hybridmoe.engine.sequence import Completion, Sequence
@@ -20,22 +20,22 @@ from hybridmoe.errors import CheckpointError
 from hybridmoe.loader.checkpoint import load_model, parse_dtype
 from hybridmoe.loader.tokenizer import Tokenizer
 from hybridmoe.models.transformer import MoeCausalLM
-from hybridmoe.platform.base import create_platform
+from hybridmoe.platform.base import Platform, create_platform
 
 
 class Engine:
     def __init__(self, model: MoeCausalLM, tokenizer: Tokenizer | None, config: EngineConfig):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         platform = create_platform(config.device)
-        try:
+        runtime = None
+        try:  # a failure (e.g. out of memory in model.to) closes what was created
             memory = plan_device_memory(model, config, platform)
-            self.moe_runtime = create_moe_runtime(
-                model, config.offload, platform, config.progress, memory
-            )
+            runtime = create_moe_runtime(model, config.offload, platform, config.progress, memory)
+            model.to(platform.device)
         except BaseException:
-            platform.close()
+            _close_after_failure(runtime, platform)
             raise
-        model.to(platform.device)
+        self.moe_runtime = runtime
         self.eos_ids = frozenset(model.cfg.eos_token_ids) | (
             tokenizer.eos_token_ids if tokenizer else frozenset()
         )
@@ -146,3 +146,13 @@ class Engine:
             deltas[row] = delta
         self.stats.decode_tokens += len(rows)
         return deltas
+
+
+def _close_after_failure(runtime: MoeRuntime | None, platform: Platform) -> None:
+    """Join the CPU workers and unpin the host banks of a half-built engine; the platform is
+    closed even when the runtime's close fails (close() is idempotent)."""
+    try:
+        if runtime is not None:
+            runtime.close()
+    finally:
+        platform.close()

@@ -1,20 +1,26 @@
-"""Device memory planning: the slot count a `--gpu-memory` budget gives, and clear refusals of
-what does not fit. On the cpu device a budget is planned only when given explicitly."""
+"""Device memory planning: the slot count a `--gpu-memory` budget (or a device's free memory)
+gives, with the decode expert kernel's peak set aside, and clear refusals of what does not fit.
+On the cpu device a budget is planned only when given explicitly."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hf_checkpoints import PROMPT_IDS, write_hf_checkpoint
 from hybridmoe.cli import main
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
+from hybridmoe.engine import engine as engine_module
 from hybridmoe.engine.kv_cache import KVCache
-from hybridmoe.engine.placement import GIB, DeviceMemoryPlan
+from hybridmoe.engine.placement import ACTIVATION_RESERVE_BYTES, GIB
 from hybridmoe.errors import DeviceMemoryError
+from hybridmoe.kernels.torch_moe import gathered_moe_peak_bytes
 from hybridmoe.loader.checkpoint import load_model
 from hybridmoe.moe.config import OffloadConfig
+from hybridmoe.platform.cpu import CpuPlatform
 
 FOUR_TOKENS = SamplingParams(max_tokens=4, ignore_eos=True)
+MAX_BATCH, MAX_SEQ_LEN = 2, 256
 
 
 @pytest.fixture(scope="module")
@@ -23,34 +29,91 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sizes(checkpoint) -> dict[str, int]:
-    """What the plan for a float32 engine with max_batch 2 should count."""
-    with Engine.from_pretrained(checkpoint, EngineConfig(dtype="float32")) as engine:
-        model = engine.model
-        bank = engine.moe_runtime.banks[0] if engine.moe_runtime.banks else None
-    model = load_model(checkpoint, None, False)
-    cfg = model.cfg
-    expert_nbytes = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4
-    assert bank is None or bank.expert_nbytes == expert_nbytes
+def quant_checkpoint(tmp_path_factory):
+    """Hidden 64 and expert width 32: whole q8_0/q4_0 blocks."""
+    return write_hf_checkpoint("qwen3_moe", "mha_tied_top1", tmp_path_factory.mktemp("quant"))
+
+
+class BudgetPlatform(CpuPlatform):
+    """The cpu tier reporting `free_bytes` of free memory, as an accelerator does."""
+
+    def __init__(self, free_bytes: int):
+        self.free_bytes = free_bytes
+
+    def memory_bytes(self) -> tuple[int, int]:
+        return self.free_bytes, self.free_bytes
+
+
+def planned_sizes(checkpoint, expert_format: str | None = None) -> dict[str, int]:
+    """What the plan of a float32 engine with MAX_BATCH x MAX_SEQ_LEN counts, from a built
+    engine's own bank: `fixed` (dense weights, KV cache, activation reserve), `kernel`
+    (gathered_moe's peak at MAX_BATCH tokens), one `expert`, a `layer`, the `total` experts."""
+    offload = OffloadConfig(decode_target="hybrid", expert_format=expert_format)
+    with Engine.from_pretrained(checkpoint, EngineConfig(dtype="float32", offload=offload)) as e:
+        bank, cfg, dense = e.moe_runtime.banks[0], e.model.cfg, e.model.dense_nbytes()
+    kv = KVCache.nbytes(cfg, MAX_BATCH, MAX_SEQ_LEN, torch.float32)
     return {
-        "fixed": model.dense_nbytes() + KVCache.nbytes(cfg, 2, 256, model.dtype),
-        "expert": expert_nbytes,
-        "layer": cfg.num_experts * expert_nbytes,
-        "total": cfg.num_experts * len(cfg.moe_layer_ids),
+        "fixed": dense + kv + ACTIVATION_RESERVE_BYTES,
+        "kernel": gathered_moe_peak_bytes(bank, MAX_BATCH, cfg.top_k, torch.float32),
+        "expert": bank.expert_nbytes,
+        "layer": bank.num_experts * bank.expert_nbytes,
+        "total": bank.num_experts * len(cfg.moe_layer_ids),
     }
+
+
+@pytest.fixture(scope="module")
+def sizes(checkpoint) -> dict[str, int]:
+    found = planned_sizes(checkpoint)
+    cfg = load_model(checkpoint, None, False).cfg
+    assert found["expert"] == 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4
+    return found
 
 
 def budget_gib(sizes: dict[str, int], experts: int, extra: int = 0) -> float:
     """A budget that leaves room for exactly `experts` experts (plus `extra` bytes)."""
-    reserve = DeviceMemoryPlan(0, 0, 0).reserve_bytes
-    return (sizes["fixed"] + reserve + experts * sizes["expert"] + extra + 1) / GIB
+    fixed = sizes["fixed"] + sizes["kernel"]
+    return (fixed + experts * sizes["expert"] + extra + 1) / GIB
 
 
-def engine_config(gib: float, **offload) -> EngineConfig:
+def engine_config(gib: float | None, **offload) -> EngineConfig:
     offload_config = OffloadConfig(**offload)
     return EngineConfig(
-        dtype="float32", max_batch=2, max_seq_len=256, gpu_memory=gib, offload=offload_config
+        dtype="float32",
+        max_batch=MAX_BATCH,
+        max_seq_len=MAX_SEQ_LEN,
+        gpu_memory=gib,
+        offload=offload_config,
     )
+
+
+def on_free_memory(monkeypatch, free_bytes: int) -> None:
+    """Engines built next plan for a device with exactly `free_bytes` free."""
+    monkeypatch.setattr(engine_module, "create_platform", lambda _: BudgetPlatform(free_bytes))
+
+
+@pytest.mark.parametrize("expert_format", [None, "q8_0", "q4_0"])
+def test_a_budget_exactly_enough_gives_its_slots_and_one_byte_less_one_fewer(
+    quant_checkpoint, monkeypatch, expert_format
+):
+    sizes = planned_sizes(quant_checkpoint, expert_format)
+    enough = sizes["fixed"] + sizes["kernel"] + 3 * sizes["expert"]
+    config = engine_config(None, decode_target="hybrid", expert_format=expert_format)
+    for free_bytes, slots in [(enough, 3), (enough - 1, 2)]:
+        on_free_memory(monkeypatch, free_bytes)
+        with Engine.from_pretrained(quant_checkpoint, config) as engine:
+            assert engine.moe_runtime.cache.num_slots == slots, sizes
+    on_free_memory(monkeypatch, enough - 2 * sizes["expert"] - 1)
+    with pytest.raises(DeviceMemoryError, match=r"no expert slot fits.*expert kernel"):
+        Engine.from_pretrained(quant_checkpoint, config)
+
+
+def test_the_cpu_target_sets_no_expert_kernel_memory_aside(quant_checkpoint, monkeypatch):
+    sizes = planned_sizes(quant_checkpoint, "q8_0")
+    assert sizes["kernel"] > 0
+    on_free_memory(monkeypatch, sizes["fixed"])
+    config = engine_config(None, decode_target="cpu", expert_format="q8_0")
+    with Engine.from_pretrained(quant_checkpoint, config) as engine:
+        assert engine.moe_runtime.cpu_executor is not None  # planned, and it fits
 
 
 def test_kv_cache_nbytes_is_what_it_allocates(checkpoint):

@@ -1,6 +1,8 @@
 """Memory planning on the device: a `--gpu-memory` budget gives the slot count that fits beside
-the dense weights, the KV cache, the reserve and prefill's layer buffers, and the engine then
-allocates no more than planned; what does not fit is refused naming the flag to change."""
+the dense weights, the KV cache, the reserve (activations and the decode expert kernel's peak)
+and prefill's layer buffers, and the engine then allocates no more than planned; what does not
+fit is refused naming the flag to change. gathered_moe's temporaries stay within the peak the
+plan sets aside for them."""
 
 from __future__ import annotations
 
@@ -13,10 +15,14 @@ import torch
 from hf_checkpoints import PROMPT_IDS
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.engine.kv_cache import KVCache
-from hybridmoe.engine.placement import GIB, DeviceMemoryPlan
+from hybridmoe.engine.placement import ACTIVATION_RESERVE_BYTES, GIB, expert_kernel_bytes
 from hybridmoe.errors import DeviceMemoryError
+from hybridmoe.kernels import torch_moe
+from hybridmoe.kernels.torch_moe import gathered_moe, gathered_moe_peak_bytes
 from hybridmoe.loader.checkpoint import load_model
 from hybridmoe.moe.config import OffloadConfig
+
+from .test_gathered_moe import make_bank, make_routes
 
 MAX_BATCH, MAX_SEQ_LEN = 2, 128
 SLOTS = 5
@@ -34,10 +40,11 @@ class Sizes:
     expert: int
     total_experts: int
     prefill: int  # prefill's two layer buffers: on an accelerator `auto` streams long prompts
+    kernel: int  # gathered_moe's peak temporaries at MAX_BATCH tokens
 
     def budget(self, experts: int, with_prefill: bool) -> int:
         """A budget with room for `experts` experts (and half of one more)."""
-        reserve = DeviceMemoryPlan(0, 0, 0).reserve_bytes
+        reserve = ACTIVATION_RESERVE_BYTES + self.kernel
         fixed = self.dense + self.kv + reserve + (self.prefill if with_prefill else 0)
         return fixed + experts * self.expert + self.expert // 2
 
@@ -54,6 +61,7 @@ def sizes(tiny_checkpoint: Path, device: torch.device) -> Sizes:
         expert=expert,
         total_experts=cfg.num_experts * len(cfg.moe_layer_ids),
         prefill=2 * layer if device.type != "cpu" else 0,
+        kernel=expert_kernel_bytes(model, OffloadConfig(decode_target="hybrid"), MAX_BATCH),
     )
 
 
@@ -115,3 +123,28 @@ def test_what_does_not_fit_is_refused(tiny_checkpoint: Path, device, sizes, case
     with pytest.raises(DeviceMemoryError, match=message):
         Engine.from_pretrained(tiny_checkpoint, engine_config(device, budgets[case], **offload))
     assert allocated_bytes(device) == before  # a refused engine leaves nothing on the device
+
+
+@pytest.mark.cuda_only
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunks", ["one", "several"])
+def test_gathered_moe_stays_within_its_planned_peak(device, monkeypatch, fmt, dtype, chunks):
+    tokens, top_k = 16, 4
+    bank_dev = make_bank(fmt).to(device)
+    if chunks == "several":  # 5 routes a chunk
+        expert_bytes = 3 * bank_dev.intermediate_size * bank_dev.hidden_size * 4
+        monkeypatch.setattr(torch_moe, "GATHER_CHUNK_BYTES", 5 * expert_bytes)
+    ids, weights = make_routes(tokens, top_k, seed=5)
+    x = torch.randn(tokens, bank_dev.hidden_size).to(dtype)
+    x_dev, ids_dev, weights_dev = (t.to(device) for t in (x, ids, weights.to(dtype)))
+    gathered_moe(x_dev, ids_dev, weights_dev, bank_dev)  # warm: cuBLAS workspace, kernels
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    out = gathered_moe(x_dev, ids_dev, weights_dev, bank_dev)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    planned = gathered_moe_peak_bytes(bank_dev, tokens, top_k, dtype) + out.nbytes
+    slack = 64 * 512  # the allocator rounds each of a few dozen blocks up to 512 bytes
+    assert peak <= planned + slack, f"{fmt} {dtype}: peak {peak} B > planned {planned} B"

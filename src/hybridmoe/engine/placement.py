@@ -2,7 +2,10 @@
 
 The budget is `--gpu-memory` GiB when given, else the accelerator's free memory at load; on
 the cpu device without `--gpu-memory` nothing is planned (host memory is the tier and the
-slot count comes from OffloadConfig alone). What does not fit is refused with the figures.
+slot count comes from OffloadConfig alone). Besides a fixed reserve for activations, the plan
+sets aside the peak of the decode expert kernel's temporaries at `max_batch` tokens (for
+q8_0/q4_0 it expands a chunk of gathered experts to float32: a GiB or more). What does not
+fit is refused with the figures.
 """
 
 from __future__ import annotations
@@ -12,11 +15,15 @@ from dataclasses import dataclass
 from hybridmoe.engine.config import EngineConfig
 from hybridmoe.engine.kv_cache import KVCache
 from hybridmoe.errors import DeviceMemoryError
+from hybridmoe.kernels.torch_moe import gathered_moe_peak_bytes
 from hybridmoe.models.transformer import MoeCausalLM
+from hybridmoe.moe.config import OffloadConfig
+from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.platform.base import Platform
+from hybridmoe.quant.formats import dense_format, weight_format
 
 GIB = 2**30
-# Activations, logits, the expert kernel's gathered weights and allocator slack.
+# Activations, logits and allocator slack (the expert kernel's temporaries are counted apart).
 ACTIVATION_RESERVE_BYTES = GIB // 2
 
 
@@ -25,7 +32,13 @@ class DeviceMemoryPlan:
     budget_bytes: int
     dense_bytes: int
     kv_bytes: int
-    reserve_bytes: int = ACTIVATION_RESERVE_BYTES
+    expert_kernel_bytes: int = 0  # peak temporaries of one decode step's expert kernel call
+    activation_bytes: int = ACTIVATION_RESERVE_BYTES
+
+    @property
+    def reserve_bytes(self) -> int:
+        """What is set aside for the step's temporaries."""
+        return self.activation_bytes + self.expert_kernel_bytes
 
     @property
     def expert_bytes(self) -> int:
@@ -36,7 +49,9 @@ class DeviceMemoryPlan:
         return (
             f"budget {self.budget_bytes / GIB:.2f} GiB = dense weights "
             f"{self.dense_bytes / GIB:.2f} GiB + KV cache {self.kv_bytes / GIB:.2f} GiB + "
-            f"reserve {self.reserve_bytes / GIB:.2f} GiB + experts "
+            f"reserve {self.reserve_bytes / GIB:.2f} GiB (activations "
+            f"{self.activation_bytes / GIB:.2f} + expert kernel "
+            f"{self.expert_kernel_bytes / GIB:.2f}) + experts "
             f"{self.expert_bytes / GIB:.2f} GiB"
         )
 
@@ -84,10 +99,36 @@ def plan_device_memory(
         budget = memory[0]  # free now: the dense weights are still in host memory
     seq_len = config.max_seq_len or min(model.cfg.max_position_embeddings, 4096)
     kv_bytes = KVCache.nbytes(model.cfg, config.max_batch, seq_len, model.dtype)
-    plan = DeviceMemoryPlan(budget, model.dense_nbytes(), kv_bytes)
+    kernel_bytes = expert_kernel_bytes(model, config.offload, config.max_batch)
+    plan = DeviceMemoryPlan(budget, model.dense_nbytes(), kv_bytes, kernel_bytes)
     if plan.expert_bytes < 0:
         raise DeviceMemoryError(
             f"the model does not fit on the device even without experts: {plan.describe()}; "
             "lower --max-batch or --max-seq-len, or raise --gpu-memory"
         )
     return plan
+
+
+def expert_kernel_bytes(model: MoeCausalLM, offload: OffloadConfig, max_batch: int) -> int:
+    """Peak device bytes of the temporaries of one decode expert kernel call over `max_batch`
+    tokens: gathered_moe's. Larger batches take the grouped reference, whose peak (one expert
+    expanded at a time) is below it. Zero for the `cpu` target: its experts never run on the
+    device."""
+    if offload.decode_target == "cpu" or not model.moe_layers:
+        return 0
+    bank = expert_shape_bank(model, offload)
+    return gathered_moe_peak_bytes(bank, max_batch, model.cfg.top_k, model.dtype)
+
+
+def expert_shape_bank(model: MoeCausalLM, offload: OffloadConfig) -> HostExpertBank:
+    """One expert of the banks create_moe_runtime builds (their format and shapes), on the meta
+    device: what the expert kernel's temporaries depend on, without memory."""
+    cfg = model.cfg
+    native = dense_format(model.dtype)
+    fmt = weight_format(offload.expert_format) if offload.expert_format else native
+    fmt.check_row_length(cfg.hidden_size, "hidden_size (gate/up rows)")
+    fmt.check_row_length(cfg.moe_intermediate_size, "moe_intermediate_size (down rows)")
+    inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+    gate_up = HostExpertBank.empty_like_tensor(fmt, (1, 2 * inter, hidden), "meta")
+    down = HostExpertBank.empty_like_tensor(fmt, (1, hidden, inter), "meta")
+    return HostExpertBank(gate_up, down, fmt)

@@ -19,10 +19,10 @@ class KVStore(Protocol):
 
 @dataclass
 class ForwardBatch:
-    positions: torch.Tensor  # [B, T] int64, absolute position of each token
+    positions: torch.Tensor  # [B, T] int64 on the model's device, each token's position
     rows: list[int]  # KV-cache row of each sequence
-    row_index: torch.Tensor  # [B] int64, the same rows as a tensor
-    kv_len: int  # keys visible to this step: max position + 1
+    row_index: torch.Tensor  # [B] int64 on the model's device, the same rows
+    kv_len: int  # keys visible to this step: max position + 1 (read from the host positions)
     attn_mask: torch.Tensor | None  # [B, 1, T, kv_len] bool, None when plain causal suffices
     is_causal: bool  # only with attn_mask None: the step is one sequence from position 0
     cos: torch.Tensor  # [B, T, D]

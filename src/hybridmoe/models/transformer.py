@@ -14,6 +14,7 @@ from hybridmoe.layers.rotary import RotaryEmbedding
 from hybridmoe.loader.weights import WeightSource
 from hybridmoe.models.config import ModelConfig
 from hybridmoe.models.registry import ModelFamily
+from hybridmoe.platform.base import to_device_no_sync
 
 
 class DecoderLayer:
@@ -100,11 +101,13 @@ class MoeCausalLM:
     def make_batch(
         self, positions: torch.Tensor, rows: list[int], kv: KVStore | None, is_decode: bool = False
     ) -> ForwardBatch:
-        kv_len = int(positions.max()) + 1
-        positions = positions.to(self.device)
+        """The step's shared facts for host `positions` [B, T] and KV-cache `rows`; what the
+        device needs is copied there without the host waiting (docs/host-syncs.md)."""
+        kv_len = int(positions.max()) + 1  # read on the host, before the copy
+        positions = to_device_no_sync(positions, self.device)
         mask, is_causal = build_attention_mask(positions, kv_len, self.cfg.sliding_window)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        row_index = torch.tensor(rows, device=self.device)
+        row_index = to_device_no_sync(torch.tensor(rows), self.device)
         return ForwardBatch(
             positions, rows, row_index, kv_len, mask, is_causal, cos, sin, kv, is_decode
         )
@@ -115,13 +118,13 @@ class MoeCausalLM:
     ) -> torch.Tensor:
         """input_ids [B, T] -> float32 logits [B, V] (last token) or [B, T, V], in host
         memory (where sampling runs)."""
-        x = F.embedding(input_ids.to(self.device), self.embed)  # [B, T, H]
+        x = F.embedding(to_device_no_sync(input_ids, self.device), self.embed)  # [B, T, H]
         for layer in self.layers:
             x = layer(x, batch)
         if last_only:
             x = x[:, -1]
         logits = F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head)
-        return logits.float().cpu()
+        return logits.float().cpu()  # waits for the step: the one sync sampling needs
 
     def logits(self, input_ids: list[int]) -> torch.Tensor:
         """[T, V] float32 logits of a fresh sequence; no state is kept."""

@@ -1,15 +1,24 @@
-"""Command line: `hybridmoe generate`, `hybridmoe chat` and `hybridmoe serve`."""
+"""Command line: `hybridmoe generate`, `hybridmoe chat` and `hybridmoe serve`.
+
+A command's flags are the fields of its configs (COMMAND_CONFIGS), one flag per field:
+`--max-seq-len` sets EngineConfig.max_seq_len (argparse dest = the field's name), with the
+field's default; a boolean field that is on by default is switched off by `--no-<name>`.
+FLAG_DOCS adds help texts and the config modules' choices; NOT_FLAGS names the fields that are
+deliberately no flag, and why. The configs are built from the parsed flags by field name.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
-from hybridmoe.engine.config import DTYPE_CHOICES
+from hybridmoe.engine.config import DEFAULT_MAX_SEQ_LEN, DTYPE_CHOICES
 from hybridmoe.errors import HybridMoeError
 from hybridmoe.moe.config import (
     CPU_KERNEL_CHOICES,
@@ -21,166 +30,178 @@ from hybridmoe.moe.config import (
 from hybridmoe.platform.base import DEVICE_HELP
 from hybridmoe.server.config import ServerConfig
 
-ENGINE_DEFAULTS = EngineConfig()
-OFFLOAD_DEFAULTS = OffloadConfig()
-SAMPLING_DEFAULTS = SamplingParams()
-SERVER_DEFAULTS = ServerConfig()
+COMMAND_CONFIGS: dict[str, tuple[type, ...]] = {
+    "generate": (EngineConfig, OffloadConfig, SamplingParams),
+    "chat": (EngineConfig, OffloadConfig, SamplingParams),
+    "serve": (EngineConfig, OffloadConfig, ServerConfig),
+}
+# Flags of a command that set no config field (dest -> what it is).
+COMMAND_ARGS: dict[str, dict[str, str]] = {
+    "generate": {"model": "the checkpoint to load", "prompt": "the text to complete"},
+    "chat": {"model": "the checkpoint to load", "system": "the chat's system message"},
+    "serve": {"model": "the checkpoint to load"},
+}
+# Config fields that are deliberately no flag ("Config.field" -> why), per command.
+_ENGINE_NO_FLAG = {
+    "EngineConfig.progress": "the command line always shows the loading progress bars",
+    "EngineConfig.offload": "a nested config: OffloadConfig's own fields are the flags",
+}
+_ONE_SEQUENCE = "sizes serve's KV cache; generate and chat decode one sequence at a time"
+_DECODE_NO_FLAG = {
+    **_ENGINE_NO_FLAG,
+    "EngineConfig.max_batch": _ONE_SEQUENCE,
+    "EngineConfig.max_seq_len": _ONE_SEQUENCE,
+    "SamplingParams.ignore_eos": "an API extension for benchmarks; the CLI stops at EOS",
+}
+NOT_FLAGS: dict[str, dict[str, str]] = {
+    "generate": _DECODE_NO_FLAG,
+    "chat": _DECODE_NO_FLAG,
+    "serve": {
+        **_ENGINE_NO_FLAG,
+        "ServerConfig.shutdown_timeout_s": "the fixed grace README promises (5 s)",
+    },
+}
 
 
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", help="checkpoint directory (default: the embedded demo model)", default=None
-    )
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=ENGINE_DEFAULTS.dtype)
-    parser.add_argument("--threads", type=int, default=ENGINE_DEFAULTS.threads)
-    parser.add_argument("--device", default=ENGINE_DEFAULTS.device, help=DEVICE_HELP)
-    parser.add_argument(
-        "--gpu-memory",
-        type=float,
-        default=ENGINE_DEFAULTS.gpu_memory,
-        help="GiB of device memory to use; expert slots fill what the dense weights and KV "
-        "cache leave (default: the device's free memory)",
-    )
-    d = OFFLOAD_DEFAULTS
-    parser.add_argument(
-        "--no-pin-memory",
-        action="store_true",
-        help="keep expert banks in pageable host memory (slower fetches; for systems that "
-        "refuse to page-lock that much)",
-    )
-    parser.add_argument(
-        "--prefill",
-        choices=PREFILL_CHOICES,
-        default=d.prefill,
-        help="where prefill's routed experts run: stream layers to the accelerator, the CPU, "
+@dataclasses.dataclass(frozen=True)
+class FlagDoc:
+    help: str | None = None
+    choices: tuple[str, ...] | None = None  # a config module's constant, never a literal here
+
+
+# Help texts by field name; a switch's text says what the switch (`--no-overlap`) does.
+FLAG_DOCS: dict[str, FlagDoc] = {
+    "dtype": FlagDoc(choices=DTYPE_CHOICES),
+    "device": FlagDoc(DEVICE_HELP),
+    "gpu_memory": FlagDoc(
+        "GiB of device memory to use; expert slots fill what the dense weights and KV "
+        "cache leave (default: the device's free memory)"
+    ),
+    "max_seq_len": FlagDoc(
+        "KV positions per request, prompt + completion "
+        f"(default: the model's context window, at most {DEFAULT_MAX_SEQ_LEN})"
+    ),
+    "max_batch": FlagDoc(
+        "requests decoded together; each holds a KV-cache row of --max-seq-len positions"
+    ),
+    "pin_memory": FlagDoc(
+        "keep expert banks in pageable host memory (slower fetches; for systems that "
+        "refuse to page-lock that much)"
+    ),
+    "prefill": FlagDoc(
+        "where prefill's routed experts run: stream layers to the accelerator, the CPU, "
         "or auto (cpu up to --prefill-cpu-tokens tokens)",
-    )
-    parser.add_argument("--prefill-cpu-tokens", type=int, default=d.prefill_cpu_tokens)
-    parser.add_argument(
-        "--decode-target",
-        choices=DECODE_TARGETS,
-        default=d.decode_target,
-        help="where routed experts run at decode (see README)",
-    )
-    slots = parser.add_mutually_exclusive_group()
-    slots.add_argument("--expert-cache-slots", type=int, default=d.expert_cache_slots)
-    slots.add_argument(
-        "--expert-cache-ratio",
-        type=float,
-        default=d.expert_cache_ratio,
-        help="expert cache size as a share of all routed experts (default: 0.25 on the cpu "
-        "device; on an accelerator, as many as --gpu-memory leaves room for)",
-    )
-    parser.add_argument(
-        "--max-fetch", type=int, default=d.max_fetch, help="hybrid: misses fetched per layer"
-    )
-    parser.add_argument(
-        "--no-overlap", action="store_true", help="hybrid: wait for the CPU before the accelerator"
-    )
-    parser.add_argument(
-        "--cpu-threads",
-        type=int,
-        default=d.cpu_threads,
-        help="threads computing CPU experts (default: every usable core)",
-    )
-    parser.add_argument(
-        "--expert-format",
-        choices=EXPERT_FORMATS,
-        default=d.expert_format,
-        help="routed experts' weight format, quantised at load (default: the model's dtype)",
-    )
-    parser.add_argument(
-        "--cpu-kernel",
-        choices=CPU_KERNEL_CHOICES,
-        default=d.cpu_kernel,
-        help="CPU expert kernel: numba (fast) or torch (the reference)",
-    )
+        PREFILL_CHOICES,
+    ),
+    "decode_target": FlagDoc("where routed experts run at decode (see README)", DECODE_TARGETS),
+    "expert_cache_ratio": FlagDoc(
+        "expert cache size as a share of all routed experts (default: 0.25 on the cpu "
+        "device; on an accelerator, as many as --gpu-memory leaves room for)"
+    ),
+    "max_fetch": FlagDoc("hybrid: misses fetched per layer"),
+    "overlap": FlagDoc("hybrid: wait for the CPU before the accelerator"),
+    "cpu_threads": FlagDoc("threads computing CPU experts (default: every usable core)"),
+    "expert_format": FlagDoc(
+        "routed experts' weight format, quantised at load (default: the model's dtype)",
+        EXPERT_FORMATS,
+    ),
+    "cpu_kernel": FlagDoc(
+        "CPU expert kernel: numba (fast) or torch (the reference)", CPU_KERNEL_CHOICES
+    ),
+    "temperature": FlagDoc("0 = greedy"),
+    "top_k": FlagDoc("0 = off"),
+    "stop": FlagDoc("stop string (repeatable)"),
+    "host": FlagDoc("address to listen on (default: loopback)"),
+    "port": FlagDoc("0 = any free port"),
+}
+EXCLUSIVE_FLAGS = (("expert_cache_slots", "expert_cache_ratio"),)  # one cache size
+C = typing.TypeVar("C")
 
 
-def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
-    d = SAMPLING_DEFAULTS
-    parser.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    parser.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=d.top_p)
-    parser.add_argument("--top-k", type=int, default=d.top_k, help="0 = off")
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+def flag_fields(config_cls: type, command: str) -> list[dataclasses.Field]:
+    """The fields of `config_cls` that are flags of `command`."""
+    skipped = NOT_FLAGS[command]
+    fields = dataclasses.fields(config_cls)
+    return [f for f in fields if f"{config_cls.__name__}.{f.name}" not in skipped]
 
 
-def _add_server_flags(parser: argparse.ArgumentParser) -> None:
-    d = SERVER_DEFAULTS
-    parser.add_argument("--host", default=d.host, help="address to listen on (default: loopback)")
-    parser.add_argument("--port", type=int, default=d.port, help="0 = any free port")
-    parser.add_argument(
-        "--max-seq-len",
-        type=int,
-        default=d.max_seq_len,
-        help="KV positions per request, prompt + completion "
-        "(default: the model's context window, at most 4096)",
-    )
-    parser.add_argument(
-        "--max-batch",
-        type=int,
-        default=ENGINE_DEFAULTS.max_batch,
-        help="requests decoded together; each holds a KV-cache row of --max-seq-len positions",
-    )
+def _field_default(f: dataclasses.Field) -> object:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _value_type(hint: object) -> type:
+    """int for `int | None`, str for `str`, ...: what a flag's text converts to."""
+    types = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+    if len(types) != 1 or types[0] not in (int, float, str):
+        raise TypeError(f"no flag for a field of type {hint}")
+    return types[0]
+
+
+def _add_flag(parser: argparse._ActionsContainer, f: dataclasses.Field, hint: object) -> None:
+    doc = FLAG_DOCS.get(f.name, FlagDoc())
+    name, default = f.name.replace("_", "-"), _field_default(f)
+    if hint is bool:  # a switch away from the default
+        action = "store_false" if default else "store_true"
+        option = f"--no-{name}" if default else f"--{name}"
+        parser.add_argument(option, dest=f.name, action=action, default=default, help=doc.help)
+    elif typing.get_origin(hint) is tuple:  # repeatable
+        parser.add_argument(
+            f"--{name}", dest=f.name, action="append", default=list(default), help=doc.help
+        )
+    else:
+        parser.add_argument(
+            f"--{name}",
+            dest=f.name,
+            type=_value_type(hint),
+            choices=doc.choices,
+            default=default,
+            help=doc.help,
+        )
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    groups: dict[str, argparse._ActionsContainer] = {}
+    for names in EXCLUSIVE_FLAGS:
+        group = parser.add_mutually_exclusive_group()
+        groups.update(dict.fromkeys(names, group))
+    for config_cls in COMMAND_CONFIGS[command]:
+        hints = typing.get_type_hints(config_cls)
+        for f in flag_fields(config_cls, command):
+            _add_flag(groups.get(f.name, parser), f, hints[f.name])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybridmoe", description=__doc__)
+    parser = argparse.ArgumentParser(prog="hybridmoe", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="complete a prompt, streaming the text")
     generate.add_argument("prompt")
     chat = commands.add_parser("chat", help="interactive chat using the checkpoint's template")
     chat.add_argument("--system", default=None, help="system message")
-    for sub in (generate, chat):
-        _add_engine_flags(sub)
-        _add_sampling_flags(sub)
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _add_engine_flags(serve)
-    _add_server_flags(serve)
+    for command, sub in (("generate", generate), ("chat", chat), ("serve", serve)):
+        sub.add_argument(
+            "--model", help="checkpoint directory (default: the embedded demo model)", default=None
+        )
+        _add_config_flags(sub, command)
     return parser
 
 
+def config_from_args(config_cls: type[C], args: argparse.Namespace, **given: object) -> C:
+    """`config_cls` from the flags `args.command` parsed, by field name. `given` sets fields
+    that are no flag; the others that are no flag keep their defaults."""
+    values = {f.name: getattr(args, f.name) for f in flag_fields(config_cls, args.command)}
+    return config_cls(**values, **given)
+
+
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=tuple(args.stop),
-    )
+    return config_from_args(SamplingParams, args)
 
 
-def _engine_config(
-    args: argparse.Namespace,
-    max_batch: int = ENGINE_DEFAULTS.max_batch,
-    max_seq_len: int | None = None,
-) -> EngineConfig:
-    offload = OffloadConfig(
-        decode_target=args.decode_target,
-        expert_cache_slots=args.expert_cache_slots,
-        expert_cache_ratio=args.expert_cache_ratio,
-        max_fetch=args.max_fetch,
-        overlap=not args.no_overlap,
-        cpu_threads=args.cpu_threads,
-        expert_format=args.expert_format,
-        cpu_kernel=args.cpu_kernel,
-        pin_memory=not args.no_pin_memory,
-        prefill=args.prefill,
-        prefill_cpu_tokens=args.prefill_cpu_tokens,
-    )
-    return EngineConfig(
-        dtype=args.dtype,
-        threads=args.threads,
-        max_batch=max_batch,
-        progress=True,
-        offload=offload,
-        device=args.device,
-        gpu_memory=args.gpu_memory,
-        max_seq_len=max_seq_len,
-    )
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    offload = config_from_args(OffloadConfig, args)
+    return config_from_args(EngineConfig, args, progress=True, offload=offload)
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
@@ -191,13 +212,8 @@ def _model_dir(args: argparse.Namespace) -> Path:
     return Path(args.model)
 
 
-def _load_engine(
-    args: argparse.Namespace,
-    max_batch: int = ENGINE_DEFAULTS.max_batch,
-    max_seq_len: int | None = None,
-) -> Engine:
-    config = _engine_config(args, max_batch, max_seq_len)
-    return Engine.from_pretrained(_model_dir(args), config)
+def _load_engine(args: argparse.Namespace) -> Engine:
+    return Engine.from_pretrained(_model_dir(args), _engine_config(args))
 
 
 def _stream(engine: Engine, prompt: str | list[int], params: SamplingParams) -> str:
@@ -243,10 +259,10 @@ def _chat_loop(engine: Engine, args: argparse.Namespace, params: SamplingParams)
 def run_serve(args: argparse.Namespace) -> None:
     from hybridmoe.server.run import serve  # the web stack, only when serving
 
-    config = ServerConfig(host=args.host, port=args.port, max_seq_len=args.max_seq_len)
+    config = config_from_args(ServerConfig, args)
     model_dir = _model_dir(args)
     model_id = Path(os.path.abspath(model_dir)).name  # clients name the model by its directory
-    with _load_engine(args, args.max_batch, args.max_seq_len) as engine:
+    with _load_engine(args) as engine:
         serve(engine, config, model_id)
 
 

@@ -1,5 +1,6 @@
 """Server configuration and request preparation, in-process: config validation, the context
-window, a checkpoint without a chat template, and `serve` refusing bad flags."""
+window (the engine config's max_seq_len), a checkpoint without a chat template, and `serve`
+refusing bad flags."""
 
 from __future__ import annotations
 
@@ -10,30 +11,45 @@ import sys
 import pytest
 
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
+from hybridmoe.engine.config import DEFAULT_MAX_SEQ_LEN
 from hybridmoe.engine.scheduler import Scheduler
 from hybridmoe.moe.config import OffloadConfig
-from hybridmoe.server.app import stats_body
-from hybridmoe.server.config import DEFAULT_MAX_SEQ_LEN, ServerConfig
+from hybridmoe.server.app import create_app, stats_body
+from hybridmoe.server.config import ServerConfig
 from hybridmoe.server.errors import ApiError
 from hybridmoe.server.generation import ServedModel, start_chat
 from hybridmoe.server.protocol import ChatCompletionRequest
 
 
 @pytest.mark.parametrize(
-    ("fields", "word"),
-    [({"port": 70000}, "port"), ({"max_seq_len": 1}, "max_seq_len"), ({"host": ""}, "host")],
+    ("config", "fields", "word"),
+    [
+        (ServerConfig, {"port": 70000}, "port"),
+        (EngineConfig, {"max_seq_len": 1}, "max_seq_len"),  # the engine's: its KV cache
+        (ServerConfig, {"host": ""}, "host"),
+    ],
 )
-def test_server_config_refuses_bad_values(fields, word):
+def test_server_config_refuses_bad_values(config, fields, word):
     with pytest.raises(ValueError, match=word):
-        ServerConfig(**fields)
+        config(**fields)
 
 
 def test_max_seq_len_defaults_to_the_context_window_capped():
-    assert ServerConfig().resolve_max_seq_len(2048) == 2048
-    assert ServerConfig().resolve_max_seq_len(32768) == DEFAULT_MAX_SEQ_LEN
-    assert ServerConfig(max_seq_len=512).resolve_max_seq_len(2048) == 512
+    assert EngineConfig().resolve_max_seq_len(2048) == 2048
+    assert EngineConfig().resolve_max_seq_len(32768) == DEFAULT_MAX_SEQ_LEN == 4096
+    assert EngineConfig(max_seq_len=512).resolve_max_seq_len(2048) == 512
     with pytest.raises(ValueError, match="context window"):
-        ServerConfig(max_seq_len=4096).resolve_max_seq_len(2048)
+        EngineConfig(max_seq_len=4096).resolve_max_seq_len(2048)
+
+
+@pytest.mark.parametrize("max_seq_len", [64, None])
+def test_the_server_sizes_its_kv_cache_by_the_engine_config(demo_checkpoint, max_seq_len):
+    config = EngineConfig(max_batch=2, max_seq_len=max_seq_len)
+    with Engine.from_pretrained(demo_checkpoint, config) as engine:
+        context = engine.model.cfg.max_position_embeddings
+        scheduler = create_app(engine, "m").state.served.scheduler
+        assert scheduler.max_seq_len == (max_seq_len or min(context, DEFAULT_MAX_SEQ_LEN))
+        scheduler.close()
 
 
 def test_chat_on_a_checkpoint_without_a_template_is_a_400(demo_variant):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from hybridmoe.moe.config import OffloadConfig
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32")
+DEFAULT_MAX_SEQ_LEN = 4096  # KV positions per sequence when the model's context allows more
 
 
 @dataclass(frozen=True)
@@ -18,8 +19,10 @@ class EngineConfig:
     # GiB of device memory hybridmoe may use (dense weights, KV cache, expert slots); None:
     # what is free at load on an accelerator, no limit on the cpu device
     gpu_memory: float | None = None
-    max_seq_len: int | None = None  # longest sequence the KV cache is planned for; None: the
-    # context window, at most 4096
+    # KV-cache positions per sequence (prompt + completion), the one source for placement and
+    # the server; None: the model's context window, at most DEFAULT_MAX_SEQ_LEN. See
+    # resolve_max_seq_len. The cache holds max_batch rows of this many positions.
+    max_seq_len: int | None = None
     progress: bool = False  # progress bar while loading weights
     offload: OffloadConfig = field(default_factory=OffloadConfig)  # where experts decode
 
@@ -34,3 +37,15 @@ class EngineConfig:
             raise ValueError(f"gpu_memory must be > 0 GiB, got {self.gpu_memory}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+
+    def resolve_max_seq_len(self, context_window: int) -> int:
+        """max_seq_len for a model whose context window is `context_window` positions
+        (`max_position_embeddings`). Raises ValueError if max_seq_len exceeds it."""
+        if self.max_seq_len is None:
+            return min(context_window, DEFAULT_MAX_SEQ_LEN)
+        if self.max_seq_len > context_window:
+            raise ValueError(
+                f"max_seq_len {self.max_seq_len} exceeds the model's context window "
+                f"({context_window} positions)"
+            )
+        return self.max_seq_len

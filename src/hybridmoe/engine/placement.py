@@ -97,7 +97,7 @@ def plan_device_memory(
         if memory is None:
             return None
         budget = memory[0]  # free now: the dense weights are still in host memory
-    seq_len = config.max_seq_len or min(model.cfg.max_position_embeddings, 4096)
+    seq_len = config.resolve_max_seq_len(model.cfg.max_position_embeddings)
     kv_bytes = KVCache.nbytes(model.cfg, config.max_batch, seq_len, model.dtype)
     kernel_bytes = expert_kernel_bytes(model, config.offload, config.max_batch)
     plan = DeviceMemoryPlan(budget, model.dense_nbytes(), kv_bytes, kernel_bytes)

@@ -16,7 +16,6 @@ from hybridmoe.engine import Engine
 from hybridmoe.engine.scheduler import Scheduler
 from hybridmoe.engine.stats import ServingStats
 from hybridmoe.server import responses
-from hybridmoe.server.config import ServerConfig
 from hybridmoe.server.errors import generation_error, install_error_handlers
 from hybridmoe.server.generation import ServedModel, start_chat, start_completion
 from hybridmoe.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -24,14 +23,12 @@ from hybridmoe.server.protocol import ChatCompletionRequest, CompletionRequest, 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
 
 
-def create_app(
-    engine: Engine, config: ServerConfig, model_id: str, start_scheduler: bool = True
-) -> FastAPI:
+def create_app(engine: Engine, model_id: str, start_scheduler: bool = True) -> FastAPI:
     """The app serving `engine` as `model_id`; `app.state.served.scheduler` is its scheduler.
     With `start_scheduler` the app's lifespan runs the scheduler on a background thread;
     without, the caller runs `scheduler.run()` on a thread of its choice. The lifespan's end
     closes the scheduler; closing the engine stays the caller's job."""
-    max_seq_len = config.resolve_max_seq_len(engine.model.cfg.max_position_embeddings)
+    max_seq_len = engine.config.resolve_max_seq_len(engine.model.cfg.max_position_embeddings)
     scheduler = Scheduler(engine, max_seq_len)  # allocates the KV cache now: fail before binding
     served = ServedModel(model_id, engine, scheduler, created=int(time.time()))
 

@@ -65,7 +65,7 @@ def serve(engine: Engine, config: ServerConfig, model_id: str) -> None:
     """Serve `engine` as `model_id` until SIGINT/SIGTERM; returns after a graceful shutdown
     (requests in flight get `config.shutdown_timeout_s` to finish). Call from the main thread.
     Raises HybridMoeError if the HTTP server could not start (e.g. the port is taken)."""
-    app = create_app(engine, config, model_id, start_scheduler=False)
+    app = create_app(engine, model_id, start_scheduler=False)
     scheduler = app.state.served.scheduler
     uv_config = uvicorn.Config(
         app,

@@ -1,0 +1,174 @@
+"""The command line's flags against the config dataclasses, in-process (no model loaded): every
+config field of a command is a flag or on the command's explicit allow-list, every flag sets a
+field (or is one of the command's own arguments), defaults are the dataclasses' own, and a
+value given on the command line reaches its field."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+import pytest
+
+from hybridmoe import cli
+from hybridmoe.engine import EngineConfig, SamplingParams
+from hybridmoe.moe.config import OffloadConfig
+from hybridmoe.server.config import ServerConfig
+
+COMMANDS = sorted(cli.COMMAND_CONFIGS)
+REQUIRED = {"generate": ["generate", "a prompt"], "chat": ["chat"], "serve": ["serve"]}
+# What users type (README, docs): a field renamed must not rename its flag silently.
+ENGINE_SPELLINGS = {
+    "--model", "--dtype", "--threads", "--device", "--gpu-memory", "--no-pin-memory",
+    "--prefill", "--prefill-cpu-tokens", "--decode-target", "--expert-cache-slots",
+    "--expert-cache-ratio", "--max-fetch", "--no-overlap", "--cpu-threads", "--expert-format",
+    "--cpu-kernel",
+}  # fmt: skip
+SAMPLING_SPELLINGS = {"--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--stop"}
+SPELLINGS = {
+    "generate": ENGINE_SPELLINGS | SAMPLING_SPELLINGS,
+    "chat": ENGINE_SPELLINGS | SAMPLING_SPELLINGS | {"--system"},
+    "serve": ENGINE_SPELLINGS | {"--host", "--port", "--max-seq-len", "--max-batch"},
+}
+FREE_TEXT_SAMPLES = {"device": "cpu", "host": "localhost"}  # str fields without choices
+
+
+def subparser(command: str) -> argparse.ArgumentParser:
+    parser = cli.build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices[command]
+
+
+def flag_actions(command: str) -> dict[str, argparse.Action]:
+    """dest -> action of every flag and positional of `command` but --help."""
+    actions = subparser(command)._actions
+    return {a.dest: a for a in actions if not isinstance(a, argparse._HelpAction)}
+
+
+def config_fields(command: str) -> dict[str, str]:
+    """Qualified name ("Config.field") -> field name, over every config `command` builds."""
+    return {
+        f"{cls.__name__}.{f.name}": f.name
+        for cls in cli.COMMAND_CONFIGS[command]
+        for f in dataclasses.fields(cls)
+    }
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_config_field_is_a_flag_or_allowed(command):
+    dests = set(flag_actions(command))
+    missing = {
+        qualified
+        for qualified, name in config_fields(command).items()
+        if name not in dests and qualified not in cli.NOT_FLAGS[command]
+    }
+    assert not missing, f"`hybridmoe {command}` has no flag for {sorted(missing)}"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_flag_maps_to_a_field(command):
+    names = set(config_fields(command).values())
+    strays = set(flag_actions(command)) - names - set(cli.COMMAND_ARGS[command])
+    assert not strays, f"`hybridmoe {command}` flags {sorted(strays)} set no config field"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_allow_lists_name_real_fields_and_say_why(command):
+    qualified = config_fields(command)
+    for entry, reason in cli.NOT_FLAGS[command].items():
+        assert entry in qualified, f"NOT_FLAGS[{command!r}] names no field: {entry}"
+        assert qualified[entry] not in flag_actions(command), f"{entry} is a flag after all"
+        assert reason.strip()
+    names = set(qualified.values())
+    for dest, what in cli.COMMAND_ARGS[command].items():
+        assert dest in flag_actions(command) and dest not in names, dest
+        assert what.strip()
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_no_field_name_is_in_two_configs_of_a_command(command):
+    # One dest would set both: a value must have one source (as max_seq_len now has).
+    names = list(config_fields(command).values())
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_flag_docs_name_flags():
+    flags = {dest for command in COMMANDS for dest in flag_actions(command)}
+    assert not set(cli.FLAG_DOCS) - flags
+    assert not {n for names in cli.EXCLUSIVE_FLAGS for n in names} - flags
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_spellings_users_type_are_kept(command):
+    options = {o for a in flag_actions(command).values() for o in a.option_strings}
+    assert SPELLINGS[command] <= options, sorted(SPELLINGS[command] - options)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_defaults_are_the_dataclasses_defaults(command):
+    args = cli.build_parser().parse_args(REQUIRED[command])
+    assert cli._engine_config(args) == EngineConfig(progress=True)
+    if command == "serve":
+        assert cli.config_from_args(ServerConfig, args) == ServerConfig()
+    else:
+        assert cli._sampling_params(args) == SamplingParams()
+
+
+def test_choices_are_the_config_modules_constants():
+    from hybridmoe.engine import config as engine_config
+    from hybridmoe.moe import config as moe_config
+
+    constants = [
+        value
+        for module in (engine_config, moe_config)
+        for name, value in vars(module).items()
+        if name.isupper() and isinstance(value, tuple)
+    ]
+    for command in COMMANDS:
+        for action in flag_actions(command).values():
+            if action.choices is not None:
+                assert any(action.choices is c for c in constants), action.option_strings
+
+
+def sample_value(action: argparse.Action, hint: object) -> tuple[list[str], object]:
+    """A command-line value for `action` other than its default, and what its field gets."""
+    option, default = action.option_strings[0], action.default
+    if hint is bool:
+        return [option], not default
+    if typing.get_origin(hint) is tuple:
+        return [option, "a", option, "b"], ("a", "b")
+    if action.choices is not None:
+        choice = next(c for c in action.choices if c != default)
+        return [option, choice], choice
+    kind = cli._value_type(hint)
+    if kind is str:
+        return [option, FREE_TEXT_SAMPLES[action.dest]], FREE_TEXT_SAMPLES[action.dest]
+    value = kind(3) if default == 2 else kind(2) if kind is int else 0.5
+    return [option, str(value)], value
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_flag_reaches_its_field(command):
+    actions = flag_actions(command)
+    for cls in cli.COMMAND_CONFIGS[command]:
+        hints = typing.get_type_hints(cls)
+        for f in cli.flag_fields(cls, command):
+            argv, expected = sample_value(actions[f.name], hints[f.name])
+            args = cli.build_parser().parse_args(REQUIRED[command] + argv)
+            config = cli.config_from_args(cls, args)
+            assert getattr(config, f.name) == expected, (command, argv)
+
+
+def test_expert_cache_slots_and_ratio_exclude_each_other(capsys):
+    argv = ["generate", "p", "--expert-cache-slots", "2", "--expert-cache-ratio", "0.5"]
+    with pytest.raises(SystemExit) as caught:
+        cli.build_parser().parse_args(argv)
+    assert caught.value.code == 2
+    assert "not allowed with" in capsys.readouterr().err
+
+
+def test_switches_turn_their_field_off():
+    args = cli.build_parser().parse_args(["serve", "--no-overlap", "--no-pin-memory"])
+    offload = cli.config_from_args(OffloadConfig, args)
+    assert (offload.overlap, offload.pin_memory) == (False, False)

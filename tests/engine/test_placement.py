@@ -172,7 +172,7 @@ def test_gpu_target_that_fits_keeps_every_expert_on_the_device_tier(checkpoint, 
     with Engine.from_pretrained(checkpoint, config) as engine:
         num_experts = engine.model.cfg.num_experts
         for layer in engine.model.moe_layers:
-            assert layer.experts is None and layer.bank.num_experts == num_experts
+            assert layer.experts.store.num_experts == num_experts  # a bank on the device
         tokens = engine.generate_ids([PROMPT_IDS], FOUR_TOKENS)
     with Engine.from_pretrained(checkpoint, EngineConfig(dtype="float32")) as unplanned:
         assert unplanned.generate_ids([PROMPT_IDS], FOUR_TOKENS) == tokens

@@ -58,7 +58,8 @@ def run(directory: Path, device: torch.device, offload: OffloadConfig) -> Run:
             assert runtime.cache.slot_bank.gate_up.device == device
             assert all(bank.gate_up.device.type == "cpu" for bank in runtime.banks)
         if offload.decode_target == "gpu" and device.type != "cpu":  # every expert resident
-            assert all(layer.bank.gate_up.device == device for layer in engine.model.moe_layers)
+            stores = [layer.experts.store for layer in engine.model.moe_layers]
+            assert all(store.gate_up.device == device for store in stores)
         tokens = engine.generate_ids(PROMPTS, GREEDY)
         stats = engine.stats
         logits = decode_logits(engine, PROMPTS, N_TOKENS)

@@ -10,6 +10,7 @@ import torch
 
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.moe.config import OffloadConfig
+from hybridmoe.moe.host_banks import ExpertWeights
 from hybridmoe.quant.formats import weight_format
 
 PROMPTS = [[5, 17, 300, 42, 7], [9, 1000]]
@@ -49,6 +50,6 @@ def test_quantised_experts_change_the_model_only_slightly(demo_checkpoint: Path)
 def test_converted_banks_replace_the_float_experts(demo_checkpoint: Path) -> None:
     offload = OffloadConfig(decode_target="cpu", expert_format="q4_0")
     with Engine.from_pretrained(demo_checkpoint, EngineConfig(offload=offload)) as engine:
-        for layer in engine.model.moe_layers:
-            assert layer.experts is None  # no float copy of the experts stays alive
-            assert layer.bank.gate_up.dtype == torch.uint8
+        assert all(bank.gate_up.dtype == torch.uint8 for bank in engine.moe_runtime.banks)
+        for layer in engine.model.moe_layers:  # no float copy of the experts stays reachable
+            assert not any(isinstance(v, ExpertWeights) for v in vars(layer.experts).values())

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybridmoe.errors import CpuExpertError, HybridMoeError
-from hybridmoe.layers.moe import ExpertWeights, moe_reference
+from hybridmoe.layers.moe import moe_reference
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import (
     CPU_EXPERT_FNS,
@@ -18,7 +18,7 @@ from hybridmoe.moe.cpu_experts import (
     create_cpu_expert_fn,
     moe_forward,
 )
-from hybridmoe.moe.host_banks import HostExpertBank
+from hybridmoe.moe.host_banks import ExpertWeights, HostExpertBank
 from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor, HybridDecodeRequest
 from hybridmoe.platform.cpu import CpuDeviceSync
 
@@ -27,21 +27,20 @@ WAIT_S = 10.0  # upper bound on any wait in a test; only reached when the code u
 
 
 def make_layer(seed: int) -> tuple[ExpertWeights, HostExpertBank]:
-    """A random bank and ExpertWeights views of it (as OffloadMoELayer.adopt_bank makes)."""
+    """A random bank and per-expert views of it."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * 0.2
 
     bank = HostExpertBank.stack(
-        gate=[rand(INTER, HIDDEN) for _ in range(EXPERTS)],
-        up=[rand(INTER, HIDDEN) for _ in range(EXPERTS)],
-        down=[rand(HIDDEN, INTER) for _ in range(EXPERTS)],
+        ExpertWeights(
+            gate=[rand(INTER, HIDDEN) for _ in range(EXPERTS)],
+            up=[rand(INTER, HIDDEN) for _ in range(EXPERTS)],
+            down=[rand(HIDDEN, INTER) for _ in range(EXPERTS)],
+        )
     )
-    views = ExpertWeights(
-        gate=list(bank.gate_up[:, :INTER]), up=list(bank.gate_up[:, INTER:]), down=list(bank.down)
-    )
-    return views, bank
+    return bank.views(), bank
 
 
 def make_inputs(
@@ -177,11 +176,12 @@ def test_integrates_with_hybrid_decode_executor(make_executor):
     x, ids, weights = make_inputs(6, 4, seed=3, cpu_fraction=1.0)
     expected = moe_reference(x, ids, weights, experts)
     for overlap in (True, False):
+        cpu_executor.stats.clear()
         hybrid = HybridDecodeExecutor(FixedCache(), cpu_executor, overlap=overlap)
         request = HybridDecodeRequest(0, x, ids.clone(), weights)
         out = hybrid.decode(request, lambda h, s, w: bank_moe(h, s, w, slot_bank))
         assert_matches(out, expected)
-        assert 0 < hybrid.stats[0].cpu_routes < ids.numel()
+        assert 0 < cpu_executor.stats[0].routes < ids.numel()
 
 
 # --- CpuMoeExecutor: threads and synchronisation --------------------------------------------

@@ -213,15 +213,16 @@ def test_all_cpu_step_still_runs_the_accelerator_with_zero_weights():
 
 
 def test_stats_per_layer():
-    hybrid, _, _, runner, _ = make_parts({1: 0, 2: 1}, tokens=2)
+    hybrid, _, cpu, runner, _ = make_parts({1: 0, 2: 1}, tokens=2)
     steps = [(0, [[1, 2], [3, 4]]), (1, [[1, 5], [6, 7]]), (0, [[1, 2], [2, 1]])]
     for layer, ids in steps:
         hybrid.decode(request(ids, [[0.5, 0.5]] * 2, layer), runner)
-    counts = {
-        layer: (s.steps, s.routes, s.cpu_routes, s.accelerator_routes)
-        for layer, s in hybrid.stats.items()
-    }
-    assert counts == {0: (2, 8, 2, 6), 1: (1, 4, 3, 1)}
+    counts = {layer: (s.steps, s.routes) for layer, s in hybrid.stats.items()}
+    assert counts == {0: (2, 8), 1: (1, 4)}
+    cpu_routes = {0: 0, 1: 0}  # where routes ran is the cache's to count; here: what the CPU got
+    for layer, _, cpu_ids, _ in cpu.submits:
+        cpu_routes[layer] += int((cpu_ids >= 0).sum())
+    assert cpu_routes == {0: 2, 1: 3}
 
 
 # --- wiring and delegation ------------------------------------------------------------------
@@ -241,7 +242,7 @@ def test_the_runtime_owns_one_hybrid_executor_over_its_cache_and_cpu_executor(
     hybrid = runtime.hybrid_executor
     assert isinstance(hybrid, HybridDecodeExecutor) and hybrid.overlap is overlap
     assert hybrid.cache is runtime.cache and hybrid.cpu_executor is runtime.cpu_executor
-    assert all(layer.hybrid_executor is hybrid for layer in runtime.layers)
+    assert all(layer.experts.executor is hybrid for layer in runtime.layers)
     assert not hasattr(runtime.cache, "hybrid_executor")  # the cache knows no executor
 
 
@@ -267,7 +268,7 @@ def test_layer_delegates_decode_steps_to_the_hybrid_executor(small_demo, max_tok
         spy = SpyHybridExecutor(runtime.hybrid_executor)
         layers = model.moe_layers
         for layer in layers:
-            layer.hybrid_executor = spy
+            layer.experts.executor = spy
         assert len(layers) == 2
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         [out] = engine.generate_ids([[1, 2, 3]], params)
@@ -275,7 +276,7 @@ def test_layer_delegates_decode_steps_to_the_hybrid_executor(small_demo, max_tok
         decode_steps = max_tokens - 1  # the first token comes from prefill, which never delegates
         assert [layer for layer, _, _ in spy.calls] == list(range(len(layers))) * decode_steps
         for layer_idx, runner, tokens in spy.calls:
-            assert runner == layers[layer_idx]._run_cached_decode_experts and tokens == 1
+            assert runner == layers[layer_idx].experts.run_on_slots and tokens == 1
         if decode_steps:
             assert spy.real.stats[0].steps == decode_steps
 

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridmoe.layers.moe import ExpertWeights, moe_reference
+from hybridmoe.layers.moe import moe_reference
 from hybridmoe.moe.cache_stats import ExpertCacheStats
-from hybridmoe.moe.host_banks import HostExpertBank
+from hybridmoe.moe.host_banks import ExpertWeights, HostExpertBank
 from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor, HybridDecodeRequest
 from hybridmoe.moe.offload_cache import OffloadMoeCache
 
@@ -232,9 +232,7 @@ class FakeCpuExecutor:
 
 
 def bank_experts(bank: HostExpertBank) -> ExpertWeights:
-    return ExpertWeights(
-        gate=list(bank.gate_up[:, :I]), up=list(bank.gate_up[:, I:]), down=list(bank.down)
-    )
+    return bank.views()
 
 
 def slot_runner(cache: OffloadMoeCache):

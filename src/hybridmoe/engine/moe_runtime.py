@@ -15,18 +15,26 @@ from tqdm import tqdm
 
 from hybridmoe import env
 from hybridmoe.errors import DeviceMemoryError
+from hybridmoe.loader.weights import release_pages
 from hybridmoe.models.transformer import MoeCausalLM
+from hybridmoe.moe.backends import (
+    DecodeTarget,
+    ExpertStore,
+    ResidentExperts,
+    RuntimeParts,
+    decode_target,
+)
 from hybridmoe.moe.cache_stats import ExpertCacheStats
 from hybridmoe.moe.config import OffloadConfig
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import create_cpu_expert_fn
-from hybridmoe.moe.host_banks import HostExpertBank
+from hybridmoe.moe.host_banks import ExpertWeights, HostExpertBank
 from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor
 from hybridmoe.moe.offload_cache import OffloadMoeCache
-from hybridmoe.moe.prefill import ExpertPrefill, LayerStreamer
+from hybridmoe.moe.prefill import ExpertPrefill, InPlacePrefill, LayerStreamer
 from hybridmoe.platform.base import Platform
 from hybridmoe.platform.cpu import CpuPlatform
-from hybridmoe.quant.formats import dense_format, weight_format
+from hybridmoe.quant.formats import WeightFormat, dense_format, weight_format
 
 if TYPE_CHECKING:
     from hybridmoe.engine.placement import DeviceMemoryPlan
@@ -37,7 +45,7 @@ if TYPE_CHECKING:
 class MoeRuntime:
     config: OffloadConfig
     layers: list[OffloadMoELayer]
-    banks: list[HostExpertBank]
+    banks: list[HostExpertBank]  # per MoE layer, stacked (none when computed from the file)
     cache: OffloadMoeCache | None
     cpu_executor: CpuMoeExecutor | None
     hybrid_executor: HybridDecodeExecutor | None
@@ -50,7 +58,7 @@ class MoeRuntime:
         if self.cpu_executor is not None:
             self.cpu_executor.close()
         for layer in self.layers:
-            layer.detach()
+            layer.use(_CLOSED)
         if self.cache is not None:
             self.cache.close()
         self.hybrid_executor = self.prefill = self.cache = None
@@ -75,6 +83,18 @@ class MoeRuntime:
         return None
 
 
+class _ClosedExperts:
+    """The backend of a layer whose runtime is closed."""
+
+    def prefill(self, *args: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the MoE runtime of this model is closed")
+
+    decode = prefill
+
+
+_CLOSED = _ClosedExperts()
+
+
 def create_moe_runtime(
     model: MoeCausalLM,
     config: OffloadConfig,
@@ -82,41 +102,74 @@ def create_moe_runtime(
     progress: bool = False,
     memory: DeviceMemoryPlan | None = None,
 ) -> MoeRuntime:
-    """Attach the decode target's parts to every MoE layer, on `platform` (default: the cpu
-    device). Targets other than `gpu`, any target on an accelerator, and any target with an
-    expert format other than the model's dtype stack each layer's experts into a host bank
-    first (converting them, with a progress bar when `progress`); `gpu` on the cpu device in
-    the model's dtype keeps the memory-mapped experts as they are. With a memory plan the
-    slot count comes from it (DeviceMemoryError when it does not fit)."""
+    """Build the decode target's parts on `platform` (default: the cpu device) and install its
+    expert backend in every MoE layer. Every target but `resident` on the cpu device in the
+    model's dtype stacks each layer's experts into a host bank first (converting them to
+    `expert_format`, with a progress bar when `progress`); that one computes from the
+    checkpoint's mapped experts in place. With a memory plan the slot count comes from it
+    (DeviceMemoryError when it does not fit)."""
     platform = platform if platform is not None else CpuPlatform()
+    target = decode_target(config.decode_target)
     layers = model.moe_layers
     on_accelerator = platform.device.type != "cpu"
-    # a memory plan counts the experts from their banks, so a planned `gpu` target stacks too
-    stack_all = on_accelerator or memory is not None
-    banks = _adopt_banks(layers, config, model.dtype, progress, stack_all)
-    if config.decode_target == "gpu":
-        return _attach_resident(layers, config, platform, banks, memory)
-    if not banks:  # a model without MoE layers
-        return _attach(layers, config, platform, banks)
+    # a memory plan counts the experts from their banks, so a planned `resident` stacks too
+    stack = target.name != "resident" or on_accelerator or memory is not None
+    parts = RuntimeParts(_expert_stores(layers, config, model.dtype, progress, stack))
+    if target.name == "resident":
+        _place_resident(parts, platform, memory)
+    elif parts.stores:  # a model without MoE layers needs nothing more
+        _build_offloaded(parts, target, model, config, platform, progress, memory)
+    for i, layer in enumerate(layers):
+        layer.use(target.build(parts, i))
+    banks = [store for store in parts.stores if isinstance(store, HostExpertBank)]
+    return MoeRuntime(
+        config,
+        layers,
+        banks,
+        parts.cache,
+        parts.cpu_executor,
+        parts.hybrid,
+        platform,
+        parts.prefill,
+    )
+
+
+def _build_offloaded(
+    parts: RuntimeParts,
+    target: DecodeTarget,
+    model: MoeCausalLM,
+    config: OffloadConfig,
+    platform: Platform,
+    progress: bool,
+    memory: DeviceMemoryPlan | None,
+) -> None:
+    """The parts of a target whose experts stay in host banks: pinned banks on an accelerator,
+    prefill, the cache and the CPU executor, as the target uses them."""
+    banks = parts.stores
+    on_accelerator = platform.device.type != "cpu"
     if on_accelerator and config.pin_memory:
         for bank in tqdm(banks, desc="pinning expert banks", unit="layer", disable=not progress):
             platform.pin(bank.gate_up), platform.pin(bank.down)
-    # On the cpu device `auto` computes prefill from the banks in place: no ExpertPrefill.
+    # On the cpu device `auto` computes prefill from the banks in place.
     prefill_mode = config.prefill if on_accelerator or config.prefill != "auto" else None
     prefill_bytes = _prefill_bytes(prefill_mode, banks[0], memory)
-    cache = executor = hybrid = prefill = None
-    if config.uses_cache:
-        slots = _num_slots(model, config, banks, memory, prefill_bytes)
-        cache = OffloadMoeCache(banks, slots, config.max_fetch, platform)
-    if prefill_mode is not None or config.uses_cpu_executor:
+    if target.uses_cache:
+        slots = _num_slots(model, config, target, banks, memory, prefill_bytes)
+        parts.cache = OffloadMoeCache(banks, slots, config.max_fetch, platform)
+    if prefill_mode is not None or target.uses_cpu_executor:
         expert_fn = create_cpu_expert_fn(config.cpu_kernel, config.cpu_threads)
-    if prefill_mode is not None:
-        prefill = ExpertPrefill(banks, platform, expert_fn, prefill_mode, config.prefill_cpu_tokens)
-    if config.uses_cpu_executor:  # last: nothing after it can fail and leave its threads
+    if prefill_mode is None:
+        parts.prefill = InPlacePrefill(banks)
+    else:
+        parts.prefill = ExpertPrefill(
+            banks, platform, expert_fn, prefill_mode, config.prefill_cpu_tokens
+        )
+    if target.uses_cpu_executor:  # last: nothing after it can fail and leave its threads
         executor = CpuMoeExecutor(banks, expert_fn=expert_fn, sync=platform.device_sync())
-        if cache is not None:
-            hybrid = HybridDecodeExecutor(cache, executor, config.overlap and env.hybrid_overlap())
-    return _attach(layers, config, platform, banks, cache, executor, hybrid, prefill)
+        parts.cpu_executor = executor
+        if parts.cache is not None:
+            overlap = config.overlap and env.hybrid_overlap()
+            parts.hybrid = HybridDecodeExecutor(parts.cache, executor, overlap)
 
 
 def _prefill_bytes(
@@ -134,41 +187,23 @@ def _prefill_bytes(
     return needed
 
 
-def _attach_resident(
-    layers: list,
-    config: OffloadConfig,
-    platform: Platform,
-    banks: list[HostExpertBank],
-    memory: DeviceMemoryPlan | None,
-) -> MoeRuntime:
-    """The `gpu` target: every bank on the device (none when the layers keep their experts)."""
+def _place_resident(
+    parts: RuntimeParts, platform: Platform, memory: DeviceMemoryPlan | None
+) -> None:
+    """`resident`: every bank on the device (the host copies freed); the mapped experts of the
+    cpu device stay as they are."""
+    banks = [store for store in parts.stores if isinstance(store, HostExpertBank)]
     if memory is not None and banks:
         total = sum(bank.num_experts for bank in banks)
         memory.check_all_experts_fit(banks[0].expert_nbytes, total)
-    device_banks = [bank.to(platform.device) for bank in banks]  # frees the host copies
-    for layer, bank in zip(layers[: len(device_banks)], device_banks, strict=True):
-        layer.bank = bank
-    return _attach(layers, config, platform, device_banks)
-
-
-def _attach(
-    layers: list[OffloadMoELayer],
-    config: OffloadConfig,
-    platform: Platform,
-    banks: list[HostExpertBank],
-    cache: OffloadMoeCache | None = None,
-    executor: CpuMoeExecutor | None = None,
-    hybrid: HybridDecodeExecutor | None = None,
-    prefill: ExpertPrefill | None = None,
-) -> MoeRuntime:
-    for layer in layers:
-        layer.attach(config.decode_target, cache, executor, hybrid, prefill)
-    return MoeRuntime(config, layers, banks, cache, executor, hybrid, platform, prefill)
+    if banks:
+        parts.stores = [bank.to(platform.device) for bank in banks]
 
 
 def _num_slots(
     model: MoeCausalLM,
     config: OffloadConfig,
+    target: DecodeTarget,
     banks: list[HostExpertBank],
     memory: DeviceMemoryPlan | None,
     prefill_bytes: int,
@@ -180,24 +215,47 @@ def _num_slots(
         asked = config.num_slots(total) if config.cache_size_given else None
         slots = memory.slots(prefill_bytes, banks[0].expert_nbytes, total, asked)
     needed = OffloadMoeCache.min_slots(model.cfg.top_k, 1, model.cfg.num_experts)
-    if config.decode_target == "offload" and slots < needed:
+    if not target.uses_cpu_executor and slots < needed:  # every route needs a slot
         raise ValueError(
             f"expert_cache_slots={slots} is below the {needed} slots one decode step needs "
-            f"in the 'offload' target (top_k={model.cfg.top_k}); use at least {needed}"
+            f"in the {target.name!r} target (top_k={model.cfg.top_k}); use at least {needed}"
         )
     return slots
 
 
-def _adopt_banks(
-    layers: list, config: OffloadConfig, dtype: torch.dtype, progress: bool, always: bool
-) -> list[HostExpertBank]:
+def _expert_stores(
+    layers: list[OffloadMoELayer],
+    config: OffloadConfig,
+    dtype: torch.dtype,
+    progress: bool,
+    stack: bool,
+) -> list[ExpertStore]:
+    """Each layer's experts as the target computes from them: stacked into a host bank in
+    `expert_format` (the mapped pages released: the bank is their only copy), or, when not
+    `stack`ing and the format is the model's, the mapped experts themselves, aligned."""
     native = dense_format(dtype)
     fmt = weight_format(config.expert_format) if config.expert_format else native
-    if fmt == native:
-        if config.decode_target == "gpu" and not always:  # computed from the mapped experts
-            for layer in layers:
-                layer.experts.align()
-            return []
-        return [layer.adopt_bank(None, drop_experts=always) for layer in layers]
-    bar = tqdm(layers, desc=f"experts -> {fmt.name}", unit="layer", disable=not progress)
-    return [layer.adopt_bank(fmt) for layer in bar]
+    loaded = [_loaded_experts(layer) for layer in layers]
+    if fmt == native and not stack:
+        for experts in loaded:
+            experts.align()
+        return loaded
+    desc = f"experts -> {fmt.name}"
+    bar = tqdm(loaded, desc=desc, unit="layer", disable=not progress or fmt == native)
+    return [_stacked(experts, fmt) for experts in bar]
+
+
+def _loaded_experts(layer: OffloadMoELayer) -> ExpertWeights:
+    experts = layer.experts
+    if not isinstance(experts, ResidentExperts) or not isinstance(experts.store, ExpertWeights):
+        raise RuntimeError(
+            "this model's experts were already placed by a MoE runtime; load the model again "
+            "to build another"
+        )
+    return experts.store
+
+
+def _stacked(experts: ExpertWeights, fmt: WeightFormat) -> HostExpertBank:
+    bank = HostExpertBank.stack(experts)
+    release_pages(experts.gate + experts.up + experts.down)  # the bank is now their only copy
+    return bank if fmt == bank.fmt else bank.converted(fmt)

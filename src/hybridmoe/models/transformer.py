@@ -30,7 +30,7 @@ class DecoderLayer:
         self.attn = Attention(cfg, idx, source, f"{prefix}.self_attn")
         if cfg.sparse_layers[idx]:
             moe_prefix = f"{prefix}.{family.moe_prefix}"
-            self.mlp = OffloadMoELayer(cfg, source, moe_prefix, family.expert_names, moe_idx)
+            self.mlp = OffloadMoELayer.load(cfg, source, moe_prefix, family.expert_names, moe_idx)
         else:
             self.mlp = GatedMLP.load(source, f"{prefix}.mlp", hidden, cfg.intermediate_size)
 

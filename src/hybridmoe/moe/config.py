@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DECODE_TARGETS = ("gpu", "offload", "cpu", "hybrid")
+from hybridmoe.moe.backends import DECODE_TARGETS as _TARGETS
+from hybridmoe.moe.backends import TARGET_ALIASES, decode_target
+
+DECODE_TARGETS = (*_TARGETS, *TARGET_ALIASES)  # every name --decode-target accepts
 CPU_KERNEL_CHOICES = ("numba", "torch")
 EXPERT_FORMATS = ("f32", "bf16", "q8_0", "q4_0")  # GGUF's names; see quant/formats.py
 PREFILL_CHOICES = ("auto", "stream", "cpu")  # see moe/prefill.py
@@ -13,10 +16,9 @@ DEFAULT_CACHE_RATIO = 0.25
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    # gpu: every expert resident on the accelerator; offload: expert cache, every miss fetched;
-    # cpu: every routed expert on the CPU; hybrid: cache hits on the accelerator, misses on
-    # the CPU except up to `max_fetch` fetched per layer call.
-    decode_target: str = "gpu"
+    # where routed experts run at decode: a name in moe/backends.py's DECODE_TARGETS (an
+    # alias such as `gpu` is replaced by its target's name)
+    decode_target: str = "resident"
     # slots in the shared expert cache; None: expert_cache_ratio of all routed experts, or,
     # when neither is given and device memory is planned (engine/placement.py), all that fit
     expert_cache_slots: int | None = None
@@ -38,11 +40,7 @@ class OffloadConfig:
     prefill_cpu_tokens: int = 32
 
     def __post_init__(self) -> None:
-        if self.decode_target not in DECODE_TARGETS:
-            raise ValueError(
-                f"decode_target must be one of {', '.join(DECODE_TARGETS)}, "
-                f"got {self.decode_target!r}"
-            )
+        object.__setattr__(self, "decode_target", decode_target(self.decode_target).name)
         if self.expert_cache_slots is not None and self.expert_cache_slots < 1:
             raise ValueError(f"expert_cache_slots must be >= 1, got {self.expert_cache_slots}")
         if self.expert_cache_ratio is not None and not 0.0 < self.expert_cache_ratio <= 1.0:
@@ -67,14 +65,6 @@ class OffloadConfig:
                 f"expert_format must be one of {', '.join(EXPERT_FORMATS)}, "
                 f"got {self.expert_format!r}"
             )
-
-    @property
-    def uses_cache(self) -> bool:
-        return self.decode_target in ("offload", "hybrid")
-
-    @property
-    def uses_cpu_executor(self) -> bool:
-        return self.decode_target in ("cpu", "hybrid")
 
     def num_slots(self, total_experts: int) -> int:
         """Slots for a model with `total_experts` routed experts over all MoE layers."""

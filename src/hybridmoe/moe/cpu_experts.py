@@ -17,7 +17,6 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.moe.routing import combine_experts
@@ -62,21 +61,9 @@ def bank_moe(
     x [T, H], expert_ids [T, K], weights [T, K], all on the bank's device -> the float32
     partial [T, H] of the accumulation contract (each expert's MLP in x's dtype, the weighted
     sum in float32). For a dense bank of x's dtype it equals `moe_reference` on the bank's
-    ExpertWeights views up to summation order.
+    views up to summation order.
     """
-    return combine_experts(
-        x, expert_ids, weights, lambda h, expert: _bank_expert_mlp(h, bank, expert)
-    )
-
-
-def _bank_expert_mlp(h: torch.Tensor, bank: HostExpertBank, expert: int) -> torch.Tensor:
-    """h [n, H] -> down(silu(gate h) * up h) [n, H] in h's dtype, gate and up in one GEMM;
-    each projection from the exact weights, its output rounded to h's dtype."""
-    dtype = bank.compute_dtype(h.dtype)
-    gate_up = F.linear(h.to(dtype), bank.gate_up_weights(expert, dtype)).to(h.dtype)  # [n, 2I]
-    gate, up = gate_up.chunk(2, dim=-1)  # 2 x [n, I]
-    act = (F.silu(gate) * up).to(dtype)
-    return F.linear(act, bank.down_weights(expert, dtype)).to(h.dtype)
+    return combine_experts(x, expert_ids, weights, bank.expert_mlp)
 
 
 def moe_forward(

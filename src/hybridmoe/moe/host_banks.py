@@ -14,8 +14,59 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
+from hybridmoe.loader.weights import WeightSource, aligned
 from hybridmoe.quant.formats import WeightFormat, dense_format
+
+
+@dataclass
+class ExpertWeights:
+    """One MoE layer's routed experts, each matrix a view into the checkpoint: the `resident`
+    target on the cpu device computes from them in place; every other target stacks them into
+    a HostExpertBank."""
+
+    gate: list[torch.Tensor]  # E x [I, H]
+    up: list[torch.Tensor]  # E x [I, H]
+    down: list[torch.Tensor]  # E x [H, I]
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate)
+
+    @classmethod
+    def load(
+        cls,
+        source: WeightSource,
+        prefix: str,
+        shape: tuple[int, int, int],
+        names: tuple[str, str, str],
+    ) -> ExpertWeights:
+        """`prefix`.{e}.{name}.weight for e < E; shape = (E, H, I)."""
+        num_experts, hidden, inter = shape
+        shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+        # Unaligned views: most targets copy them into a bank (aligned) anyway, and one that
+        # computes from them in place aligns them first (align()).
+        per_projection = [
+            [
+                source.get(f"{prefix}.{e}.{name}.weight", shape, align=False)
+                for e in range(num_experts)
+            ]
+            for name, shape in zip(names, shapes, strict=True)
+        ]
+        return cls(*per_projection)
+
+    def align(self) -> None:
+        """Make every matrix 64-byte aligned (loader.weights.aligned: a CPU kernel's result may
+        depend on its weight's address), copying the few that are not."""
+        self.gate, self.up, self.down = (
+            [aligned(w) for w in ws] for ws in (self.gate, self.up, self.down)
+        )
+
+    def expert_mlp(self, h: torch.Tensor, expert: int) -> torch.Tensor:
+        """h [n, H] -> down(silu(gate h) * up h) [n, H] in h's dtype (the weights' dtype)."""
+        act = F.silu(F.linear(h, self.gate[expert])) * F.linear(h, self.up[expert])
+        return F.linear(act, self.down[expert])
 
 
 @dataclass(eq=False)
@@ -54,6 +105,15 @@ class HostExpertBank:
         if not self.fmt.is_quantized and self.fmt.storage_dtype == act_dtype:
             return act_dtype
         return torch.float32
+
+    def expert_mlp(self, h: torch.Tensor, expert: int) -> torch.Tensor:
+        """h [n, H] -> down(silu(gate h) * up h) [n, H] in h's dtype, gate and up in one GEMM;
+        each projection from the exact weights, its output rounded to h's dtype."""
+        dtype = self.compute_dtype(h.dtype)
+        gate_up = F.linear(h.to(dtype), self.gate_up_weights(expert, dtype)).to(h.dtype)
+        gate, up = gate_up.chunk(2, dim=-1)  # 2 x [n, I]
+        act = (F.silu(gate) * up).to(dtype)
+        return F.linear(act, self.down_weights(expert, dtype)).to(h.dtype)
 
     def gate_up_weights(self, expert: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Expert `expert`'s gate_up [2I, H] as `dtype` (a view when already so stored); for
@@ -124,14 +184,19 @@ class HostExpertBank:
         return torch.empty(fmt.stored_shape(tuple(shape)), dtype=fmt.storage_dtype, device=device)
 
     @classmethod
-    def stack(
-        cls, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor]
-    ) -> HostExpertBank:
-        """A bank holding a copy of the per-expert gate/up [I, H] and down [H, I] matrices, in
+    def stack(cls, experts: ExpertWeights) -> HostExpertBank:
+        """A bank holding a copy of the experts' gate/up [I, H] and down [H, I] matrices, in
         their dtype."""
-        pairs = zip(gate, up, strict=True)
+        pairs = zip(experts.gate, experts.up, strict=True)
         gate_up = torch.stack([torch.cat(pair) for pair in pairs])
-        return cls(gate_up, torch.stack(down))
+        return cls(gate_up, torch.stack(experts.down))
+
+    def views(self) -> ExpertWeights:
+        """Per-expert views of this (dense) bank's matrices."""
+        inter = self.intermediate_size
+        return ExpertWeights(
+            list(self.gate_up[:, :inter]), list(self.gate_up[:, inter:]), list(self.down)
+        )
 
 
 def _as_float(fmt: WeightFormat, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

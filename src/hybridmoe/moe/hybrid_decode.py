@@ -57,18 +57,11 @@ GpuExpertRunner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Ten
 
 @dataclass
 class HybridStepStats:
+    """Calls per layer. Where each route ran is the cache's to count (it decides on the host);
+    counting it here would add device ops to every call."""
+
     steps: int = 0
     routes: int = 0
-    # summed as a tensor on the ids' device, so recording never waits for the accelerator
-    cpu_routes_sum: torch.Tensor | int = 0
-
-    @property
-    def cpu_routes(self) -> int:
-        return int(self.cpu_routes_sum)
-
-    @property
-    def accelerator_routes(self) -> int:
-        return self.routes - self.cpu_routes
 
 
 @dataclass
@@ -105,15 +98,10 @@ class HybridDecodeExecutor:
             raise
         if self.overlap:
             cpu_partial = self.cpu_executor.decode_sync(request.layer_idx)  # 7.
-        self._record(request.layer_idx, on_cpu)
-        return gpu_partial + cpu_partial  # 8.
-
-    def _record(self, layer_idx: int, on_cpu: torch.Tensor) -> None:
-        """Router ids are all valid, so every entry of `on_cpu` [T, K] is one route."""
-        stats = self.stats.setdefault(layer_idx, HybridStepStats())
+        stats = self.stats.setdefault(request.layer_idx, HybridStepStats())
         stats.steps += 1
-        stats.routes += on_cpu.numel()
-        stats.cpu_routes_sum = stats.cpu_routes_sum + on_cpu.sum()
+        stats.routes += on_cpu.numel()  # router ids are all valid: one route each
+        return gpu_partial + cpu_partial  # 8.
 
 
 def split_routes(

@@ -11,7 +11,8 @@ tool. Two exact ways, chosen per forward by OffloadConfig.prefill:
   copied to the accelerator; for short prompts, where moving a whole layer costs more than
   computing a few tokens.
 
-`auto` takes `cpu` for at most `prefill_cpu_tokens` tokens, else `stream`.
+`auto` takes `cpu` for at most `prefill_cpu_tokens` tokens, else `stream`. On the cpu device
+there is nothing to move: `InPlacePrefill` computes from the host banks where they are.
 """
 
 from __future__ import annotations
@@ -63,6 +64,18 @@ class LayerStreamer:
         self.layers_copied += 1
 
 
+class InPlacePrefill:
+    """Prefill on the cpu device: the grouped reference on the layer's host bank, in place."""
+
+    def __init__(self, banks: Sequence[HostExpertBank]):
+        self.banks = list(banks)
+
+    def __call__(
+        self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return bank_moe(x, topk_ids, topk_weights, self.banks[layer_idx])
+
+
 class ExpertPrefill:
     """Runs a prefill forward's routed experts per `mode` (auto, stream, cpu); see the module."""
 
@@ -89,7 +102,8 @@ class ExpertPrefill:
     def __call__(
         self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        """x [N, H], topk_ids [N, K], topk_weights [N, K] on the accelerator -> [N, H] there."""
+        """x [N, H], topk_ids [N, K], topk_weights [N, K] on the accelerator -> the float32
+        partial [N, H] there."""
         if self.uses_cpu(x.shape[0]):
             host = [t.cpu() for t in (x, topk_ids, topk_weights)]
             return self.cpu_expert_fn(*host, self.banks[layer_idx]).to(x.device)

@@ -1,12 +1,83 @@
-"""Routing: router logits to top-k expert ids and weights, and routes grouped by expert."""
+"""Routing: routers (a registry of kinds) turn hidden states into top-k expert ids and
+weights; routes are grouped by expert for the reference expert math."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+
+class Router(Protocol):
+    """x [T, H] -> (topk_ids [T, K] int64, topk_weights [T, K]); the weights in the dtype the
+    family's reference keeps them in."""
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def to(self, device: torch.device) -> None: ...
+
+    def dense_tensors(self) -> list[torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """What a family's config says about its router; each kind reads the fields it needs."""
+
+    top_k: int
+    norm_topk_prob: bool
+    weights_fp32: bool  # top-k weights kept in float32 (Mixtral), else the activation dtype
+
+
+# kind -> factory(tensors by name: "weight" [E, H] (+ kind-specific), spec) -> Router
+ROUTERS: dict[str, Callable[[dict[str, torch.Tensor], RouterSpec], Router]] = {}
+
+
+def register_router(kind: str) -> Callable:
+    """Decorator: register a Router factory under `kind`."""
+
+    def register(factory: Callable) -> Callable:
+        if kind in ROUTERS:
+            raise ValueError(f"router kind {kind!r} is already registered")
+        ROUTERS[kind] = factory
+        return factory
+
+    return register
+
+
+def create_router(kind: str, tensors: dict[str, torch.Tensor], spec: RouterSpec) -> Router:
+    if kind not in ROUTERS:
+        raise ValueError(f"unknown router kind {kind!r}; registered: {', '.join(sorted(ROUTERS))}")
+    return ROUTERS[kind](tensors, spec)
+
+
+@dataclass(eq=False)
+class SoftmaxTopKRouter:
+    """Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE: a linear gate, softmax in float32, top-k, the k
+    weights optionally renormalised."""
+
+    weight: torch.Tensor  # [E, H]
+    spec: RouterSpec
+
+    @classmethod
+    def create(cls, tensors: dict[str, torch.Tensor], spec: RouterSpec) -> SoftmaxTopKRouter:
+        return cls(tensors["weight"], spec)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        spec = self.spec
+        return route(F.linear(x, self.weight), spec.top_k, spec.norm_topk_prob, spec.weights_fp32)
+
+    def to(self, device: torch.device) -> None:
+        self.weight = self.weight.to(device)
+
+    def dense_tensors(self) -> list[torch.Tensor]:
+        return [self.weight]
+
+
+register_router("softmax_topk")(SoftmaxTopKRouter.create)
 
 
 def route(

@@ -47,7 +47,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     directory = ensure_checkpoint(Qwen3MoeShape(), args.checkpoint_dir)
     results = {t: run_target(directory, args, t) for t in tqdm(DECODE_TARGETS, desc="targets")}
-    base_tokens, base = results["gpu"]
+    base_tokens, base = results["resident"]
     setup = f"cache ratio {args.ratio}, max_fetch {args.max_fetch}, {args.threads} threads"
     print(f"{args.dtype}, {setup}")
     for target, (tokens, stats) in results.items():

@@ -45,7 +45,7 @@ SMALL_SHAPE = Qwen3MoeShape(
 )
 # label -> OffloadConfig fields besides the cache size, fetch cap and CPU kernel settings
 TARGETS: dict[str, dict] = {
-    "gpu": dict(decode_target="gpu"),
+    "resident": dict(decode_target="resident"),
     "offload": dict(decode_target="offload"),
     "cpu": dict(decode_target="cpu"),
     "hybrid": dict(decode_target="hybrid", overlap=True),

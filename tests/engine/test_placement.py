@@ -155,7 +155,7 @@ def test_streamed_prefill_buffers_come_out_of_the_budget(checkpoint, sizes):
     ("experts", "offload", "message"),
     [
         (0, {"decode_target": "hybrid"}, r"no expert slot fits.*--gpu-memory"),
-        (3, {"decode_target": "gpu"}, r"decode target 'gpu'.*--decode-target hybrid"),
+        (3, {"decode_target": "gpu"}, r"decode target 'resident'.*--decode-target hybrid"),
         (3, {"decode_target": "hybrid", "expert_cache_slots": 4}, r"cache of 4 slots"),
         (3, {"decode_target": "hybrid", "expert_cache_ratio": 1.0}, r"--expert-cache-ratio"),
         (-(10**6), {"decode_target": "hybrid"}, r"does not fit on the device even without experts"),

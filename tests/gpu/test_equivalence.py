@@ -63,7 +63,7 @@ def run(directory: Path, device: torch.device, offload: OffloadConfig) -> Run:
         tokens = engine.generate_ids(PROMPTS, GREEDY)
         stats = engine.stats
         logits = decode_logits(engine, PROMPTS, N_TOKENS)
-        streamer = runtime.prefill.streamer if runtime.prefill is not None else None
+        streamer = getattr(runtime.prefill, "streamer", None)  # stream/auto prefill only
         hybrid = runtime.hybrid_executor
     return Run(
         tokens,

@@ -105,7 +105,7 @@ def test_gpu_target_that_fits_holds_every_expert(tiny_checkpoint: Path, device, 
     ("case", "offload", "message"),
     [
         ("below-the-reserve", {"decode_target": "hybrid"}, r"does not fit.*--gpu-memory"),
-        ("gpu-target-too-big", {"decode_target": "gpu"}, r"'gpu'.*--decode-target hybrid"),
+        ("gpu-target-too-big", {"decode_target": "gpu"}, r"'resident'.*--decode-target hybrid"),
         (
             "slots-beyond-the-budget",
             {"decode_target": "hybrid", "expert_cache_slots": SLOTS + 1},

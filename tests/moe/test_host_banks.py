@@ -47,3 +47,20 @@ def test_banks_release_the_mapped_expert_pages(aligned_demo_checkpoint: Path) ->
     assert file_bytes - gpu_file < 0.25 * bank_bytes, (
         f"RssFile grew by {file_bytes - gpu_file} bytes with {bank_bytes} bytes of banks"
     )
+
+
+def test_a_bank_in_its_own_pages_shares_no_page_and_keeps_its_values() -> None:
+    import mmap
+
+    import torch
+
+    from hybridmoe.moe.host_banks import HostExpertBank
+
+    bank = HostExpertBank(torch.randn(3, 10, 7), torch.randn(3, 7, 5))  # sizes not page multiples
+    owned = bank.in_own_pages()
+    page = mmap.PAGESIZE
+    for before, after in ((bank.gate_up, owned.gate_up), (bank.down, owned.down)):
+        assert torch.equal(before, after) and after.data_ptr() % page == 0
+        storage = after.untyped_storage()  # the pages up to the next boundary are this tensor's
+        end = after.data_ptr() + after.nbytes
+        assert storage.data_ptr() + storage.nbytes() >= -(-end // page) * page

@@ -145,11 +145,13 @@ def _build_offloaded(
 ) -> None:
     """The parts of a target whose experts stay in host banks: pinned banks on an accelerator,
     prefill, the cache and the CPU executor, as the target uses them."""
-    banks = parts.stores
     on_accelerator = platform.device.type != "cpu"
     if on_accelerator and config.pin_memory:
-        for bank in tqdm(banks, desc="pinning expert banks", unit="layer", disable=not progress):
+        bar = tqdm(parts.stores, desc="pinning expert banks", unit="layer", disable=not progress)
+        parts.stores = [bank.in_own_pages() for bank in bar]
+        for bank in parts.stores:
             platform.pin(bank.gate_up), platform.pin(bank.down)
+    banks = parts.stores
     # On the cpu device `auto` computes prefill from the banks in place.
     prefill_mode = config.prefill if on_accelerator or config.prefill != "auto" else None
     prefill_bytes = _prefill_bytes(prefill_mode, banks[0], memory)

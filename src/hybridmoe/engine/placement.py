@@ -61,7 +61,7 @@ class DeviceMemoryPlan:
         fit = max(0, self.expert_bytes // expert_nbytes)
         if fit < total:
             raise DeviceMemoryError(
-                f"decode target 'gpu' keeps all {total} experts on the device "
+                f"decode target 'resident' keeps all {total} experts on the device "
                 f"({total * expert_nbytes / GIB:.2f} GiB) but only {fit} fit: {self.describe()}; "
                 "use --decode-target hybrid (or offload), or raise --gpu-memory"
             )

@@ -10,6 +10,7 @@ cache slots are a bank too, in the same format as the host banks they copy from.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -168,6 +169,12 @@ class HostExpertBank:
         of `slots` (same format), for Platform.start_copies."""
         return [(self.gate_up[expert], slots.gate_up[slot]), (self.down[expert], slots.down[slot])]
 
+    def in_own_pages(self) -> HostExpertBank:
+        """This bank copied into memory pages no other allocation shares (each tensor starts a
+        page and its size is rounded up to whole pages): page-locking registers whole pages,
+        and a second registration that touches an already locked page is refused."""
+        return HostExpertBank(_in_own_pages(self.gate_up), _in_own_pages(self.down), self.fmt)
+
     def to(self, device: torch.device | str) -> HostExpertBank:
         """This bank on `device` (itself when already there)."""
         if self.gate_up.device == torch.device(device):
@@ -197,6 +204,16 @@ class HostExpertBank:
         return ExpertWeights(
             list(self.gate_up[:, :inter]), list(self.gate_up[:, inter:]), list(self.down)
         )
+
+
+def _in_own_pages(tensor: torch.Tensor) -> torch.Tensor:
+    page = mmap.PAGESIZE
+    nbytes = tensor.numel() * tensor.element_size()
+    raw = torch.empty(-(-nbytes // page) * page + page, dtype=torch.uint8)  # [whole pages + 1]
+    start = -raw.data_ptr() % page
+    owned = raw[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
+    owned.copy_(tensor)
+    return owned
 
 
 def _as_float(fmt: WeightFormat, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

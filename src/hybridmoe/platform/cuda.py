@@ -38,6 +38,9 @@ class CudaPlatform:
     def __init__(self, device: torch.device):
         self.device = device
         self.name = "rocm" if torch.version.hip else "cuda"
+        # The accumulation contract (docs/architecture.md) accumulates each bf16 projection in
+        # float32; cuBLAS may otherwise reduce split-K partial sums in bf16 (torch's default).
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         self.copy_stream = torch.cuda.Stream(device)
         # lower is higher; torch maps -1 to the device's highest priority when out of range
         self.d2h_stream = torch.cuda.Stream(device, priority=-1)

@@ -99,17 +99,6 @@ class OffloadMoeCache:
         self.platform.finish_copies(self.platform.start_copies(copies))
         self._pending.clear()
 
-    def slot_of(self, layer_idx: int, expert: int) -> int | None:
-        """The slot holding (or planned to hold) the expert, None if not resident."""
-        self._check_layer(layer_idx)
-        if not 0 <= expert < self.num_experts:
-            raise ValueError(f"expert {expert} out of range: layers have {self.num_experts}")
-        return self._slot_of_flat.get(layer_idx * self.num_experts + expert)
-
-    def resident(self) -> list[tuple[int, int]]:
-        """(layer, expert) of every occupied slot, in slot order."""
-        return [divmod(self._lru[slot], self.num_experts) for slot in sorted(self._lru)]
-
     @staticmethod
     def min_slots(top_k: int, tokens: int = 1, num_experts: int | None = None) -> int:
         """Slots an `offload` decode step of `tokens` tokens needs: one layer's call must hold

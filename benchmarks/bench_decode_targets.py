@@ -1,5 +1,5 @@
 """Decode tok/s of each decode target on the 1B benchmark checkpoint of bench_decode.py,
-printed as ratios to the `gpu` target measured in the same run, with the expert-cache stats.
+printed as ratios to the `resident` target measured in the same run, with the expert-cache stats.
 
 On a machine without an accelerator the accelerator tier is the CPU itself, so this shows the
 cost of the hybrid machinery rather than a speed-up; on a GPU machine it is the real comparison.
@@ -53,7 +53,7 @@ def main() -> None:
     for target, (tokens, stats) in results.items():
         same = "same tokens" if tokens == base_tokens else "TOKENS DIFFER"
         ratio = stats.decode_tok_per_s / base.decode_tok_per_s
-        print(f"{target:8s} {ratio:5.2f}x of gpu  {same}  {stats.summary()}")
+        print(f"{target:8s} {ratio:5.2f}x of resident  {same}  {stats.summary()}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import transformers
 
-import hybridmoe.models.families  # noqa: F401  (registers every family)
 from hf_checkpoints import FAMILIES
 from hybridmoe.models.config import ModelConfig
 from hybridmoe.models.registry import MODEL_REGISTRY, family_for

@@ -1,6 +1,10 @@
-"""Grouped-query attention with rotary embeddings, optional q/k norms and qkv clipping."""
+"""Attention kinds (a registry): grouped-query attention with rotary embeddings, optional
+q/k norms and qkv clipping, as ModelConfig says."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -10,10 +14,53 @@ from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.norm import rms_norm
 from hybridmoe.layers.rotary import apply_rotary
 from hybridmoe.loader.weights import WeightSource
-from hybridmoe.models.config import ModelConfig
+
+if TYPE_CHECKING:  # layers sit below models: no import of them at run time
+    from hybridmoe.models.config import ModelConfig
 
 
-class Attention:
+class AttentionLayer(Protocol):
+    """x [B, T, H] -> [B, T, H] for one decoder layer; reads and writes `batch.kv` (when not
+    None) at this layer's index."""
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor: ...
+
+    def to(self, device: torch.device) -> None: ...
+
+    def dense_tensors(self) -> list[torch.Tensor]: ...
+
+
+# kind -> factory(cfg, layer index, source, the layer's attention prefix) -> AttentionLayer
+ATTENTIONS: dict[str, Callable[[ModelConfig, int, WeightSource, str], AttentionLayer]] = {}
+
+
+def register_attention(kind: str) -> Callable:
+    """Decorator: register an AttentionLayer factory under `kind`."""
+
+    def register(factory: Callable) -> Callable:
+        if kind in ATTENTIONS:
+            raise ValueError(f"attention kind {kind!r} is already registered")
+        ATTENTIONS[kind] = factory
+        return factory
+
+    return register
+
+
+def create_attention(
+    kind: str, cfg: ModelConfig, layer_idx: int, source: WeightSource, prefix: str
+) -> AttentionLayer:
+    if kind not in ATTENTIONS:
+        raise ValueError(
+            f"unknown attention kind {kind!r}; registered: {', '.join(sorted(ATTENTIONS))}"
+        )
+    return ATTENTIONS[kind](cfg, layer_idx, source, prefix)
+
+
+@register_attention("gqa")
+class GroupedQueryAttention:
+    """Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE: q/k/v/o projections (biases, q/k norms per head
+    or over all heads, qkv clipping as ModelConfig says), rotary, SDPA over the KV cache."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, source: WeightSource, prefix: str):
         self.cfg, self.layer_idx = cfg, layer_idx
         hidden, bias = cfg.hidden_size, cfg.qkv_bias

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridmoe.layers.linear import GatedMLP, Linear
 from hybridmoe.loader.weights import WeightSource
-from hybridmoe.models.config import ModelConfig
 from hybridmoe.moe.backends import ExpertBackend, ResidentExperts
 from hybridmoe.moe.host_banks import ExpertWeights
 from hybridmoe.moe.routing import Router, RouterSpec, combine_experts, create_router
+
+if TYPE_CHECKING:  # layers sit below models: no import of them at run time
+    from hybridmoe.models.config import ModelConfig
 
 
 def moe_reference(
@@ -92,15 +95,18 @@ class OffloadMoELayer:
         names: tuple[str, str, str],
         moe_idx: int,
         router_kind: str = "softmax_topk",
+        shared_expert_kind: str | None = None,
     ) -> OffloadMoELayer:
+        """The MoE block at `prefix` with the family's router and shared-expert kinds; a shared
+        expert is loaded when the family has a kind and the config a width for it."""
         router_weight = source.get(f"{prefix}.gate.weight", (cfg.num_experts, cfg.hidden_size))
         spec = RouterSpec(cfg.top_k, cfg.norm_topk_prob, cfg.router_weights_fp32)
         router = create_router(router_kind, {"weight": router_weight}, spec)
         shape = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         experts = ExpertWeights.load(source, f"{prefix}.experts", shape, names)
         shared = None
-        if cfg.shared_expert_intermediate_size:
-            shared = SHARED_EXPERTS["sigmoid_gated"](source, prefix, cfg)
+        if shared_expert_kind is not None and cfg.shared_expert_intermediate_size:
+            shared = SHARED_EXPERTS[shared_expert_kind](source, prefix, cfg)
         return cls(router, ResidentExperts(experts), moe_idx, shared)
 
     def use(self, experts: ExpertBackend) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from hybridmoe.models.config import RopeConfig
+if TYPE_CHECKING:  # layers sit below models: no import of them at run time
+    from hybridmoe.models.config import RopeConfig
 
 
 def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:

@@ -37,8 +37,7 @@ def load_model(
 ):
     """MoeCausalLM of the checkpoint in `directory`, weights memory-mapped where dtypes agree.
     `dtype` None picks it from config.json (see stored_dtype)."""
-    from hybridmoe.models.registry import family_for
-    from hybridmoe.models.transformer import MoeCausalLM
+    from hybridmoe.models.registry import family_for  # models sit above the loader
 
     directory = Path(directory)
     if not directory.is_dir():
@@ -49,7 +48,7 @@ def load_model(
     cfg = family.config_from(raw, str(config_path))
     source = WeightSource.from_dir(directory, dtype or stored_dtype(raw), progress)
     try:
-        model = MoeCausalLM(cfg, family, source)
+        model = family.build(cfg, family, source)
         check_all_used(source, config_path)
         return model
     finally:

@@ -1,21 +1,62 @@
-"""MODEL_REGISTRY: model families by the `architectures` name of their config.json."""
+"""MODEL_REGISTRY: model families by the `architectures` name of their config.json.
+
+A family is one module (models/<family>.py) that registers a `ModelFamily` naming its parts:
+the config parser and its reference defaults, the weight names, and the kinds of router,
+shared expert and attention it is built from (each a registry of its own, below models), and
+the model builder. Importing `hybridmoe.models` imports every family module, so the registry is
+full before anything reads it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hybridmoe.errors import UnsupportedConfigError
+from hybridmoe.layers.attention import ATTENTIONS
+from hybridmoe.layers.moe import SHARED_EXPERTS
+from hybridmoe.loader.weights import WeightSource
 from hybridmoe.models.config import ConfigDefaults, HfConfigReader, ModelConfig
+from hybridmoe.moe.routing import ROUTERS
+
+if TYPE_CHECKING:
+    from hybridmoe.models.transformer import MoeCausalLM
+
+# (cfg, family, source) -> the model, every tensor it needs read from `source`
+ModelBuilder = Callable[[ModelConfig, "ModelFamily", WeightSource], "MoeCausalLM"]
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """Where a family's MoE weights live in a decoder layer's checkpoint names."""
+
+    moe_prefix: str = "mlp"  # model.layers.{i}.<moe_prefix>.gate / .experts.{e}
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
 
 
 @dataclass(frozen=True)
 class ModelFamily:
-    architecture: str
+    architecture: str  # config.json `architectures` name
     parse_config: Callable[[HfConfigReader], ModelConfig]
     defaults: ConfigDefaults  # the reference default of every field parse_config `get`s
-    moe_prefix: str = "mlp"  # where a decoder layer's MoE block lives
-    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    build: ModelBuilder
+    weights: WeightNames = field(default_factory=WeightNames)
+    router: str = "softmax_topk"  # a kind in moe.routing.ROUTERS
+    shared_expert: str | None = None  # a kind in layers.moe.SHARED_EXPERTS, or none
+    attention: str = "gqa"  # a kind in layers.attention.ATTENTIONS
+
+    def __post_init__(self) -> None:
+        for role, kind, kinds in (
+            ("router", self.router, ROUTERS),
+            ("shared expert", self.shared_expert, SHARED_EXPERTS),
+            ("attention", self.attention, ATTENTIONS),
+        ):
+            if kind is not None and kind not in kinds:
+                raise ValueError(
+                    f"{self.architecture}: unknown {role} kind {kind!r}; "
+                    f"registered: {', '.join(sorted(kinds))}"
+                )
 
     def config_from(self, raw_config: dict, source: str = "config.json") -> ModelConfig:
         return self.parse_config(HfConfigReader(raw_config, source, self.defaults))
@@ -25,13 +66,13 @@ MODEL_REGISTRY: dict[str, ModelFamily] = {}
 
 
 def register(family: ModelFamily) -> ModelFamily:
+    if family.architecture in MODEL_REGISTRY:
+        raise ValueError(f"model family {family.architecture!r} is already registered")
     MODEL_REGISTRY[family.architecture] = family
     return family
 
 
 def family_for(raw_config: dict, source: str = "config.json") -> ModelFamily:
-    import hybridmoe.models.families  # noqa: F401  (registers every family)
-
     architectures = raw_config.get("architectures") or []
     for name in architectures:
         if name in MODEL_REGISTRY:

@@ -1,11 +1,12 @@
-"""MoeCausalLM: the decoder-only transformer shared by every supported MoE family."""
+"""MoeCausalLM: the decoder-only transformer the four supported families are built with (their
+ModelFamily's `build`), from the family's attention, router and shared-expert kinds."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.layers.attention import Attention
+from hybridmoe.layers.attention import create_attention
 from hybridmoe.layers.batch import ForwardBatch, KVStore, build_attention_mask
 from hybridmoe.layers.linear import GatedMLP
 from hybridmoe.layers.moe import OffloadMoELayer
@@ -27,10 +28,17 @@ class DecoderLayer:
         self.input_norm = source.get(f"{prefix}.input_layernorm.weight", (hidden,))
         post_norm_name = f"{prefix}.post_attention_layernorm.weight"
         self.post_attention_norm = source.get(post_norm_name, (hidden,))
-        self.attn = Attention(cfg, idx, source, f"{prefix}.self_attn")
+        self.attn = create_attention(family.attention, cfg, idx, source, f"{prefix}.self_attn")
         if cfg.sparse_layers[idx]:
-            moe_prefix = f"{prefix}.{family.moe_prefix}"
-            self.mlp = OffloadMoELayer.load(cfg, source, moe_prefix, family.expert_names, moe_idx)
+            self.mlp = OffloadMoELayer.load(
+                cfg,
+                source,
+                f"{prefix}.{family.weights.moe_prefix}",
+                family.weights.expert_names,
+                moe_idx,
+                router_kind=family.router,
+                shared_expert_kind=family.shared_expert,
+            )
         else:
             self.mlp = GatedMLP.load(source, f"{prefix}.mlp", hidden, cfg.intermediate_size)
 

@@ -1,0 +1,56 @@
+"""Mixtral (`MixtralForCausalLM`): every layer sparse, experts named w1/w3/w2 under
+`block_sparse_moe`, top-k weights always renormalised and kept in float32.
+
+MIXTRAL_DEFAULTS holds the value `transformers.MixtralConfig` (version 5) gives every field the
+parser `get`s when config.json lacks it (tests/models/test_config_defaults.py checks each);
+size fields without a meaningful default are required instead.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from hybridmoe.models.config import HfConfigReader, ModelConfig
+from hybridmoe.models.parsing import decoder_config
+from hybridmoe.models.registry import ModelFamily, WeightNames, register
+from hybridmoe.models.transformer import MoeCausalLM
+
+MIXTRAL_DEFAULTS = MappingProxyType(  # transformers.MixtralConfig
+    {
+        "hidden_act": "silu",
+        "num_key_value_heads": 8,
+        "head_dim": HfConfigReader.hidden_per_head,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6,  # MixtralConfig.default_theta
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "sliding_window": None,
+        "eos_token_id": 2,
+    }
+)
+
+
+def parse_mixtral(r: HfConfigReader) -> ModelConfig:
+    experts_width = r.require("intermediate_size")
+    return decoder_config(
+        r,
+        "MixtralForCausalLM",
+        intermediate_size=experts_width,  # no dense layers
+        moe_intermediate_size=experts_width,
+        norm_topk_prob=True,  # Mixtral always renormalises its top-k weights
+        router_weights_fp32=True,  # MixtralTopKRouter does not round them to the activation dtype
+        sliding_window=r.get("sliding_window"),
+    )
+
+
+MIXTRAL = register(
+    ModelFamily(
+        architecture="MixtralForCausalLM",
+        parse_config=parse_mixtral,
+        defaults=MIXTRAL_DEFAULTS,
+        build=MoeCausalLM,
+        weights=WeightNames(moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2")),
+        router="softmax_topk",
+        attention="gqa",
+    )
+)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from hybridmoe.errors import CheckpointError
+from hybridmoe.errors import CheckpointError, UnsupportedConfigError
 from hybridmoe.loader.files import read_json_object
 from hybridmoe.loader.weights import WeightSource
 
@@ -44,6 +44,7 @@ def load_model(
         raise CheckpointError(f"{directory}: checkpoint directory does not exist")
     config_path = directory / "config.json"
     raw = read_json_object(config_path)
+    refuse_quantized(raw, config_path)
     family = family_for(raw, str(config_path))
     cfg = family.config_from(raw, str(config_path))
     source = WeightSource.from_dir(directory, dtype or stored_dtype(raw), progress)
@@ -53,6 +54,21 @@ def load_model(
         return model
     finally:
         source.close()
+
+
+def refuse_quantized(raw_config: dict, config_path: Path) -> None:
+    """UnsupportedConfigError for a checkpoint that declares a `quantization_config` (null counts
+    as absent, as in transformers): no quantised format is supported yet, and reading its
+    weights without their scales would compute garbage."""
+    quantization = raw_config.get("quantization_config")
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    raise UnsupportedConfigError(
+        f"{config_path}: field 'quantization_config' (quant_method {method!r}) is not "
+        "supported: quantised checkpoints cannot be loaded yet; use an unquantised "
+        "(bfloat16/float16/float32) checkpoint of the model"
+    )
 
 
 def check_all_used(source: WeightSource, config_path: Path) -> None:

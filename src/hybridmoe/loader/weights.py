@@ -23,6 +23,11 @@ from hybridmoe.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 
+# Stored dtypes a weight may have: plain floats, whose values the cast to the model's dtype keeps
+# (up to that dtype's rounding). A float8 or integer weight is a quantised one: without its
+# format's scales its values are not the model's, so it is refused, never cast.
+READABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
 
 def find_safetensors_files(directory: Path) -> list[Path]:
     """The checkpoint's weight files: those named by the index when there is one."""
@@ -87,6 +92,12 @@ class WeightSource:
             tensor = self._handles[path].get_tensor(name)
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise CheckpointError(f"{path}: cannot read tensor '{name}' ({exc})") from exc
+        if tensor.dtype not in READABLE_DTYPES:
+            raise CheckpointError(
+                f"{path}: tensor '{name}' is stored as {_dtype_name(tensor.dtype)}, which cannot "
+                f"be read as {_dtype_name(self.dtype)} without its quantisation scales; only "
+                f"{', '.join(_dtype_name(d) for d in READABLE_DTYPES)} weights are supported"
+            )
         if tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(
                 f"{path}: tensor '{name}' has shape {tuple(tensor.shape)}, "
@@ -102,6 +113,10 @@ class WeightSource:
 
     def close(self) -> None:
         self._bar.close()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 ALIGNMENT_BYTES = 64  # an AVX-512 vector and a cache line: the widest any CPU kernel peels to

@@ -46,11 +46,9 @@ _ENGINE_NO_FLAG = {
     "EngineConfig.progress": "the command line always shows the loading progress bars",
     "EngineConfig.offload": "a nested config: OffloadConfig's own fields are the flags",
 }
-_ONE_SEQUENCE = "sizes serve's KV cache; generate and chat decode one sequence at a time"
 _DECODE_NO_FLAG = {
     **_ENGINE_NO_FLAG,
-    "EngineConfig.max_batch": _ONE_SEQUENCE,
-    "EngineConfig.max_seq_len": _ONE_SEQUENCE,
+    "EngineConfig.max_batch": "requests decoded together; generate and chat decode one",
     "SamplingParams.ignore_eos": "an API extension for benchmarks; the CLI stops at EOS",
 }
 NOT_FLAGS: dict[str, dict[str, str]] = {

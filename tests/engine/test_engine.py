@@ -103,3 +103,42 @@ def test_generation_stops_at_context_window(demo_variant):
     (completion,) = small.generate([PROMPTS[0]], GREEDY)
     assert len(prompt_ids) + len(completion.token_ids) == 16
     assert completion.finish_reason == "length"
+
+
+def test_prompts_beyond_max_batch_wait_for_a_row(demo_checkpoint):
+    config = EngineConfig(dtype="float32", max_batch=2)
+    with Engine.from_pretrained(demo_checkpoint, config) as small:
+        prompts = [*PROMPTS, PROMPTS[0]]  # four prompts, two KV-cache rows
+        queued = small.generate(prompts, GREEDY)
+        assert small.stats.requests_served == 4
+        for prompt, completion in zip(prompts, queued, strict=True):
+            (alone,) = small.generate([prompt], GREEDY)
+            assert completion.token_ids == alone.token_ids, prompt
+
+
+def test_stats_count_the_last_call_and_the_scheduler_counts_since_start(engine):
+    before = engine.scheduler.stats()
+    engine.generate(PROMPTS[:2], SamplingParams(max_tokens=5, ignore_eos=True))
+    (completion,) = engine.generate([PROMPTS[2]], GREEDY)
+    stats, since_start = engine.stats, engine.scheduler.stats().since(before)
+    assert (stats.prompt_tokens, stats.decode_tokens) == (len(completion.prompt_ids), 11)
+    assert (stats.requests_served, stats.completion_tokens, stats.decode_steps) == (1, 12, 11)
+    assert since_start.requests_served == 3 and since_start.completion_tokens == 2 * 5 + 12
+    assert stats.experts is None  # the gpu target: no expert cache
+    assert "prompt tokens" in stats.summary() and "decode:" in stats.summary()
+
+
+def test_a_stream_left_early_frees_its_row(engine):
+    pieces = engine.stream(PROMPTS[0], GREEDY)
+    next(pieces)
+    pieces.close()
+    (completion,) = engine.generate([PROMPTS[0]], GREEDY)
+    assert "".join(engine.stream(PROMPTS[0], GREEDY)) == completion.text
+    assert engine.scheduler.idle
+
+
+def test_generate_refuses_while_the_scheduler_runs_on_a_thread(demo_checkpoint):
+    with Engine.from_pretrained(demo_checkpoint, EngineConfig(dtype="float32")) as served:
+        served.scheduler.start()
+        with pytest.raises(RuntimeError, match="another thread"):
+            served.generate([PROMPTS[0]], GREEDY)

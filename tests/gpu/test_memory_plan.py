@@ -85,7 +85,8 @@ def test_a_budget_gives_the_slots_that_fit(tiny_checkpoint: Path, device, sizes:
     config = engine_config(device, sizes.budget(SLOTS, with_prefill=True), decode_target="hybrid")
     with Engine.from_pretrained(tiny_checkpoint, config) as engine:
         assert engine.moe_runtime.cache.num_slots == SLOTS
-        planned = sizes.dense + sizes.prefill + SLOTS * sizes.expert
+        # the engine allocates its KV cache (MAX_BATCH x MAX_SEQ_LEN) at construction
+        planned = sizes.dense + sizes.kv + sizes.prefill + SLOTS * sizes.expert
         if device.type == "cuda":
             assert allocated_bytes(device) - before <= planned + ROUNDING_SLACK_BYTES
         engine.generate_ids([PROMPT_IDS], FOUR_TOKENS)
@@ -95,7 +96,7 @@ def test_gpu_target_that_fits_holds_every_expert(tiny_checkpoint: Path, device, 
     before = allocated_bytes(device)
     budget = sizes.budget(sizes.total_experts, with_prefill=False)
     with Engine.from_pretrained(tiny_checkpoint, engine_config(device, budget)) as engine:
-        planned = sizes.dense + sizes.total_experts * sizes.expert
+        planned = sizes.dense + sizes.kv + sizes.total_experts * sizes.expert
         if device.type == "cuda":
             assert allocated_bytes(device) - before <= planned + ROUNDING_SLACK_BYTES
         engine.generate_ids([PROMPT_IDS], FOUR_TOKENS)

@@ -12,7 +12,6 @@ import pytest
 
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.engine.config import DEFAULT_MAX_SEQ_LEN
-from hybridmoe.engine.scheduler import Scheduler
 from hybridmoe.moe.config import OffloadConfig
 from hybridmoe.server.app import create_app, stats_body
 from hybridmoe.server.config import ServerConfig
@@ -54,7 +53,7 @@ def test_the_server_sizes_its_kv_cache_by_the_engine_config(demo_checkpoint, max
 
 def test_chat_on_a_checkpoint_without_a_template_is_a_400(demo_variant):
     engine = Engine.from_pretrained(demo_variant(skip=("tokenizer_config.json",)))
-    served = ServedModel("m", engine, Scheduler(engine, max_seq_len=64), created=0)
+    served = ServedModel("m", engine, created=0)
     request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(ApiError) as caught:
         start_chat(served, request)
@@ -88,10 +87,10 @@ def test_stats_report_the_expert_cache_when_hybrid(demo_checkpoint):
     # The torch CPU kernel: no JIT compile, and the kernel is not what this test is about.
     offload = OffloadConfig(decode_target="hybrid", expert_cache_ratio=0.25, cpu_kernel="torch")
     with Engine.from_pretrained(demo_checkpoint, EngineConfig(offload=offload)) as engine:
-        served = ServedModel("m", engine, Scheduler(engine, max_seq_len=64), created=0)
+        served = ServedModel("m", engine, created=0)
         params = SamplingParams(max_tokens=8, ignore_eos=True)
         for prompt in ("def f(x):", "hello"):
-            served.scheduler.submit(engine.encode(prompt), params, lambda output: None)
+            engine.submit(engine.encode(prompt), params, lambda output: None)
         while not served.scheduler.idle:
             served.scheduler.step()
         body = stats_body(served)

@@ -1,19 +1,18 @@
-"""Engine: load a checkpoint, then prefill and decode batches of prompts with a KV cache."""
+"""Engine: load a checkpoint, then generate through its one Scheduler."""
 
 from __future__ import annotations
 
-import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from hybridmoe.engine import steps
 from hybridmoe.engine.config import EngineConfig
-from hybridmoe.engine.kv_cache import KVCache
 from hybridmoe.engine.moe_runtime import MoeRuntime, create_moe_runtime
 from hybridmoe.engine.placement import plan_device_memory
 from hybridmoe.engine.sampling import SamplingParams
+from hybridmoe.engine.scheduler import OutputCallback, RequestOutput, ScheduledRequest, Scheduler
 from hybridmoe.engine.sequence import Completion, Sequence
 from hybridmoe.engine.stats import GenerationStats
 from hybridmoe.errors import CheckpointError
@@ -24,14 +23,21 @@ from hybridmoe.platform.base import Platform, create_platform
 
 
 class Engine:
+    """A loaded checkpoint and its one Scheduler, over a KV cache of max_batch rows x
+    max_seq_len positions (EngineConfig.resolve_max_seq_len) allocated here, as placement
+    plans it. generate and stream submit their prompts and step the scheduler until those
+    finish; `serve` runs the same scheduler on its main thread instead."""
+
     def __init__(self, model: MoeCausalLM, tokenizer: Tokenizer | None, config: EngineConfig):
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.max_seq_len = config.resolve_max_seq_len(model.cfg.max_position_embeddings)
         platform = create_platform(config.device)
         runtime = None
         try:  # a failure (e.g. out of memory in model.to) closes what was created
             memory = plan_device_memory(model, config, platform)
             runtime = create_moe_runtime(model, config.offload, platform, config.progress, memory)
             model.to(platform.device)
+            self.scheduler = Scheduler(model, runtime, config.max_batch, self.max_seq_len)
         except BaseException:
             _close_after_failure(runtime, platform)
             raise
@@ -54,7 +60,9 @@ class Engine:
         return cls(model, tokenizer, config)
 
     def close(self) -> None:
-        """Stops the CPU expert workers and releases the model; the engine is unusable after."""
+        """Fails the requests still queued or running, stops the CPU expert workers and
+        releases the model and the KV cache; the engine is unusable after."""
+        self.scheduler.close()
         self.moe_runtime.close()
         self.model = None
 
@@ -67,12 +75,15 @@ class Engine:
     # --- public generation API -------------------------------------------------------------
 
     def generate_ids(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-        """Generated token ids per prompt (EOS included when it ended the sequence)."""
+        """Generated token ids per prompt, in prompt order (EOS included when it ended the
+        sequence). Each prompt gets the tokens it gets alone; prompts beyond max_batch wait
+        for a free KV-cache row. `stats` then holds this call's counts."""
         seqs = [self.new_sequence(ids, params, with_text=False) for ids in prompts]
         self._run_to_end(seqs)
         return [seq.output_ids for seq in seqs]
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[Completion]:
+        """One Completion per prompt, in prompt order; as generate_ids."""
         seqs = [self.new_sequence(self.encode(p), params, with_text=True) for p in prompts]
         self._run_to_end(seqs)
         return [seq.completion() for seq in seqs]
@@ -83,9 +94,18 @@ class Engine:
         `prompt` is text (tokenised with the checkpoint's special tokens) or token ids."""
         ids = self.encode(prompt) if isinstance(prompt, str) else prompt
         seq = self.new_sequence(ids, params, with_text=True)
-        for deltas in self._run([seq]):
-            if deltas[0]:
-                yield deltas[0]
+        for output in self._run([seq]):
+            if output.text:
+                yield output.text
+
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, on_output: OutputCallback
+    ) -> ScheduledRequest:
+        """Queue a text request on the engine's scheduler, for the thread that runs it (the
+        server's). Raises ValueError if the prompt does not fit in max_seq_len and
+        SchedulerClosed once the scheduler is closed."""
+        seq = self.new_sequence(prompt_ids, params, with_text=True)
+        return self.scheduler.submit(seq, on_output)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.require_tokenizer().encode(text, add_special_tokens)
@@ -107,9 +127,10 @@ class Engine:
         with_text: bool,
         max_len: int | None = None,
     ) -> Sequence:
-        """A fresh Sequence for `prompt_ids`; prompt + output stay below `max_len` (default: the
-        model's context window). Raises ValueError if the prompt alone does not fit."""
-        limit = max_len or self.model.cfg.max_position_embeddings
+        """A fresh Sequence for `prompt_ids`; prompt + output stay below `max_len` (default:
+        max_seq_len, what the engine's KV cache holds). Raises ValueError if the prompt alone
+        does not fit."""
+        limit = max_len or self.max_seq_len
         if len(prompt_ids) >= limit:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context window is {limit}")
         detok = self.require_tokenizer().incremental_decoder() if with_text else None
@@ -119,33 +140,36 @@ class Engine:
         for _ in self._run(seqs):
             pass
 
-    def _run(self, seqs: list[Sequence]) -> Iterator[list[str]]:
-        """Prefills then decodes `seqs` together; yields each step's text deltas per sequence."""
+    def _run(self, seqs: list[Sequence]) -> Iterator[RequestOutput]:
+        """Submits `seqs` and steps the scheduler until each has finished, yielding their
+        outputs as the steps produce them; `stats` becomes the call's share of the scheduler's
+        counts. Raises the error a request ended with (the others are cancelled)."""
         if not seqs:
             return
-        if len(seqs) > self.config.max_batch:
-            raise ValueError(f"{len(seqs)} prompts exceed max_batch={self.config.max_batch}")
-        max_len = max(min(len(s.prompt_ids) + s.params.max_tokens, s.max_len) for s in seqs)
-        cache = KVCache(self.model.cfg, len(seqs), max_len, self.model.dtype, self.model.device)
-        self.stats = GenerationStats(prompt_tokens=sum(len(s.prompt_ids) for s in seqs))
-        self.moe_runtime.reset_stats()
-        start = time.perf_counter()
-        yield [steps.prefill(self.model, seq, row, cache) for row, seq in enumerate(seqs)]
-        self.stats.prefill_s = time.perf_counter() - start
-        start = time.perf_counter()
-        while any(not s.finished for s in seqs):
-            yield self._decode_step(seqs, cache)
-        self.stats.decode_s = time.perf_counter() - start
-        self.stats.experts = self.moe_runtime.stats()
-
-    def _decode_step(self, seqs: list[Sequence], cache: KVCache) -> list[str]:
-        rows = [row for row, seq in enumerate(seqs) if not seq.finished]
-        live_deltas = steps.decode(self.model, rows, [seqs[r] for r in rows], cache)
-        deltas = [""] * len(seqs)
-        for row, delta in zip(rows, live_deltas, strict=True):
-            deltas[row] = delta
-        self.stats.decode_tokens += len(rows)
-        return deltas
+        if self.scheduler.alive:
+            raise RuntimeError(
+                "the engine's scheduler runs on another thread (serve): submit requests to it"
+            )
+        before = self.scheduler.stats()
+        self.moe_runtime.reset_stats()  # `experts` over this call's decode steps
+        outputs: deque[RequestOutput] = deque()
+        requests: list[ScheduledRequest] = []
+        unfinished = len(seqs)
+        try:
+            for seq in seqs:
+                requests.append(self.scheduler.submit(seq, outputs.append))
+            while unfinished:
+                self.scheduler.step()
+                while outputs:
+                    output = outputs.popleft()
+                    if output.error is not None:
+                        raise output.error
+                    unfinished -= output.finished
+                    yield output
+        finally:  # also when the caller stops early: the rows are freed by the next step
+            for request in requests:
+                request.cancel()
+            self.stats = self.scheduler.stats().since(before)
 
 
 def _close_after_failure(runtime: MoeRuntime | None, platform: Platform) -> None:

@@ -3,8 +3,9 @@
 Each of `max_batch` KV-cache rows holds at most one request. Between decode steps, requests
 that finished or were cancelled give their row back and waiting requests are prefilled into
 free rows; then one decode step advances every running request by one token together. A
-thread inside `run()` (or `start()`'s background thread) takes these steps; `step()` can
-also be driven by hand (tests).
+thread inside `run()` (or `start()`'s background thread) takes these steps (`serve`), or
+`step()` is driven by hand: Engine.generate and stream step their engine's scheduler until
+their requests finish.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from hybridmoe.engine import steps
-from hybridmoe.engine.engine import Engine
 from hybridmoe.engine.kv_cache import KVCache
-from hybridmoe.engine.sampling import SamplingParams
+from hybridmoe.engine.moe_runtime import MoeRuntime
 from hybridmoe.engine.sequence import Sequence
-from hybridmoe.engine.stats import ServingStats
+from hybridmoe.engine.stats import GenerationStats
+from hybridmoe.models.transformer import MoeCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -64,39 +65,43 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    """Continuous batching for one Engine. While the scheduler runs, the engine's model and
-    MoE runtime belong to its thread: do not call the engine's generate methods meanwhile."""
+    """Continuous batching of `model` over a KV cache of `max_batch` rows x `max_seq_len`
+    positions, allocated here. Steps run on one thread at a time: while a thread is inside
+    run(), the model and MoE runtime belong to it (Engine.generate refuses to step then)."""
 
-    def __init__(self, engine: Engine, max_seq_len: int) -> None:
-        context = engine.model.cfg.max_position_embeddings
+    def __init__(
+        self, model: MoeCausalLM, moe_runtime: MoeRuntime, max_batch: int, max_seq_len: int
+    ) -> None:
+        context = model.cfg.max_position_embeddings
         if not 2 <= max_seq_len <= context:
             raise ValueError(
                 f"max_seq_len must be in [2, {context}] (the model's context window), "
                 f"got {max_seq_len}"
             )
-        self.engine, self.max_seq_len = engine, max_seq_len
-        self.max_batch = engine.config.max_batch
-        model = engine.model
-        self.cache = KVCache(model.cfg, self.max_batch, max_seq_len, model.dtype, model.device)
-        self.free_rows = list(range(self.max_batch))  # a min-heap: low rows keep batches dense
+        self.model, self.moe_runtime = model, moe_runtime
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.cache = KVCache(model.cfg, max_batch, max_seq_len, model.dtype, model.device)
+        self.free_rows = list(range(max_batch))  # a min-heap: low rows keep batches dense
         self.running: dict[int, ScheduledRequest] = {}  # KV row -> request
         self.waiting: deque[ScheduledRequest] = deque()
-        self._counters = ServingStats()
+        self._counters = GenerationStats()  # since the start
         self._cond = threading.Condition()  # guards `waiting` and `_stopping`; wakes the loop
         self._step_lock = threading.Lock()  # held during a step, so stats() sees whole steps
         self._stopping = False
         self._loop_done = threading.Event()  # set while no thread is inside run()
         self._loop_done.set()
-        engine.moe_runtime.reset_stats()
+        moe_runtime.reset_stats()
 
     # --- any thread ------------------------------------------------------------------------
 
-    def submit(
-        self, prompt_ids: list[int], params: SamplingParams, on_output: OutputCallback
-    ) -> ScheduledRequest:
-        """Queue a request. Raises ValueError if the prompt does not fit in max_seq_len and
-        SchedulerClosed once the scheduler is closed."""
-        seq = self.engine.new_sequence(prompt_ids, params, with_text=True, max_len=self.max_seq_len)
+    def submit(self, seq: Sequence, on_output: OutputCallback) -> ScheduledRequest:
+        """Queue `seq`, a fresh Sequence (Engine.new_sequence). Raises ValueError if it may
+        grow beyond max_seq_len and SchedulerClosed once the scheduler is closed."""
+        if seq.max_len > self.max_seq_len:
+            raise ValueError(
+                f"the sequence may grow to {seq.max_len} positions; the KV cache holds "
+                f"{self.max_seq_len}"
+            )
         request = ScheduledRequest(seq, on_output)
         with self._cond:
             if self._stopping:
@@ -126,8 +131,9 @@ class Scheduler:
         return thread
 
     def close(self) -> None:
-        """Stop the loop after its current step, then fail the requests still queued or
-        running. Must not be called from the thread inside run()."""
+        """Stop the loop after its current step, fail the requests still queued or running,
+        and release the KV cache and the model. Idempotent; must not be called from the
+        thread inside run()."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -138,15 +144,16 @@ class Scheduler:
             for request in pending:
                 self._fail(request, SchedulerClosed("the scheduler is closed"))
             self.running.clear()
+            self.cache = self.model = None  # nothing runs again: submit refuses from now on
 
-    def stats(self) -> ServingStats:
-        """A snapshot of the counters, taken between steps."""
+    def stats(self) -> GenerationStats:
+        """A snapshot of the counters since the start, taken between steps."""
         with self._step_lock, self._cond:
             return replace(
                 self._counters,
                 requests_running=len(self.running),
                 requests_waiting=len(self.waiting),
-                experts=self.engine.moe_runtime.stats(),
+                experts=self.moe_runtime.stats(),
             )
 
     @property
@@ -206,7 +213,7 @@ class Scheduler:
     def _prefill(self, request: ScheduledRequest, row: int) -> None:
         start = time.perf_counter()
         try:
-            delta = steps.prefill(self.engine.model, request.seq, row, self.cache)
+            delta = steps.prefill(self.model, request.seq, row, self.cache)
         except Exception as exc:  # this request's fault (or its input's): fail it alone
             heapq.heappush(self.free_rows, row)
             self._fail(request, exc)
@@ -222,9 +229,11 @@ class Scheduler:
         seqs = [self.running[row].seq for row in rows]
         start = time.perf_counter()
         try:
-            deltas = steps.decode(self.engine.model, rows, seqs, self.cache)
+            deltas = steps.decode(self.model, rows, seqs, self.cache)
         except Exception as exc:  # one step serves every running request: all of them fail
-            log.exception("decode step failed")
+            # Each gets `exc` as its error, which its consumer reports (the server logs it,
+            # Engine.generate raises it).
+            log.debug("decode step failed", exc_info=True)
             self._fail_running(exc)
             return
         self._counters.decode_s += time.perf_counter() - start

@@ -1,19 +1,32 @@
-"""GenerationStats: counts and timings of one generate call."""
+"""GenerationStats: the counts and timings of generation, one type for a Scheduler's counters
+since it started and for one Engine call's share of them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from hybridmoe.moe.cache_stats import ExpertCacheStats
 
 
 @dataclass
 class GenerationStats:
-    prompt_tokens: int = 0
+    """A Scheduler counts into one of these from its start (Scheduler.stats() returns a
+    snapshot); Engine.stats is one generate/stream call's share, `after.since(before)`."""
+
+    requests_served: int = 0  # finished normally (stop or length)
+    requests_failed: int = 0  # ended by an error
+    requests_cancelled: int = 0  # dropped because the client went away
+    requests_running: int = 0  # holding a KV-cache row at the snapshot
+    requests_waiting: int = 0  # queued for a row at the snapshot
+    prompt_tokens: int = 0  # prefilled
+    completion_tokens: int = 0  # sampled, by prefill and decode steps
+    decode_tokens: int = 0  # sampled by decode steps (a request's first token comes from prefill)
+    decode_steps: int = 0
     prefill_s: float = 0.0
-    decode_tokens: int = 0  # tokens produced by decode steps (the first comes from prefill)
     decode_s: float = 0.0
-    experts: ExpertCacheStats | None = None  # expert cache over the decode steps, if any
+    # The expert cache over the decode steps since the MoE runtime's stats were last reset (at
+    # the scheduler's start, and at the start of each Engine call); None when unused.
+    experts: ExpertCacheStats | None = None
 
     @property
     def prefill_tok_per_s(self) -> float:
@@ -21,7 +34,19 @@ class GenerationStats:
 
     @property
     def decode_tok_per_s(self) -> float:
+        """Aggregate decode throughput while decoding: tokens of all requests per step second."""
         return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def mean_batch(self) -> float:
+        """Average number of sequences one decode step advanced."""
+        return self.decode_tokens / self.decode_steps if self.decode_steps else 0.0
+
+    def since(self, earlier: GenerationStats) -> GenerationStats:
+        """What was counted between `earlier`, a snapshot of the same counters, and this one;
+        the requests running and waiting, and `experts`, as in this snapshot."""
+        counts = {name: getattr(self, name) - getattr(earlier, name) for name in _COUNTERS}
+        return replace(self, **counts)
 
     def summary(self) -> str:
         line = (
@@ -43,29 +68,5 @@ class GenerationStats:
         )
 
 
-@dataclass
-class ServingStats:
-    """Counters of a Scheduler since it started; a snapshot when returned by Scheduler.stats()."""
-
-    requests_served: int = 0  # finished normally (stop or length)
-    requests_failed: int = 0  # ended by an error
-    requests_cancelled: int = 0  # dropped because the client went away
-    requests_running: int = 0  # holding a KV-cache row now
-    requests_waiting: int = 0  # queued for a row
-    prompt_tokens: int = 0  # prefilled
-    completion_tokens: int = 0  # sampled, by prefill and decode steps
-    decode_tokens: int = 0  # sampled by decode steps
-    decode_steps: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    experts: ExpertCacheStats | None = None  # over every decode step; None when unused
-
-    @property
-    def decode_tok_per_s(self) -> float:
-        """Aggregate decode throughput while decoding: tokens of all requests per step second."""
-        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
-
-    @property
-    def mean_batch(self) -> float:
-        """Average number of sequences one decode step advanced."""
-        return self.decode_tokens / self.decode_steps if self.decode_steps else 0.0
+_SNAPSHOT_ONLY = ("requests_running", "requests_waiting", "experts")
+_COUNTERS = tuple(f.name for f in fields(GenerationStats) if f.name not in _SNAPSHOT_ONLY)

@@ -1,7 +1,7 @@
-"""The two forward steps every generation loop is made of: prefill one prompt into a KV-cache row,
-and decode one token for each of several sequences, each in its own row at its own position.
+"""The two forward steps generation is made of: prefill one prompt into a KV-cache row, and
+decode one token for each of several sequences, each in its own row at its own position.
 
-Both the one-shot Engine loop and the continuous-batching Scheduler drive these.
+The Scheduler, the one generation loop, drives these.
 """
 
 from __future__ import annotations

@@ -13,8 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from hybridmoe.engine import Engine
-from hybridmoe.engine.scheduler import Scheduler
-from hybridmoe.engine.stats import ServingStats
+from hybridmoe.engine.stats import GenerationStats
 from hybridmoe.server import responses
 from hybridmoe.server.errors import generation_error, install_error_handlers
 from hybridmoe.server.generation import ServedModel, start_chat, start_completion
@@ -24,13 +23,13 @@ DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its cl
 
 
 def create_app(engine: Engine, model_id: str, start_scheduler: bool = True) -> FastAPI:
-    """The app serving `engine` as `model_id`; `app.state.served.scheduler` is its scheduler.
+    """The app serving `engine` as `model_id`; `app.state.served.scheduler` is the engine's
+    scheduler (its KV cache was allocated with the engine, before the server binds).
     With `start_scheduler` the app's lifespan runs the scheduler on a background thread;
     without, the caller runs `scheduler.run()` on a thread of its choice. The lifespan's end
     closes the scheduler; closing the engine stays the caller's job."""
-    max_seq_len = engine.config.resolve_max_seq_len(engine.model.cfg.max_position_embeddings)
-    scheduler = Scheduler(engine, max_seq_len)  # allocates the KV cache now: fail before binding
-    served = ServedModel(model_id, engine, scheduler, created=int(time.time()))
+    served = ServedModel(model_id, engine, created=int(time.time()))
+    scheduler = served.scheduler
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -111,7 +110,7 @@ async def _unless_disconnected(request: Request, body: Awaitable[BaseModel]) -> 
 def stats_body(served: ServedModel) -> dict[str, Any]:
     """Serving counters since start; `experts` only when the decode target uses the expert
     cache or the CPU (hit rate, share of routes computed on the CPU, experts fetched/token)."""
-    s: ServingStats = served.scheduler.stats()
+    s: GenerationStats = served.scheduler.stats()
     return {
         "model": served.id,
         "uptime_s": round(time.time() - served.created, 3),
@@ -134,7 +133,7 @@ def stats_body(served: ServedModel) -> dict[str, Any]:
     }
 
 
-def _expert_stats(s: ServingStats) -> dict[str, float] | None:
+def _expert_stats(s: GenerationStats) -> dict[str, float] | None:
     e = s.experts
     if e is None:
         return None

@@ -58,9 +58,13 @@ class ServedModel:
 
     id: str
     engine: Engine
-    scheduler: Scheduler
     created: int  # unix time the server started
     bridge: OutputBridge = field(default_factory=OutputBridge)  # attached at app startup
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The engine's scheduler, which the server runs."""
+        return self.engine.scheduler
 
     def check_name(self, name: str) -> None:
         if name != self.id:
@@ -77,13 +81,13 @@ class Generation:
 
     def __init__(
         self,
-        scheduler: Scheduler,
+        engine: Engine,
         bridge: OutputBridge,
         prompt_ids: list[int],
         params: SamplingParams,
     ) -> None:
         self._outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._request = scheduler.submit(prompt_ids, params, bridge.sender(self._outputs))
+        self._request = engine.submit(prompt_ids, params, bridge.sender(self._outputs))
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
 
@@ -159,7 +163,7 @@ def _start(
         ignore_eos=request.ignore_eos,
     )
     try:
-        return Generation(served.scheduler, served.bridge, prompt_ids, params)
+        return Generation(served.engine, served.bridge, prompt_ids, params)
     except SchedulerClosed as exc:
         raise generation_error(exc) from exc
 

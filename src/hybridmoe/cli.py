@@ -48,7 +48,7 @@ _ENGINE_NO_FLAG = {
 }
 _DECODE_NO_FLAG = {
     **_ENGINE_NO_FLAG,
-    "EngineConfig.max_batch": "requests decoded together; generate and chat decode one",
+    "EngineConfig.max_batch": "requests decoded together; generate and chat decode one (1)",
     "SamplingParams.ignore_eos": "an API extension for benchmarks; the CLI stops at EOS",
 }
 NOT_FLAGS: dict[str, dict[str, str]] = {
@@ -199,7 +199,10 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     offload = config_from_args(OffloadConfig, args)
-    return config_from_args(EngineConfig, args, progress=True, offload=offload)
+    # generate and chat decode one sequence: a KV cache (and on a GPU its planned memory) of one
+    # row, not max_batch rows of max_seq_len positions
+    one_row = {"max_batch": 1} if args.command in ("generate", "chat") else {}
+    return config_from_args(EngineConfig, args, progress=True, offload=offload, **one_row)
 
 
 def _model_dir(args: argparse.Namespace) -> Path:

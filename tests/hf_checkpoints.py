@@ -59,6 +59,10 @@ VARIANTS: dict[tuple[str, str], dict[str, Any]] = {
         mlp_only_layers=[1], norm_topk_prob=True,
         rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                          "original_max_position_embeddings": 64}),
+    ("qwen3_moe", "mlp_only_tied"): dict(
+        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=48,
+        mlp_only_layers=[1], norm_topk_prob=True, tie_word_embeddings=True),
     # Qwen2-MoE: qkv bias, sigmoid-gated shared expert beside the routed ones.
     ("qwen2_moe", "shared_expert"): dict(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
@@ -85,6 +89,9 @@ VARIANTS: dict[tuple[str, str], dict[str, Any]] = {
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         num_local_experts=6, num_experts_per_tok=1, intermediate_size=32,
         tie_word_embeddings=True),
+    ("mixtral", "gqa_wide"): dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
     # OLMoE: q/k RMSNorm over the whole projection (not per head), optional qkv clipping.
     ("olmoe", "mha"): dict(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
@@ -117,6 +124,7 @@ _SEED_SALTS = {
     ("qwen3_moe", "mlp_only_yarn"): 2,
     ("qwen2_moe", "mqa_mlp_only_top1"): 3,
     ("olmoe", "gqa_clip_qkv"): 1,
+    ("mixtral", "gqa_wide"): 5,
 }
 
 # The final norm is scaled up so that logits spread (std ~4-8) and greedy choices are far from
@@ -176,27 +184,64 @@ def _rewrite_config_in_hub_spelling(config_path: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
-@lru_cache(maxsize=4)
-def _hf_model(directory: str) -> torch.nn.Module:
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+@lru_cache(maxsize=8)
+def _hf_model(
+    directory: str, dtype: torch.dtype, experts_implementation: str | None
+) -> torch.nn.Module:
+    kwargs = (
+        {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
     return model.eval()
 
 
 @torch.no_grad()
-def hf_logits(directory: Path, prompt_ids: list[int]) -> torch.Tensor:
-    """Float32 logits [T, V] of `transformers` for one fresh sequence."""
-    model = _hf_model(str(directory))
+def hf_logits(
+    directory: Path,
+    prompt_ids: list[int],
+    dtype: torch.dtype = torch.float32,
+    experts_implementation: str | None = None,
+) -> torch.Tensor:
+    """Logits [T, V] of `transformers` for one fresh sequence, computed in `dtype` and returned
+    as float32. `experts_implementation`: "eager", "batched_mm" or "grouped_mm"; None: its
+    default."""
+    model = _hf_model(str(directory), dtype, experts_implementation)
     return model(torch.tensor([prompt_ids])).logits[0].float()
 
 
 @torch.no_grad()
-def hf_greedy(directory: Path, prompt_ids: list[int], n: int) -> list[int]:
+def hf_greedy(
+    directory: Path,
+    prompt_ids: list[int],
+    n: int,
+    dtype: torch.dtype = torch.float32,
+    experts_implementation: str | None = None,
+    use_cache: bool = False,
+) -> list[int]:
     """`n` greedy tokens from `transformers`: a full forward per step, no KV cache, and EOS is
-    emitted like any other token (`generate(min_new_tokens=n)` would instead forbid it)."""
+    emitted like any other token (`generate(min_new_tokens=n)` would instead forbid it).
+    `dtype` and `experts_implementation` as for `hf_logits`. `use_cache`: instead, the prompt
+    in one forward and then one token per forward through a KV cache (a decode step's shapes:
+    in bf16 its GEMMs and attention round differently for one row than for a whole sequence)."""
+    if use_cache:
+        return _hf_greedy_cached(
+            _hf_model(str(directory), dtype, experts_implementation), prompt_ids, n
+        )
     ids = list(prompt_ids)
     for _ in range(n):
-        ids.append(int(hf_logits(directory, ids)[-1].argmax()))
+        logits = hf_logits(directory, ids, dtype, experts_implementation)  # [T, V]
+        ids.append(int(logits[-1].argmax()))
     return ids[len(prompt_ids) :]
+
+
+def _hf_greedy_cached(model: torch.nn.Module, prompt_ids: list[int], n: int) -> list[int]:
+    cache = transformers.DynamicCache(config=model.config)
+    ids, tokens = torch.tensor([prompt_ids]), []
+    for _ in range(n):
+        logits = model(ids, cache=cache, use_cache=True).logits[0, -1]  # [V]
+        tokens.append(int(logits.float().argmax()))
+        ids = torch.tensor([tokens[-1:]])
+    return tokens
 
 
 def top2_gap(logits: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""One MoE layer's routed experts on the CPU: the fused numba kernel (moe_forward) per weight
+"""One MoE layer's routed experts on the CPU: the fused numba kernel (fused_cpu_moe) per weight
 format, against the memory's read bandwidth and the torch per-expert loop, measured side by side.
 
     python benchmarks/bench_cpu_moe.py [--shapes qwen3-30b-a3b mixtral] [--formats bf16 q8_0 q4_0]
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridmoe.moe.cpu_experts import bank_moe, moe_forward
-from hybridmoe.moe.host_banks import HostExpertBank
+from hybridmoe.moe.cpu_experts import bank_moe, fused_cpu_moe
+from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.formats import weight_format
 
 
@@ -66,11 +66,11 @@ def random_stored(fmt_name: str, shape: tuple[int, ...], g: torch.Generator) -> 
     return out
 
 
-def make_bank(shape: Shape, fmt_name: str) -> HostExpertBank:
+def make_bank(shape: Shape, fmt_name: str) -> ExpertBank:
     g = torch.Generator().manual_seed(0)
     gate_up = random_stored(fmt_name, (shape.experts, 2 * shape.inter, shape.hidden), g)
     down = random_stored(fmt_name, (shape.experts, shape.hidden, shape.inter), g)
-    return HostExpertBank(gate_up, down, weight_format(fmt_name))
+    return ExpertBank(gate_up, down, weight_format(fmt_name))
 
 
 class Memory:
@@ -125,7 +125,7 @@ def bench_format(name, shape, fmt_name, args, memory) -> dict[str, float]:
         f"{time.perf_counter() - start:.0f} s",
         flush=True,
     )
-    ours = lambda x, ids, w, b: moe_forward(x, ids, w, b, threads=args.threads)  # noqa: E731
+    ours = lambda x, ids, w, b: fused_cpu_moe(x, ids, w, b, threads=args.threads)  # noqa: E731
     results = {}
     for label, tokens, shared in (
         ("T=1", 1, True),

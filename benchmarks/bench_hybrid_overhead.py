@@ -6,7 +6,7 @@
     python benchmarks/bench_hybrid_overhead.py --layers 1 --hidden 2048 --inter 768 \
         --dtype bfloat16 --steps 300
 
-Everything is real except the expert math: HostExpertBanks, an OffloadMoeCache (global LRU,
+Everything is real except the expert math: ExpertBanks, an OffloadMoeCache (global LRU,
 capped fetch) and a CpuMoeExecutor with its worker thread. Routing replays a seeded, skewed
 (Zipf) and sticky trace, so hits, fetches and CPU routes all occur. Every layer call times
 `executor.decode(request, gpu_runner)`; the request is built outside the timed region.
@@ -46,9 +46,9 @@ from tqdm import tqdm
 from hybridmoe.moe import hybrid_decode
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import bank_moe
-from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor, HybridDecodeRequest
 from hybridmoe.moe.offload_cache import OffloadMoeCache
+from hybridmoe.quant.bank import ExpertBank
 
 TARGET_US = 50.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -72,7 +72,7 @@ class Trace:
     hidden: torch.Tensor  # [L, T, H] one fixed input per layer
 
 
-def make_banks(args: argparse.Namespace) -> list[HostExpertBank]:
+def make_banks(args: argparse.Namespace) -> list[ExpertBank]:
     g = torch.Generator().manual_seed(args.seed)
     dtype, e, h, i = DTYPES[args.dtype], args.experts, args.hidden, args.inter
 
@@ -80,7 +80,7 @@ def make_banks(args: argparse.Namespace) -> list[HostExpertBank]:
         return (torch.randn(*shape, generator=g) * 0.05).to(dtype)
 
     layers = tqdm(range(args.layers), desc="banks", unit="layer", leave=False)
-    return [HostExpertBank(gate_up=rand(e, 2 * i, h), down=rand(e, h, i)) for _ in layers]
+    return [ExpertBank(gate_up=rand(e, 2 * i, h), down=rand(e, h, i)) for _ in layers]
 
 
 def sticky_trace(args: argparse.Namespace, steps: int) -> Trace:
@@ -138,7 +138,7 @@ class CallClock:
         return timed
 
 
-def timed_gpu_runner(clock: CallClock, bank: HostExpertBank, zeros: torch.Tensor, real: bool):
+def timed_gpu_runner(clock: CallClock, bank: ExpertBank, zeros: torch.Tensor, real: bool):
     """The accelerator side, as OffloadMoELayer._run_cached_decode_experts, timed per call."""
 
     def run(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -222,7 +222,7 @@ class Pass:
 
 def run_pass(
     args: argparse.Namespace,
-    banks: list[HostExpertBank],
+    banks: list[ExpertBank],
     trace: Trace,
     result: Pass,
     profiler: cProfile.Profile | None = None,

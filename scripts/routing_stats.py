@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
+from hybridmoe.config.model import ModelConfig
 from hybridmoe.demo import demo_checkpoint_dir
 from hybridmoe.demo.corpus import encode_files, split_corpus
 from hybridmoe.demo.perplexity import windows
 from hybridmoe.engine import Engine, EngineConfig
 from hybridmoe.layers.linear import Linear
-from hybridmoe.models.config import ModelConfig
 from hybridmoe.models.transformer import MoeCausalLM
 from hybridmoe.moe.routing import route
 

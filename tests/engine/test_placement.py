@@ -15,7 +15,7 @@ from hybridmoe.engine.kv_cache import KVCache
 from hybridmoe.engine.placement import ACTIVATION_RESERVE_BYTES, GIB
 from hybridmoe.errors import DeviceMemoryError
 from hybridmoe.kernels.torch_moe import gathered_moe_peak_bytes
-from hybridmoe.loader.checkpoint import load_model
+from hybridmoe.models.loading import load_model
 from hybridmoe.moe.config import OffloadConfig
 from hybridmoe.platform.cpu import CpuPlatform
 

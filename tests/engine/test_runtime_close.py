@@ -9,7 +9,7 @@ import weakref
 import pytest
 
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
-from hybridmoe.loader.checkpoint import load_model
+from hybridmoe.models.loading import load_model
 from hybridmoe.moe.config import OffloadConfig
 
 

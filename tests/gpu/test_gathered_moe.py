@@ -10,7 +10,7 @@ import torch
 from hybridmoe.kernels import torch_moe
 from hybridmoe.kernels.torch_moe import gathered_moe
 from hybridmoe.moe.cpu_experts import bank_moe
-from hybridmoe.moe.host_banks import HostExpertBank
+from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.formats import WEIGHT_FORMATS, weight_format
 
 from .device_helpers import sync_debug_mode
@@ -22,10 +22,10 @@ FORMATS = sorted(WEIGHT_FORMATS)
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
-def make_bank(fmt: str, seed: int = 0) -> HostExpertBank:
+def make_bank(fmt: str, seed: int = 0) -> ExpertBank:
     gen = torch.Generator().manual_seed(seed)
     gate_up = torch.randn(E, 2 * INTER, H, generator=gen) / H**0.5
-    dense = HostExpertBank(gate_up, torch.randn(E, H, INTER, generator=gen) / INTER**0.5)
+    dense = ExpertBank(gate_up, torch.randn(E, H, INTER, generator=gen) / INTER**0.5)
     return dense.converted(weight_format(fmt))
 
 

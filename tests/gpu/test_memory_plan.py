@@ -19,7 +19,7 @@ from hybridmoe.engine.placement import ACTIVATION_RESERVE_BYTES, GIB, expert_ker
 from hybridmoe.errors import DeviceMemoryError
 from hybridmoe.kernels import torch_moe
 from hybridmoe.kernels.torch_moe import gathered_moe, gathered_moe_peak_bytes
-from hybridmoe.loader.checkpoint import load_model
+from hybridmoe.models.loading import load_model
 from hybridmoe.moe.config import OffloadConfig
 
 from .test_gathered_moe import make_bank, make_routes

@@ -15,10 +15,10 @@ import torch
 from hybridmoe.kernels.torch_moe import gathered_moe
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import bank_moe
-from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor, HybridDecodeRequest
 from hybridmoe.moe.offload_cache import OffloadMoeCache
 from hybridmoe.platform.base import Platform, create_platform
+from hybridmoe.quant.bank import ExpertBank
 
 from .device_helpers import spin_cycles
 
@@ -58,7 +58,7 @@ def overlap_s(a: Interval, b: Interval) -> float:
 @dataclass
 class Parts:
     platform: Platform
-    bank: HostExpertBank  # one MoE layer, in pinned host memory
+    bank: ExpertBank  # one MoE layer, in pinned host memory
     cache: OffloadMoeCache
     executor: CpuMoeExecutor
     cpu_intervals: list[Interval]
@@ -68,7 +68,7 @@ class Parts:
 def parts(device: torch.device) -> Iterator[Parts]:
     platform = create_platform(device)
     gen = torch.Generator().manual_seed(0)
-    bank = HostExpertBank(
+    bank = ExpertBank(
         torch.randn(E, 2 * INTER, H, generator=gen) / H**0.5,
         torch.randn(E, H, INTER, generator=gen) / INTER**0.5,
     )

@@ -20,9 +20,9 @@ import torch
 
 from hybridmoe.kernels.torch_moe import gathered_moe
 from hybridmoe.moe.cpu_experts import bank_moe
-from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.moe.offload_cache import OffloadMoeCache
 from hybridmoe.platform.base import Platform, create_platform, to_device_no_sync
+from hybridmoe.quant.bank import ExpertBank
 
 from .device_helpers import spin, spin_cycles, sync_debug_mode
 
@@ -123,7 +123,7 @@ def test_a_host_tensor_sent_without_sync_may_change_at_once(device, cycles):
         assert torch.equal(tensor.cpu(), torch.full((1 << 16,), value)), value
 
 
-def make_banks() -> list[HostExpertBank]:
+def make_banks() -> list[ExpertBank]:
     """Two layers' banks in pinned memory (torch's: registration is test_resources' subject),
     so that fetches are asynchronous: from pageable memory the host would wait for them."""
     banks = []
@@ -131,7 +131,7 @@ def make_banks() -> list[HostExpertBank]:
         gen = torch.Generator().manual_seed(layer)
         gate_up = torch.randn(E, 2 * INTER, H, generator=gen) / H**0.5
         down = torch.randn(E, H, INTER, generator=gen) / INTER**0.5
-        banks.append(HostExpertBank(gate_up.pin_memory(), down.pin_memory()))
+        banks.append(ExpertBank(gate_up.pin_memory(), down.pin_memory()))
     return banks
 
 

@@ -1,4 +1,4 @@
-"""The fused numba MoE kernel (moe_forward) against the torch reference (bank_moe), for every
+"""The fused numba MoE kernel (fused_cpu_moe) against the torch reference (bank_moe), for every
 weight format, odd shapes and routing corner cases; its threads and the GIL."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from hybridmoe.kernels.numba_moe import max_threads
-from hybridmoe.moe.cpu_experts import FUSED_MAX_TOKENS, bank_moe, moe_forward
-from hybridmoe.moe.host_banks import HostExpertBank
+from hybridmoe.moe.cpu_experts import FUSED_MAX_TOKENS, bank_moe, fused_cpu_moe
+from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.formats import weight_format
 from rounding import assert_same_rounding
 
@@ -23,9 +23,9 @@ FORMATS = ("f32", "bf16", "q8_0", "q4_0")
 FP32_TOL = dict(rtol=1e-4, atol=1e-5)
 
 
-def make_bank(fmt: str, experts=8, hidden=64, inter=32, seed=0) -> HostExpertBank:
+def make_bank(fmt: str, experts=8, hidden=64, inter=32, seed=0) -> ExpertBank:
     g = torch.Generator().manual_seed(seed)
-    dense = HostExpertBank(
+    dense = ExpertBank(
         torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1,
         torch.randn(experts, hidden, inter, generator=g) * 0.1,
     )
@@ -39,7 +39,7 @@ def make_routes(tokens: int, top_k: int, experts: int, seed: int = 0):
     return ids, weights
 
 
-def x_for(bank: HostExpertBank, tokens: int, seed: int = 1) -> torch.Tensor:
+def x_for(bank: ExpertBank, tokens: int, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(tokens, bank.hidden_size, generator=g)
 
@@ -51,7 +51,7 @@ def test_fused_kernel_matches_reference(fmt: str, tokens: int) -> None:
     ids, weights = make_routes(tokens, top_k=3, experts=bank.num_experts, seed=tokens)
     x = x_for(bank, tokens)
     torch.testing.assert_close(
-        moe_forward(x, ids, weights, bank), bank_moe(x, ids, weights, bank), **FP32_TOL
+        fused_cpu_moe(x, ids, weights, bank), bank_moe(x, ids, weights, bank), **FP32_TOL
     )
 
 
@@ -67,9 +67,9 @@ def test_routing_corner_cases(fmt: str) -> None:
         "one expert for all": torch.full((4, 2), 6),
     }
     for name, ids in cases.items():
-        out = moe_forward(x, ids, weights, bank)
+        out = fused_cpu_moe(x, ids, weights, bank)
         torch.testing.assert_close(out, bank_moe(x, ids, weights, bank), **FP32_TOL, msg=name)
-    assert not moe_forward(x, cases["all skipped"], weights, bank).any()
+    assert not fused_cpu_moe(x, cases["all skipped"], weights, bank).any()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -79,7 +79,7 @@ def test_top_k_one_and_many_experts(fmt: str) -> None:
         ids, weights = make_routes(tokens, top_k, bank.num_experts, seed=tokens)
         x = x_for(bank, tokens)
         expected = bank_moe(x, ids, weights, bank)
-        torch.testing.assert_close(moe_forward(x, ids, weights, bank), expected, **FP32_TOL)
+        torch.testing.assert_close(fused_cpu_moe(x, ids, weights, bank), expected, **FP32_TOL)
 
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16"])
@@ -89,7 +89,7 @@ def test_dense_rows_with_a_partial_block(fmt: str, hidden: int, inter: int) -> N
     ids, weights = make_routes(5, 2, bank.num_experts)
     x = x_for(bank, 5)
     torch.testing.assert_close(
-        moe_forward(x, ids, weights, bank), bank_moe(x, ids, weights, bank), **FP32_TOL
+        fused_cpu_moe(x, ids, weights, bank), bank_moe(x, ids, weights, bank), **FP32_TOL
     )
 
 
@@ -107,7 +107,7 @@ def test_bf16_activations_round_where_the_reference_does(fmt: str, tokens: int) 
     bank = make_bank(fmt, hidden=128, inter=64)
     ids, weights = make_routes(tokens, 4, bank.num_experts, seed=tokens)
     x = x_for(bank, tokens).to(torch.bfloat16)
-    assert_same_rounding(moe_forward(x, ids, weights, bank), bank_moe(x, ids, weights, bank))
+    assert_same_rounding(fused_cpu_moe(x, ids, weights, bank), bank_moe(x, ids, weights, bank))
 
 
 def test_prefill_sized_calls_take_the_reference_path() -> None:
@@ -116,7 +116,7 @@ def test_prefill_sized_calls_take_the_reference_path() -> None:
     ids, weights = make_routes(tokens, 2, bank.num_experts)
     x = x_for(bank, tokens)
     torch.testing.assert_close(
-        moe_forward(x, ids, weights, bank), bank_moe(x, ids, weights, bank), **FP32_TOL
+        fused_cpu_moe(x, ids, weights, bank), bank_moe(x, ids, weights, bank), **FP32_TOL
     )
 
 
@@ -124,14 +124,14 @@ def test_out_of_range_id_is_an_index_error() -> None:
     bank = make_bank("q4_0")
     x = x_for(bank, 2)
     with pytest.raises(IndexError, match="expert id 8 out of range.*8 experts"):
-        moe_forward(x, torch.tensor([[0, 8], [1, 2]]), torch.rand(2, 2), bank)
+        fused_cpu_moe(x, torch.tensor([[0, 8], [1, 2]]), torch.rand(2, 2), bank)
 
 
 def test_result_does_not_depend_on_the_thread_count() -> None:
     bank = make_bank("q4_0", experts=16, hidden=128, inter=96)
     ids, weights = make_routes(6, 4, bank.num_experts)
     x = x_for(bank, 6)
-    results = [moe_forward(x, ids, weights, bank, threads=n) for n in range(1, max_threads() + 1)]
+    results = [fused_cpu_moe(x, ids, weights, bank, threads=n) for n in range(1, max_threads() + 1)]
     for result in results[1:]:
         assert torch.equal(result, results[0])  # each output row is summed in one fixed order
 
@@ -145,10 +145,10 @@ def test_calls_create_no_threads() -> None:
     bank = make_bank("q8_0")
     ids, weights = make_routes(2, 2, bank.num_experts)
     x = x_for(bank, 2)
-    moe_forward(x, ids, weights, bank)  # the pool starts on the first call
+    fused_cpu_moe(x, ids, weights, bank)  # the pool starts on the first call
     before = _os_threads()
     for _ in range(20):
-        moe_forward(x, ids, weights, bank)
+        fused_cpu_moe(x, ids, weights, bank)
     assert _os_threads() == before
 
 
@@ -159,13 +159,13 @@ def test_the_gil_is_released_while_the_kernel_computes() -> None:
     bank = make_bank("q8_0", experts=16, hidden=1024, inter=512)
     ids, weights = make_routes(16, 16, bank.num_experts)  # every token to every expert
     x = x_for(bank, 16)
-    moe_forward(x, ids, weights, bank, threads=1)  # compile outside the measured call
+    fused_cpu_moe(x, ids, weights, bank, threads=1)  # compile outside the measured call
     go, call_s = threading.Event(), []
 
     def call() -> None:
         go.wait(10)
         begin = time.perf_counter()
-        moe_forward(x, ids, weights, bank, threads=1)
+        fused_cpu_moe(x, ids, weights, bank, threads=1)
         call_s.append(time.perf_counter() - begin)
 
     worker = threading.Thread(target=call)

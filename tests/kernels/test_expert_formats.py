@@ -10,7 +10,7 @@ import torch
 
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.moe.config import OffloadConfig
-from hybridmoe.moe.host_banks import ExpertWeights
+from hybridmoe.quant.bank import ExpertBank, ExpertWeights
 from hybridmoe.quant.formats import weight_format
 
 PROMPTS = [[5, 17, 300, 42, 7], [9, 1000]]
@@ -25,15 +25,15 @@ TARGETS = [
 ]
 
 
-def generate(directory: Path, offload: OffloadConfig) -> tuple[list[list[int]], Engine]:
+def generate(directory: Path, offload: OffloadConfig) -> tuple[list[list[int]], list[ExpertBank]]:
+    """Greedy tokens of PROMPTS, and the runtime's banks (close() releases them)."""
     with Engine.from_pretrained(directory, EngineConfig(dtype="float32", offload=offload)) as e:
-        return e.generate_ids(PROMPTS, GREEDY), e
+        return e.generate_ids(PROMPTS, GREEDY), e.moe_runtime.banks
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_0"])
 def test_every_target_agrees_within_a_format(demo_checkpoint: Path, fmt: str) -> None:
-    reference, engine = generate(demo_checkpoint, OffloadConfig(expert_format=fmt))
-    banks = engine.moe_runtime.banks
+    reference, banks = generate(demo_checkpoint, OffloadConfig(expert_format=fmt))
     assert banks and all(bank.fmt == weight_format(fmt) for bank in banks)
     for offload in TARGETS:
         offload = OffloadConfig(**{**offload.__dict__, "expert_format": fmt})

@@ -8,7 +8,7 @@ import torch
 from hybridmoe.kernels import torch_moe
 from hybridmoe.kernels.torch_moe import gathered_moe
 from hybridmoe.moe.cpu_experts import bank_moe
-from hybridmoe.moe.host_banks import HostExpertBank
+from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.formats import WEIGHT_FORMATS, weight_format
 from rounding import assert_same_rounding
 
@@ -19,10 +19,10 @@ FORMATS = sorted(WEIGHT_FORMATS)
 TOLERANCE = 1e-5
 
 
-def make_bank(fmt: str, seed: int = 0) -> HostExpertBank:
+def make_bank(fmt: str, seed: int = 0) -> ExpertBank:
     gen = torch.Generator().manual_seed(seed)
     gate_up = torch.randn(E, 2 * INTER, H, generator=gen) * 0.1
-    dense = HostExpertBank(gate_up, torch.randn(E, H, INTER, generator=gen) * 0.1)
+    dense = ExpertBank(gate_up, torch.randn(E, H, INTER, generator=gen) * 0.1)
     return dense.converted(weight_format(fmt))
 
 
@@ -82,7 +82,7 @@ def test_never_reads_a_tensor_on_the_host(fmt):
     def meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="meta")
 
-    bank = HostExpertBank(
+    bank = ExpertBank(
         meta(spec.stored_shape((E, 2 * INTER, H)), spec.storage_dtype),
         meta(spec.stored_shape((E, H, INTER)), spec.storage_dtype),
         spec,

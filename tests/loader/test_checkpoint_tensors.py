@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from hf_checkpoints import write_hf_checkpoint
 from hybridmoe.errors import CheckpointError
-from hybridmoe.loader.checkpoint import load_model
+from hybridmoe.models.loading import load_model
 
 WEIGHTS_FILE = "model.safetensors"
 

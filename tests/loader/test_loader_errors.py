@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from hybridmoe.engine import Engine, EngineConfig
 from hybridmoe.errors import CheckpointError, UnsupportedConfigError
-from hybridmoe.loader.checkpoint import load_model
 from hybridmoe.loader.weights import INDEX_FILE
+from hybridmoe.models.loading import load_model
 from safetensors_layout import tensor_offsets_mod_64
 
 WEIGHTS_FILE = "model.safetensors"
@@ -233,7 +233,7 @@ def test_sharded_checkpoint_gives_identical_logits(demo_checkpoint, demo_variant
 
 RSS_SCRIPT = """
 import re, sys, torch
-from hybridmoe.loader.checkpoint import load_model
+from hybridmoe.models.loading import load_model
 
 def rss_anon_bytes():
     status = open("/proc/self/status").read()

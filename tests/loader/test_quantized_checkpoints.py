@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybridmoe.errors import CheckpointError, UnsupportedConfigError
-from hybridmoe.loader.checkpoint import load_model
+from hybridmoe.models.loading import load_model
 
 WEIGHTS_FILE = "model.safetensors"
 EXPERT_TENSOR = "model.layers.2.mlp.experts.5.up_proj.weight"

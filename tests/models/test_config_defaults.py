@@ -13,7 +13,7 @@ import pytest
 import transformers
 
 from hf_checkpoints import FAMILIES
-from hybridmoe.models.config import ModelConfig
+from hybridmoe.config.model import ModelConfig
 from hybridmoe.models.registry import MODEL_REGISTRY, family_for
 
 # A config.json per family that sets every field of its defaults table to a value other than

@@ -14,8 +14,8 @@ import torch
 
 from hybridmoe.layers.attention import ATTENTIONS
 from hybridmoe.layers.moe import SHARED_EXPERTS
-from hybridmoe.loader.checkpoint import load_model
 from hybridmoe.models import registry
+from hybridmoe.models.loading import load_model
 from hybridmoe.models.qwen3_moe import QWEN3_MOE
 from hybridmoe.models.registry import MODEL_REGISTRY, ModelFamily, WeightNames, register
 from hybridmoe.models.transformer import MoeCausalLM

@@ -16,24 +16,24 @@ from hybridmoe.moe.cpu_experts import (
     CPU_EXPERT_FNS,
     bank_moe,
     create_cpu_expert_fn,
-    moe_forward,
+    fused_cpu_moe,
 )
-from hybridmoe.moe.host_banks import ExpertWeights, HostExpertBank
 from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor, HybridDecodeRequest
 from hybridmoe.platform.cpu import CpuDeviceSync
+from hybridmoe.quant.bank import ExpertBank, ExpertWeights
 
 HIDDEN, INTER, EXPERTS = 32, 16, 8
 WAIT_S = 10.0  # upper bound on any wait in a test; only reached when the code under test is broken
 
 
-def make_layer(seed: int) -> tuple[ExpertWeights, HostExpertBank]:
+def make_layer(seed: int) -> tuple[ExpertWeights, ExpertBank]:
     """A random bank and per-expert views of it."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * 0.2
 
-    bank = HostExpertBank.stack(
+    bank = ExpertBank.stack(
         ExpertWeights(
             gate=[rand(INTER, HIDDEN) for _ in range(EXPERTS)],
             up=[rand(INTER, HIDDEN) for _ in range(EXPERTS)],
@@ -61,7 +61,7 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 @pytest.fixture
-def banks() -> list[HostExpertBank]:
+def banks() -> list[ExpertBank]:
     return [make_layer(seed)[1] for seed in range(3)]
 
 
@@ -70,7 +70,7 @@ def make_executor():
     """Build executors that are closed at teardown even when the test fails."""
     made: list[CpuMoeExecutor] = []
 
-    def make(banks: list[HostExpertBank], **kwargs) -> CpuMoeExecutor:
+    def make(banks: list[ExpertBank], **kwargs) -> CpuMoeExecutor:
         made.append(CpuMoeExecutor(banks, **kwargs))
         return made[-1]
 
@@ -113,7 +113,7 @@ def test_bank_moe_all_skipped_is_zero():
 def test_cpu_expert_registry():
     assert {"torch", "numba"} <= set(CPU_EXPERT_FNS)
     assert create_cpu_expert_fn("torch") is bank_moe
-    assert create_cpu_expert_fn().func is moe_forward  # numba is the default
+    assert create_cpu_expert_fn().func is fused_cpu_moe  # numba is the default
     with pytest.raises(ValueError, match=r"cpu_threads=100000.*NUMBA_NUM_THREADS"):
         create_cpu_expert_fn("numba", threads=100_000)
     with pytest.raises(ValueError, match=r"unknown CPU expert kernel 'nope'.*torch"):
@@ -161,7 +161,7 @@ def test_several_layers_in_flight_run_on_two_workers(make_executor, banks):
 def test_integrates_with_hybrid_decode_executor(make_executor):
     experts, bank = make_layer(seed=5)
     cached = [1, 4, 6]  # experts resident in accelerator slots 0, 1, 2
-    slot_bank = HostExpertBank(gate_up=bank.gate_up[cached], down=bank.down[cached])
+    slot_bank = ExpertBank(gate_up=bank.gate_up[cached], down=bank.down[cached])
 
     class FixedCache:
         def ensure_experts_hybrid(self, layer_idx, topk_ids):

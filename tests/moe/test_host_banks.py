@@ -54,9 +54,9 @@ def test_a_bank_in_its_own_pages_shares_no_page_and_keeps_its_values() -> None:
 
     import torch
 
-    from hybridmoe.moe.host_banks import HostExpertBank
+    from hybridmoe.quant.bank import ExpertBank
 
-    bank = HostExpertBank(torch.randn(3, 10, 7), torch.randn(3, 7, 5))  # sizes not page multiples
+    bank = ExpertBank(torch.randn(3, 10, 7), torch.randn(3, 7, 5))  # sizes not page multiples
     owned = bank.in_own_pages()
     page = mmap.PAGESIZE
     for before, after in ((bank.gate_up, owned.gate_up), (bank.down, owned.down)):

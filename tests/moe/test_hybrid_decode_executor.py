@@ -14,12 +14,12 @@ from safetensors.torch import load_file, save_file
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.engine.moe_runtime import MoeRuntime, create_moe_runtime
 from hybridmoe.errors import CpuExpertError
-from hybridmoe.loader.checkpoint import load_model
+from hybridmoe.models.loading import load_model
 from hybridmoe.moe.config import OffloadConfig
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import bank_moe
-from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor, HybridDecodeRequest
+from hybridmoe.quant.bank import ExpertBank
 
 HIDDEN, INTER, EXPERTS = 8, 4, 64
 WAIT_S = 10.0  # upper bound on any wait; only reached when the code under test is broken
@@ -228,10 +228,10 @@ def test_stats_per_layer():
 # --- wiring and delegation ------------------------------------------------------------------
 
 
-def make_bank(seed: int) -> HostExpertBank:
+def make_bank(seed: int) -> ExpertBank:
     g = torch.Generator().manual_seed(seed)
     gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) * 0.2
-    return HostExpertBank(gate_up, torch.randn(EXPERTS, HIDDEN, INTER, generator=g) * 0.2)
+    return ExpertBank(gate_up, torch.randn(EXPERTS, HIDDEN, INTER, generator=g) * 0.2)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -287,8 +287,8 @@ CACHED = [3, 7]  # experts of layer 1 in accelerator slots 0 and 1
 IDS, WEIGHTS = [[3, 12], [7, 3]], [[0.6, 0.4], [0.3, 0.7]]
 
 
-def assert_next_decode_works(hybrid: HybridDecodeExecutor, bank: HostExpertBank) -> None:
-    slot_bank = HostExpertBank(bank.gate_up[CACHED], bank.down[CACHED])
+def assert_next_decode_works(hybrid: HybridDecodeExecutor, bank: ExpertBank) -> None:
+    slot_bank = ExpertBank(bank.gate_up[CACHED], bank.down[CACHED])
     req = request(IDS, WEIGHTS, layer=1)
     expected = bank_moe(req.hidden_states, req.topk_ids.clone(), req.topk_weights, bank)
     out = hybrid.decode(req, lambda h, s, w: bank_moe(h, s, w, slot_bank))

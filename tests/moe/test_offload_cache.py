@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from hybridmoe.layers.moe import moe_reference
 from hybridmoe.moe.cache_stats import ExpertCacheStats
-from hybridmoe.moe.host_banks import ExpertWeights, HostExpertBank
 from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor, HybridDecodeRequest
 from hybridmoe.moe.offload_cache import OffloadMoeCache
+from hybridmoe.quant.bank import ExpertBank, ExpertWeights
 
 LAYERS, E, H, I = 3, 6, 8, 4  # noqa: E741
 
@@ -28,10 +28,10 @@ def slot_of(cache: OffloadMoeCache, layer: int, expert: int) -> int | None:
     return cache._slot_of_flat.get(layer * cache.num_experts + expert)
 
 
-def make_banks(layers: int = LAYERS, dtype: torch.dtype = torch.float32) -> list[HostExpertBank]:
+def make_banks(layers: int = LAYERS, dtype: torch.dtype = torch.float32) -> list[ExpertBank]:
     g = torch.Generator().manual_seed(0)
     return [
-        HostExpertBank(
+        ExpertBank(
             gate_up=torch.randn(E, 2 * I, H, generator=g).to(dtype),
             down=torch.randn(E, H, I, generator=g).to(dtype),
         )
@@ -195,13 +195,13 @@ def test_bad_sizes_are_rejected(num_slots, max_fetch, match):
 
 
 def test_mismatched_banks_are_rejected_naming_the_layer():
-    bad_shape = HostExpertBank(torch.zeros(E, 2 * I, H + 1), torch.zeros(E, H + 1, I))
+    bad_shape = ExpertBank(torch.zeros(E, 2 * I, H + 1), torch.zeros(E, H + 1, I))
     with pytest.raises(ValueError, match="layer 2.*shapes"):
         OffloadMoeCache([*BANKS[:2], bad_shape], num_slots=2, max_fetch=1)
     bad_dtype = make_banks(layers=1, dtype=torch.bfloat16)[0]
     with pytest.raises(ValueError, match="layer 1: bank format bf16"):
         OffloadMoeCache([BANKS[0], bad_dtype], num_slots=2, max_fetch=1)
-    with pytest.raises(ValueError, match="HostExpertBank"):
+    with pytest.raises(ValueError, match="ExpertBank"):
         OffloadMoeCache([], num_slots=1, max_fetch=1)
 
 
@@ -239,7 +239,7 @@ class FakeCpuExecutor:
         return self.pending.pop(layer_idx)
 
 
-def bank_experts(bank: HostExpertBank) -> ExpertWeights:
+def bank_experts(bank: ExpertBank) -> ExpertWeights:
     return bank.views()
 
 

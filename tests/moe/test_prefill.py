@@ -10,27 +10,26 @@ from hf_checkpoints import PROMPT_IDS, SHORT_PROMPT_IDS, write_hf_checkpoint
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.moe.config import OffloadConfig
 from hybridmoe.moe.cpu_experts import bank_moe
-from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.moe.prefill import ExpertPrefill, InPlacePrefill, LayerStreamer
 from hybridmoe.platform.cpu import CpuPlatform
+from hybridmoe.quant.bank import ExpertBank
 
 E, H, INTER = 4, 16, 8
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
-def make_banks(layers: int) -> list[HostExpertBank]:
+def make_banks(layers: int) -> list[ExpertBank]:
     gen = torch.Generator().manual_seed(layers)
     shapes = ((E, 2 * INTER, H), (E, H, INTER))
     return [
-        HostExpertBank(*(torch.randn(shape, generator=gen) for shape in shapes))
-        for _ in range(layers)
+        ExpertBank(*(torch.randn(shape, generator=gen) for shape in shapes)) for _ in range(layers)
     ]
 
 
 class RecordingPlatform(CpuPlatform):
     """The cpu platform, logging which layer's copies start and finish."""
 
-    def __init__(self, banks: list[HostExpertBank]):
+    def __init__(self, banks: list[ExpertBank]):
         self.banks, self.log = banks, []
 
     def start_copies(self, copies):

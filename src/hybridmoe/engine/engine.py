@@ -16,8 +16,9 @@ from hybridmoe.engine.scheduler import OutputCallback, RequestOutput, ScheduledR
 from hybridmoe.engine.sequence import Completion, Sequence
 from hybridmoe.engine.stats import GenerationStats
 from hybridmoe.errors import CheckpointError
-from hybridmoe.loader.checkpoint import load_model, parse_dtype
+from hybridmoe.loader.checkpoint import parse_dtype
 from hybridmoe.loader.tokenizer import Tokenizer
+from hybridmoe.models.loading import load_model
 from hybridmoe.models.transformer import MoeCausalLM
 from hybridmoe.platform.base import Platform, create_platform
 

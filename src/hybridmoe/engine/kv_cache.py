@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridmoe.config.model import ModelConfig
 from hybridmoe.layers.batch import ForwardBatch
-from hybridmoe.models.config import ModelConfig
 
 
 class KVCache:

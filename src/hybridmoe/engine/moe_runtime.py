@@ -28,12 +28,12 @@ from hybridmoe.moe.cache_stats import ExpertCacheStats
 from hybridmoe.moe.config import OffloadConfig
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import create_cpu_expert_fn
-from hybridmoe.moe.host_banks import ExpertWeights, HostExpertBank
 from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor
 from hybridmoe.moe.offload_cache import OffloadMoeCache
 from hybridmoe.moe.prefill import ExpertPrefill, InPlacePrefill, LayerStreamer
 from hybridmoe.platform.base import Platform
 from hybridmoe.platform.cpu import CpuPlatform
+from hybridmoe.quant.bank import ExpertBank, ExpertWeights
 from hybridmoe.quant.formats import WeightFormat, dense_format, weight_format
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 class MoeRuntime:
     config: OffloadConfig
     layers: list[OffloadMoELayer]
-    banks: list[HostExpertBank]  # per MoE layer, stacked (none when computed from the file)
+    banks: list[ExpertBank]  # per MoE layer, stacked (none when computed from the file)
     cache: OffloadMoeCache | None
     cpu_executor: CpuMoeExecutor | None
     hybrid_executor: HybridDecodeExecutor | None
@@ -121,7 +121,7 @@ def create_moe_runtime(
         _build_offloaded(parts, target, model, config, platform, progress, memory)
     for i, layer in enumerate(layers):
         layer.use(target.build(parts, i))
-    banks = [store for store in parts.stores if isinstance(store, HostExpertBank)]
+    banks = [store for store in parts.stores if isinstance(store, ExpertBank)]
     return MoeRuntime(
         config,
         layers,
@@ -175,7 +175,7 @@ def _build_offloaded(
 
 
 def _prefill_bytes(
-    prefill_mode: str | None, bank: HostExpertBank, memory: DeviceMemoryPlan | None
+    prefill_mode: str | None, bank: ExpertBank, memory: DeviceMemoryPlan | None
 ) -> int:
     """Device bytes of prefill's layer buffers (none when prefill never streams)."""
     streams = prefill_mode is not None and ExpertPrefill.streams(prefill_mode)
@@ -194,7 +194,7 @@ def _place_resident(
 ) -> None:
     """`resident`: every bank on the device (the host copies freed); the mapped experts of the
     cpu device stay as they are."""
-    banks = [store for store in parts.stores if isinstance(store, HostExpertBank)]
+    banks = [store for store in parts.stores if isinstance(store, ExpertBank)]
     if memory is not None and banks:
         total = sum(bank.num_experts for bank in banks)
         memory.check_all_experts_fit(banks[0].expert_nbytes, total)
@@ -206,7 +206,7 @@ def _num_slots(
     model: MoeCausalLM,
     config: OffloadConfig,
     target: DecodeTarget,
-    banks: list[HostExpertBank],
+    banks: list[ExpertBank],
     memory: DeviceMemoryPlan | None,
     prefill_bytes: int,
 ) -> int:
@@ -257,7 +257,7 @@ def _loaded_experts(layer: OffloadMoELayer) -> ExpertWeights:
     return experts.store
 
 
-def _stacked(experts: ExpertWeights, fmt: WeightFormat) -> HostExpertBank:
-    bank = HostExpertBank.stack(experts)
+def _stacked(experts: ExpertWeights, fmt: WeightFormat) -> ExpertBank:
+    bank = ExpertBank.stack(experts)
     release_pages(experts.gate + experts.up + experts.down)  # the bank is now their only copy
     return bank if fmt == bank.fmt else bank.converted(fmt)

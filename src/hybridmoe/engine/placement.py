@@ -18,8 +18,8 @@ from hybridmoe.errors import DeviceMemoryError
 from hybridmoe.kernels.torch_moe import gathered_moe_peak_bytes
 from hybridmoe.models.transformer import MoeCausalLM
 from hybridmoe.moe.config import OffloadConfig
-from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.platform.base import Platform
+from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.formats import dense_format, weight_format
 
 GIB = 2**30
@@ -120,7 +120,7 @@ def expert_kernel_bytes(model: MoeCausalLM, offload: OffloadConfig, max_batch: i
     return gathered_moe_peak_bytes(bank, max_batch, model.cfg.top_k, model.dtype)
 
 
-def expert_shape_bank(model: MoeCausalLM, offload: OffloadConfig) -> HostExpertBank:
+def expert_shape_bank(model: MoeCausalLM, offload: OffloadConfig) -> ExpertBank:
     """One expert of the banks create_moe_runtime builds (their format and shapes), on the meta
     device: what the expert kernel's temporaries depend on, without memory."""
     cfg = model.cfg
@@ -129,6 +129,6 @@ def expert_shape_bank(model: MoeCausalLM, offload: OffloadConfig) -> HostExpertB
     fmt.check_row_length(cfg.hidden_size, "hidden_size (gate/up rows)")
     fmt.check_row_length(cfg.moe_intermediate_size, "moe_intermediate_size (down rows)")
     inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
-    gate_up = HostExpertBank.empty_like_tensor(fmt, (1, 2 * inter, hidden), "meta")
-    down = HostExpertBank.empty_like_tensor(fmt, (1, hidden, inter), "meta")
-    return HostExpertBank(gate_up, down, fmt)
+    gate_up = ExpertBank.empty_like_tensor(fmt, (1, 2 * inter, hidden), "meta")
+    down = ExpertBank.empty_like_tensor(fmt, (1, hidden, inter), "meta")
+    return ExpertBank(gate_up, down, fmt)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.moe.host_banks import HostExpertBank
+from hybridmoe.quant.bank import ExpertBank
 
 # Bound on the expanded weights (all three projections) one chunk of routes gathers.
 GATHER_CHUNK_BYTES = 256 * 2**20
@@ -26,7 +26,7 @@ DEQUANT_BYTES_PER_WEIGHT = 14
 
 
 def gathered_moe(
-    x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, bank: HostExpertBank
+    x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, bank: ExpertBank
 ) -> torch.Tensor:
     """Σ_k w[t,k] · down_e(silu(gate_e x_t) ⊙ up_e x_t) with e = expert_ids[t,k]; ids < 0
     contribute nothing. x [T, H], expert_ids [T, K], weights [T, K], all on the bank's device
@@ -47,7 +47,7 @@ def gathered_moe(
     return weighted.view(tokens, top_k, hidden).sum(dim=1)
 
 
-def routes_per_chunk(bank: HostExpertBank, act_dtype: torch.dtype) -> int:
+def routes_per_chunk(bank: ExpertBank, act_dtype: torch.dtype) -> int:
     """Routes one chunk gathers: their expanded weights of all three projections fit
     GATHER_CHUNK_BYTES."""
     compute_bytes = bank.compute_dtype(act_dtype).itemsize
@@ -57,7 +57,7 @@ def routes_per_chunk(bank: HostExpertBank, act_dtype: torch.dtype) -> int:
 
 
 def gathered_moe_peak_bytes(
-    bank: HostExpertBank, tokens: int, top_k: int, act_dtype: torch.dtype
+    bank: ExpertBank, tokens: int, top_k: int, act_dtype: torch.dtype
 ) -> int:
     """Peak device bytes of the temporaries one gathered_moe call over `tokens` x `top_k` routes
     allocates (its output excluded): one chunk's gate_up weights gathered and expanded (the
@@ -79,7 +79,7 @@ def gathered_moe_peak_bytes(
     return stored + expanded + routes * per_route
 
 
-def _routes_mlp(x: torch.Tensor, ids: torch.Tensor, bank: HostExpertBank) -> torch.Tensor:
+def _routes_mlp(x: torch.Tensor, ids: torch.Tensor, bank: ExpertBank) -> torch.Tensor:
     """x [c, H], ids [c] -> down(silu(gate x) * up x) [c, H] in x's dtype, route by route; each
     projection from the exact weights, its output rounded to x's dtype (as bank_moe)."""
     dtype = bank.compute_dtype(x.dtype)

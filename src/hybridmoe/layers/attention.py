@@ -16,7 +16,7 @@ from hybridmoe.layers.rotary import apply_rotary
 from hybridmoe.loader.weights import WeightSource
 
 if TYPE_CHECKING:  # layers sit below models: no import of them at run time
-    from hybridmoe.models.config import ModelConfig
+    from hybridmoe.config.model import ModelConfig
 
 
 class AttentionLayer(Protocol):

@@ -16,11 +16,11 @@ import torch
 from hybridmoe.layers.linear import GatedMLP, Linear
 from hybridmoe.loader.weights import WeightSource
 from hybridmoe.moe.backends import ExpertBackend, ResidentExperts
-from hybridmoe.moe.host_banks import ExpertWeights
 from hybridmoe.moe.routing import Router, RouterSpec, combine_experts, create_router
+from hybridmoe.quant.bank import ExpertWeights
 
 if TYPE_CHECKING:  # layers sit below models: no import of them at run time
-    from hybridmoe.models.config import ModelConfig
+    from hybridmoe.config.model import ModelConfig
 
 
 def moe_reference(

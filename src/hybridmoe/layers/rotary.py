@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # layers sit below models: no import of them at run time
-    from hybridmoe.models.config import RopeConfig
+    from hybridmoe.config.model import RopeConfig
 
 
 def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:

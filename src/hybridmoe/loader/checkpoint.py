@@ -1,4 +1,5 @@
-"""Loading a Hugging Face checkpoint directory into a MoeCausalLM."""
+"""A Hugging Face checkpoint directory's checks that need no model: dtypes, quantisation, unused
+tensors (models/loading.py builds the model)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from pathlib import Path
 import torch
 
 from hybridmoe.errors import CheckpointError, UnsupportedConfigError
-from hybridmoe.loader.files import read_json_object
 from hybridmoe.loader.weights import WeightSource
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,30 +30,6 @@ def stored_dtype(raw_config: dict) -> torch.dtype:
     """The `auto` dtype: bfloat16 for a bf16 checkpoint, float32 otherwise (CPU fp16 is slow)."""
     stored = raw_config.get("dtype") or raw_config.get("torch_dtype")
     return torch.bfloat16 if stored == "bfloat16" else torch.float32
-
-
-def load_model(
-    directory: str | Path, dtype: torch.dtype | None = torch.float32, progress: bool = False
-):
-    """MoeCausalLM of the checkpoint in `directory`, weights memory-mapped where dtypes agree.
-    `dtype` None picks it from config.json (see stored_dtype)."""
-    from hybridmoe.models.registry import family_for  # models sit above the loader
-
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: checkpoint directory does not exist")
-    config_path = directory / "config.json"
-    raw = read_json_object(config_path)
-    refuse_quantized(raw, config_path)
-    family = family_for(raw, str(config_path))
-    cfg = family.config_from(raw, str(config_path))
-    source = WeightSource.from_dir(directory, dtype or stored_dtype(raw), progress)
-    try:
-        model = family.build(cfg, family, source)
-        check_all_used(source, config_path)
-        return model
-    finally:
-        source.close()
 
 
 def refuse_quantized(raw_config: dict, config_path: Path) -> None:

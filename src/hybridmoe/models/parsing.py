@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from hybridmoe.models.config import HfConfigReader, ModelConfig, read_rope
+from hybridmoe.config.model import HfConfigReader, ModelConfig, read_rope
 
 
 def decoder_config(r: HfConfigReader, architecture: str, **family_fields) -> ModelConfig:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from hybridmoe.models.config import HfConfigReader, ModelConfig
+from hybridmoe.config.model import HfConfigReader, ModelConfig
 from hybridmoe.models.parsing import decoder_config, qwen_sparse_layers
 from hybridmoe.models.registry import ModelFamily, register
 from hybridmoe.models.transformer import MoeCausalLM

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from hybridmoe.config.model import ConfigDefaults, HfConfigReader, ModelConfig
 from hybridmoe.errors import UnsupportedConfigError
 from hybridmoe.layers.attention import ATTENTIONS
 from hybridmoe.layers.moe import SHARED_EXPERTS
 from hybridmoe.loader.weights import WeightSource
-from hybridmoe.models.config import ConfigDefaults, HfConfigReader, ModelConfig
 from hybridmoe.moe.routing import ROUTERS
 
 if TYPE_CHECKING:

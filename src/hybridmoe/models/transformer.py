@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridmoe.config.model import ModelConfig
 from hybridmoe.layers.attention import create_attention
 from hybridmoe.layers.batch import ForwardBatch, KVStore, build_attention_mask
 from hybridmoe.layers.linear import GatedMLP
@@ -13,7 +14,6 @@ from hybridmoe.layers.moe import OffloadMoELayer
 from hybridmoe.layers.norm import rms_norm
 from hybridmoe.layers.rotary import RotaryEmbedding
 from hybridmoe.loader.weights import WeightSource
-from hybridmoe.models.config import ModelConfig
 from hybridmoe.models.registry import ModelFamily
 from hybridmoe.platform.base import to_device_no_sync
 

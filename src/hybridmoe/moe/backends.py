@@ -17,16 +17,16 @@ import torch
 
 from hybridmoe.kernels.torch_moe import gathered_moe
 from hybridmoe.moe.cpu_experts import FUSED_MAX_TOKENS
-from hybridmoe.moe.host_banks import ExpertWeights, HostExpertBank
 from hybridmoe.moe.hybrid_decode import CpuExecutor, HybridDecodeExecutor, HybridDecodeRequest
 from hybridmoe.moe.offload_cache import OffloadMoeCache
 from hybridmoe.moe.routing import combine_experts
+from hybridmoe.quant.bank import ExpertBank, ExpertWeights
 
 GATHER_MAX_TOKENS = FUSED_MAX_TOKENS  # decode batches up to this size gather on an accelerator
 
 # A layer's experts as the computation reads them: a stacked bank (host or device, any
 # format) or, for `resident` on the cpu device, the checkpoint's mapped per-expert matrices.
-ExpertStore = HostExpertBank | ExpertWeights
+ExpertStore = ExpertBank | ExpertWeights
 
 
 class ExpertBackend(Protocol):
@@ -58,7 +58,7 @@ def accelerator_experts(
     """The expert math where the store lives: on an accelerator, decode's few routes take
     `gathered_moe` (no host sync, the same kernels whatever the routing); otherwise the
     grouped reference. ids index the store (experts, or cache slots)."""
-    on_device = x.device.type != "cpu" and isinstance(store, HostExpertBank)
+    on_device = x.device.type != "cpu" and isinstance(store, ExpertBank)
     if on_device and x.shape[0] <= GATHER_MAX_TOKENS:
         return gathered_moe(x, ids, weights, store)
     return combine_experts(x, ids, weights, store.expert_mlp)

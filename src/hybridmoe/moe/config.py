@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 from hybridmoe.moe.backends import DECODE_TARGETS as _TARGETS
 from hybridmoe.moe.backends import TARGET_ALIASES, decode_target
+from hybridmoe.quant.formats import WEIGHT_FORMATS
 
 DECODE_TARGETS = (*_TARGETS, *TARGET_ALIASES)  # every name --decode-target accepts
 CPU_KERNEL_CHOICES = ("numba", "torch")
-EXPERT_FORMATS = ("f32", "bf16", "q8_0", "q4_0")  # GGUF's names; see quant/formats.py
+EXPERT_FORMATS = tuple(WEIGHT_FORMATS)  # GGUF's names, as registered in quant/formats.py
 PREFILL_CHOICES = ("auto", "stream", "cpu")  # see moe/prefill.py
 DEFAULT_CACHE_RATIO = 0.25
 

@@ -19,8 +19,8 @@ import torch
 
 from hybridmoe.errors import CpuExpertError
 from hybridmoe.moe.cpu_experts import CpuExpertFn, create_cpu_expert_fn
-from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.platform.base import DeviceSync, ReadyHandle, create_device_sync
+from hybridmoe.quant.bank import ExpertBank
 
 
 @dataclass
@@ -64,7 +64,7 @@ class CpuMoeExecutor:
 
     def __init__(
         self,
-        banks: Sequence[HostExpertBank],
+        banks: Sequence[ExpertBank],
         *,
         threads: int = 1,
         timeout_s: float = 120.0,
@@ -205,7 +205,7 @@ def _check_shapes(
     hidden_states: torch.Tensor,
     ids: torch.Tensor,
     weights: torch.Tensor,
-    bank: HostExpertBank,
+    bank: ExpertBank,
 ) -> None:
     """Metadata checks only: nothing here reads device memory."""
     hidden_size = bank.down.shape[1]

@@ -1,8 +1,8 @@
-"""Routed expert math on a HostExpertBank, run by the CPU worker; a registry of kernels.
+"""Routed expert math on a ExpertBank, run by the CPU worker; a registry of kernels.
 
 `bank_moe` is the pure-torch reference: the same sum as `moe_reference` (layers/moe.py), one
 fused gate_up GEMM per expert, the expert's weights dequantised first when the bank is
-quantised. `moe_forward` is the fast path: for up to FUSED_MAX_TOKENS tokens one numba call
+quantised. `fused_cpu_moe` is the fast path: for up to FUSED_MAX_TOKENS tokens one numba call
 per layer reads each weight row once for all tokens (kernels/numba_moe.py); beyond that
 (prefill) compute dominates and the dequantise-then-GEMM reference is the better kernel.
 Kernels are registered by name in CPU_EXPERT_FNS; their factories import them lazily.
@@ -18,16 +18,16 @@ from functools import partial
 
 import torch
 
-from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.moe.routing import combine_experts
+from hybridmoe.quant.bank import ExpertBank
 
 # (x [T, H], expert_ids [T, K], weights [T, K], bank) -> float32 partial [T, H]; ids < 0 skipped
-CpuExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, HostExpertBank], torch.Tensor]
+CpuExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertBank], torch.Tensor]
 
 # kernel name -> factory(threads); a factory imports its optional dependency when called
 CPU_EXPERT_FNS: dict[str, Callable[[int | None], CpuExpertFn]] = {}
 
-FUSED_MAX_TOKENS = 16  # moe_forward's fused kernel up to this many tokens; beyond: bank_moe
+FUSED_MAX_TOKENS = 16  # fused_cpu_moe's fused kernel up to this many tokens; beyond: bank_moe
 
 
 def register_cpu_expert_fn(
@@ -54,7 +54,7 @@ def create_cpu_expert_fn(name: str = "numba", threads: int | None = None) -> Cpu
 
 
 def bank_moe(
-    x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, bank: HostExpertBank
+    x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, bank: ExpertBank
 ) -> torch.Tensor:
     """Σ_k w[t,k] · down_e(silu(gate_e x_t) ⊙ up_e x_t) with e = expert_ids[t,k]; ids < 0 skipped.
 
@@ -66,11 +66,11 @@ def bank_moe(
     return combine_experts(x, expert_ids, weights, bank.expert_mlp)
 
 
-def moe_forward(
+def fused_cpu_moe(
     x: torch.Tensor,
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
-    bank: HostExpertBank,
+    bank: ExpertBank,
     threads: int | None = None,
 ) -> torch.Tensor:
     """The same sum as `bank_moe`, on a host bank of any format, on `threads` threads, with
@@ -117,4 +117,4 @@ def _create_numba_expert_fn(threads: int | None) -> CpuExpertFn:
             f"cpu_threads={threads}: the numba CPU expert kernel can use 1 to {max_threads()} "
             "threads on this machine (NUMBA_NUM_THREADS)"
         )
-    return partial(moe_forward, threads=threads)
+    return partial(fused_cpu_moe, threads=threads)

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import torch
 
 from hybridmoe.moe.cache_stats import ExpertCacheStats
-from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.platform.base import Platform
 from hybridmoe.platform.cpu import CpuPlatform
+from hybridmoe.quant.bank import ExpertBank
 
 
 class OffloadMoeCache:
@@ -32,7 +32,7 @@ class OffloadMoeCache:
 
     def __init__(
         self,
-        banks: Sequence[HostExpertBank],
+        banks: Sequence[ExpertBank],
         num_slots: int,
         max_fetch: int,
         platform: Platform | None = None,
@@ -218,10 +218,10 @@ class OffloadMoeCache:
             raise IndexError(f"layer_idx {layer_idx} out of range: {len(self.banks)} MoE layers")
 
 
-def _check_banks(banks: Sequence[HostExpertBank]) -> None:
+def _check_banks(banks: Sequence[ExpertBank]) -> None:
     """ValueError naming the first layer whose bank's format or shapes differ from layer 0's."""
     if not banks:
-        raise ValueError("OffloadMoeCache needs one HostExpertBank per MoE layer; got none")
+        raise ValueError("OffloadMoeCache needs one ExpertBank per MoE layer; got none")
     first = banks[0]
     num_experts, two_inter, _ = first.gate_up.shape
     hidden, inter = first.hidden_size, first.intermediate_size

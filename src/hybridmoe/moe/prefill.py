@@ -22,14 +22,14 @@ from collections.abc import Sequence
 import torch
 
 from hybridmoe.moe.cpu_experts import CpuExpertFn, bank_moe
-from hybridmoe.moe.host_banks import HostExpertBank
 from hybridmoe.platform.base import Platform
+from hybridmoe.quant.bank import ExpertBank
 
 
 class LayerStreamer:
     """Two accelerator buffers, each one layer's bank, filled layer by layer on the copy stream."""
 
-    def __init__(self, banks: Sequence[HostExpertBank], platform: Platform):
+    def __init__(self, banks: Sequence[ExpertBank], platform: Platform):
         self.banks, self.platform = list(banks), platform
         first = self.banks[0]
         self.buffers = [first.empty_slots(first.num_experts, platform.device) for _ in range(2)]
@@ -38,11 +38,11 @@ class LayerStreamer:
         self.layers_copied = 0
 
     @staticmethod
-    def nbytes(bank: HostExpertBank) -> int:
+    def nbytes(bank: ExpertBank) -> int:
         """Accelerator bytes a streamer over banks like `bank` takes."""
         return 2 * bank.nbytes
 
-    def bank_for(self, layer_idx: int) -> HostExpertBank:
+    def bank_for(self, layer_idx: int) -> ExpertBank:
         """Layer `layer_idx`'s bank on the accelerator, safe for work issued next; starts the
         copy of the layer after it into the other buffer."""
         buffer = layer_idx % 2
@@ -67,7 +67,7 @@ class LayerStreamer:
 class InPlacePrefill:
     """Prefill on the cpu device: the grouped reference on the layer's host bank, in place."""
 
-    def __init__(self, banks: Sequence[HostExpertBank]):
+    def __init__(self, banks: Sequence[ExpertBank]):
         self.banks = list(banks)
 
     def __call__(
@@ -81,7 +81,7 @@ class ExpertPrefill:
 
     def __init__(
         self,
-        banks: Sequence[HostExpertBank],
+        banks: Sequence[ExpertBank],
         platform: Platform,
         cpu_expert_fn: CpuExpertFn,
         mode: str,

@@ -1,11 +1,12 @@
-"""HostExpertBank: one MoE layer's routed experts stacked [E, ...] in one weight format.
+"""ExpertBank: one MoE layer's routed experts stacked [E, ...] in one weight format, wherever they
+live (host memory, or the accelerator: its cache slots and prefill buffers are banks too, in
+the same format as the host banks they copy from); and ExpertWeights, the checkpoint's
+per-expert matrices before they are stacked.
 
-The bank is the single home of a layer's expert weights: it is filled from the checkpoint
-one layer at a time and the layer's expert matrices are then re-pointed at views of it, so
-the memory-mapped originals are no longer referenced and no second full copy stays alive.
-A bank in a quantised format (quant/) holds GGUF blocks: each row of n weights is
-n / 32 blocks of bytes, so `gate_up` is uint8 [E, 2I, row_bytes(H)]. The accelerator's
-cache slots are a bank too, in the same format as the host banks they copy from.
+A bank is the single home of a layer's expert weights: it is filled from the checkpoint one
+layer at a time and the mapped file pages are then released, so no second full copy stays
+resident. A bank in a quantised format holds GGUF blocks: each row of n weights is n / 32
+blocks of bytes, so `gate_up` is uint8 [E, 2I, row_bytes(H)].
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from hybridmoe.quant.formats import WeightFormat, dense_format
 class ExpertWeights:
     """One MoE layer's routed experts, each matrix a view into the checkpoint: the `resident`
     target on the cpu device computes from them in place; every other target stacks them into
-    a HostExpertBank."""
+    a ExpertBank."""
 
     gate: list[torch.Tensor]  # E x [I, H]
     up: list[torch.Tensor]  # E x [I, H]
@@ -71,7 +72,7 @@ class ExpertWeights:
 
 
 @dataclass(eq=False)
-class HostExpertBank:
+class ExpertBank:
     gate_up: torch.Tensor  # [E, 2I, H] in `fmt` (gate rows, then up rows)
     down: torch.Tensor  # [E, H, I] in `fmt`
     fmt: WeightFormat = field(default=None)  # None: the dense format of gate_up's dtype
@@ -134,7 +135,7 @@ class HostExpertBank:
             )
         return self._byte_views
 
-    def converted(self, fmt: WeightFormat) -> HostExpertBank:
+    def converted(self, fmt: WeightFormat) -> ExpertBank:
         """A new bank holding these experts in `fmt`, converted one expert at a time (peak
         extra memory: one expert in float32). ValueError if H or I is not a whole number of
         fmt's blocks."""
@@ -151,35 +152,35 @@ class HostExpertBank:
         for expert in range(num):
             gate_up[expert] = fmt.quantize(self.gate_up_weights(expert, torch.float32))
             down[expert] = fmt.quantize(self.down_weights(expert, torch.float32))
-        return HostExpertBank(gate_up, down, fmt)
+        return ExpertBank(gate_up, down, fmt)
 
-    def empty_slots(self, num_slots: int, device: torch.device | str) -> HostExpertBank:
+    def empty_slots(self, num_slots: int, device: torch.device | str) -> ExpertBank:
         """A zero-filled bank of `num_slots` experts in this bank's format, on `device`."""
         shape_gu = (num_slots, *self.gate_up.shape[1:])
         shape_dn = (num_slots, *self.down.shape[1:])
         dtype = self.gate_up.dtype
         gate_up = torch.zeros(shape_gu, dtype=dtype, device=device)
         down = torch.zeros(shape_dn, dtype=dtype, device=device)
-        return HostExpertBank(gate_up, down, self.fmt)
+        return ExpertBank(gate_up, down, self.fmt)
 
     def expert_copies(
-        self, expert: int, slots: HostExpertBank, slot: int
+        self, expert: int, slots: ExpertBank, slot: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(source, destination) pairs that copy expert `expert`'s stored bytes into slot `slot`
         of `slots` (same format), for Platform.start_copies."""
         return [(self.gate_up[expert], slots.gate_up[slot]), (self.down[expert], slots.down[slot])]
 
-    def in_own_pages(self) -> HostExpertBank:
+    def in_own_pages(self) -> ExpertBank:
         """This bank copied into memory pages no other allocation shares (each tensor starts a
         page and its size is rounded up to whole pages): page-locking registers whole pages,
         and a second registration that touches an already locked page is refused."""
-        return HostExpertBank(_in_own_pages(self.gate_up), _in_own_pages(self.down), self.fmt)
+        return ExpertBank(_in_own_pages(self.gate_up), _in_own_pages(self.down), self.fmt)
 
-    def to(self, device: torch.device | str) -> HostExpertBank:
+    def to(self, device: torch.device | str) -> ExpertBank:
         """This bank on `device` (itself when already there)."""
         if self.gate_up.device == torch.device(device):
             return self
-        return HostExpertBank(self.gate_up.to(device), self.down.to(device), self.fmt)
+        return ExpertBank(self.gate_up.to(device), self.down.to(device), self.fmt)
 
     @property
     def nbytes(self) -> int:
@@ -191,7 +192,7 @@ class HostExpertBank:
         return torch.empty(fmt.stored_shape(tuple(shape)), dtype=fmt.storage_dtype, device=device)
 
     @classmethod
-    def stack(cls, experts: ExpertWeights) -> HostExpertBank:
+    def stack(cls, experts: ExpertWeights) -> ExpertBank:
         """A bank holding a copy of the experts' gate/up [I, H] and down [H, I] matrices, in
         their dtype."""
         pairs = zip(experts.gate, experts.up, strict=True)

@@ -77,3 +77,8 @@ def test_cpu_device_sync_copies_nothing_and_is_always_ready():
 def test_cpu_device_sync_refuses_device_tensors():
     with pytest.raises(ValueError, match="create_device_sync"):
         CpuDeviceSync().to_host([torch.empty(2, device="meta")])
+
+
+def test_create_platform_refuses_a_device_type_without_a_platform():
+    with pytest.raises(ValueError, match="no platform for device 'meta'.*cpu, cuda"):
+        create_platform(torch.device("meta"))  # it used to get the CUDA platform

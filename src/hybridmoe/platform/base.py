@@ -16,7 +16,7 @@ On a machine without an accelerator the accelerator tier is the `cpu` torch devi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -130,16 +130,35 @@ def resolve_device(spec: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def create_platform(device: torch.device | str) -> Platform:
-    """The Platform for `device` (a torch device or a `--device` spec)."""
-    device = resolve_device(device) if isinstance(device, str) else torch.device(device)
-    if device.type == "cpu":
-        from hybridmoe.platform.cpu import CpuPlatform
+def _cpu_platform(device: torch.device) -> Platform:
+    from hybridmoe.platform.cpu import CpuPlatform
 
-        return CpuPlatform()
-    from hybridmoe.platform.cuda import CudaPlatform
+    return CpuPlatform()
+
+
+def _cuda_platform(device: torch.device) -> Platform:
+    from hybridmoe.platform.cuda import CudaPlatform  # CUDA and ROCm (torch.cuda serves both)
 
     return CudaPlatform(device)
+
+
+# torch device type -> factory(device); each imports its vendor module when first called
+PLATFORMS: dict[str, Callable[[torch.device], Platform]] = {
+    "cpu": _cpu_platform,
+    "cuda": _cuda_platform,
+}
+
+
+def create_platform(device: torch.device | str) -> Platform:
+    """The Platform for `device` (a torch device or a `--device` spec); ValueError for a device
+    type no platform is registered for."""
+    device = resolve_device(device) if isinstance(device, str) else torch.device(device)
+    factory = PLATFORMS.get(device.type)
+    if factory is None:
+        raise ValueError(
+            f"no platform for device {str(device)!r}; registered: {', '.join(sorted(PLATFORMS))}"
+        )
+    return factory(device)
 
 
 def create_device_sync(device: torch.device | str) -> DeviceSync:

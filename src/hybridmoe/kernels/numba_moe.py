@@ -5,11 +5,18 @@ routed to its expert (kernels/numba_simd.py), in two parallel phases: gate/up ro
 silu(gate) * up per route, then down rows -> the output, where each work item owns whole
 output rows so no two threads write one value. The GIL is released throughout and numba's
 thread pool persists across calls. Arrays are flat; weights are the bank's raw bytes.
+
+The format is a compile-time constant: its `KernelFormat` (quant/formats.py) is passed down to
+the intrinsics, whose numba type holds it (numba_simd.KernelFormatType). One parallel entry
+point per registered format is made by `_fused_moe_entry`, a closure over that format's
+descriptor; numba's on-disk cache keeps such closures, with the pickled closure variables in
+the cache key (checked: a second process loads every format's kernel without compiling).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 
 import numba
@@ -17,17 +24,33 @@ import numpy as np
 from numba import njit, prange
 
 from hybridmoe import env
-from hybridmoe.kernels import numba_simd
-from hybridmoe.kernels.numba_simd import BLOCK_BYTES, load_weight, tile_dot
+from hybridmoe.kernels import llvm_ir, numba_simd
+from hybridmoe.kernels.numba_simd import load_weight, tile_dot
+from hybridmoe.quant.formats import WEIGHT_FORMATS, KernelFormat
 
 ROWS_PER_ITEM = 16  # weight rows per parallel work item
 _FLAGS = dict(nogil=True, cache=True, fastmath={"contract", "arcp"})
 
-# Numba keys its on-disk cache on this file's timestamp only, so a changed numba_simd.py would
-# reuse stale machine code. The kernels of this module are cached in a directory named by a
-# hash of both sources instead (numba picks the directory when a function is decorated).
+
+def kernel_sources() -> list[str]:
+    """The source files the kernels are compiled from: this module, the IR modules and the
+    module of every registered format's IR builders."""
+    builders = [
+        ir_fn
+        for fmt in WEIGHT_FORMATS.values()
+        for ir_fn in (fmt.kernel.dequantize_block_ir, fmt.kernel.load_weight_ir)
+        if ir_fn is not None
+    ]
+    files = {__file__, numba_simd.__file__, llvm_ir.__file__, *map(inspect.getfile, builders)}
+    return sorted(files)
+
+
+# Numba keys its on-disk cache on this file's timestamp only, so a changed numba_simd.py or
+# format module would reuse stale machine code. The kernels of this module are cached in a
+# directory named by a hash of all their sources instead (numba picks the directory when a
+# function is decorated).
 _previous_cache_dir = numba.config.CACHE_DIR
-numba.config.CACHE_DIR = str(env.kernel_cache_dir(__file__, numba_simd.__file__))
+numba.config.CACHE_DIR = str(env.kernel_cache_dir(*kernel_sources()))
 
 
 @njit(**_FLAGS)
@@ -114,8 +137,8 @@ def _matmul(fmt, w, w_off, row_bytes, n, nrows, x, x_offs, first, count, out):
             )
             c += xrows
         r += wrows
-    if fmt <= 1:  # dense rows may end in a partial block; quantised rows are whole blocks
-        size = BLOCK_BYTES[fmt] // 32  # bytes per weight
+    if fmt.partial_blocks:  # dense rows may end in a partial block; quantised ones may not
+        size = fmt.block_bytes // 32  # bytes per weight
         for r in range(nrows):
             for j in range(blocks * 32, n):
                 weight = load_weight(fmt, w, w_off + r * row_bytes + j * size)
@@ -160,17 +183,17 @@ def _fused_moe(
 ):
     """y[t] += Σ_k route_weights[t*K+k] · down_e(silu(gate_e x_t) ⊙ up_e x_t), e = ids[t*K+k],
     ids < 0 skipped. x f32 [T*H], ids int64 [T*K], route_weights f32 [T*K], gate_up / down
-    uint8 (the bank's bytes, [E, 2I, H] / [E, H, I] in format `fmt`), y f32 [T*H].
+    uint8 (the bank's bytes, [E, 2I, H] / [E, H, I] in KernelFormat `fmt`), y f32 [T*H].
     The accumulation contract (docs/architecture.md): every dot product in float32 from the
     exact weights; when `act_bf16` each projection, silu and product is rounded to bf16 as the
     torch reference computes them in bf16; the weighted sum over routes stays float32.
     Returns -1, or the first expert id >= num_experts (then y is untouched). `fmt` is a
-    compile-time constant: call it through FUSED_MOE[fmt]."""
+    compile-time constant: call it through FUSED_MOE[name]."""
     bad_id, experts, starts, routes = _group_routes(ids, num_experts)
     if bad_id >= 0:
         return bad_id
-    # a row of n weights takes n * BLOCK_BYTES / 32 bytes: whole blocks when quantised
-    h_row_bytes, i_row_bytes = hidden * BLOCK_BYTES[fmt] // 32, inter * BLOCK_BYTES[fmt] // 32
+    # a row of n weights takes n * block_bytes / 32 bytes: whole blocks when quantised
+    h_row_bytes, i_row_bytes = hidden * fmt.block_bytes // 32, inter * fmt.block_bytes // 32
     num_routes = starts[-1]
     x_offs = (routes // top_k) * hidden  # [R] start of each route's token in x
     act_offs = np.arange(routes.shape[0]) * inter  # [R] start of each route's act row
@@ -212,34 +235,19 @@ def _fused_moe(
     return -1
 
 
-# One compiled entry point per format, each with `fmt` a constant (the tile_dot intrinsic
-# generates its block loop for one format). Same arguments as _fused_moe, less `fmt`.
-@njit(parallel=True, **_FLAGS)
-def _fused_moe_f32(x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y):
-    return _fused_moe(0, x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y)
+def _fused_moe_entry(kernel: KernelFormat):
+    """The parallel entry point of _fused_moe for one format (same arguments, less `fmt`)."""
+
+    def fused_moe(x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y):
+        return _fused_moe(
+            kernel, x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y
+        )
+
+    fused_moe.__name__ = fused_moe.__qualname__ = f"fused_moe_{kernel.name}"  # own cache files
+    return njit(parallel=True, **_FLAGS)(fused_moe)
 
 
-@njit(parallel=True, **_FLAGS)
-def _fused_moe_bf16(x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y):
-    return _fused_moe(1, x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y)
-
-
-@njit(parallel=True, **_FLAGS)
-def _fused_moe_q8_0(x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y):
-    return _fused_moe(2, x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y)
-
-
-@njit(parallel=True, **_FLAGS)
-def _fused_moe_q4_0(x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y):
-    return _fused_moe(3, x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y)
-
-
-FUSED_MOE = {
-    "f32": _fused_moe_f32,
-    "bf16": _fused_moe_bf16,
-    "q8_0": _fused_moe_q8_0,
-    "q4_0": _fused_moe_q4_0,
-}
+FUSED_MOE = {name: _fused_moe_entry(fmt.kernel) for name, fmt in WEIGHT_FORMATS.items()}
 
 # Numba's OpenMP layer streams ~2x faster than its portable 'workqueue' layer here, but an
 # OpenMP team spin-waits after each call by default, and those spinning threads take the

@@ -8,8 +8,10 @@ activation block is loaded once for all weight rows. Nothing is written to memor
 end of the rows, and the weight bytes are prefetched ahead of use.
 
 Every format is read from a flat uint8 array at a byte offset; the activations are a flat
-float32 array. Formats, by code 0..3: f32, bf16 (32 weights = 128 / 64 bytes)
-and GGUF's q8_0 / q4_0 blocks (34 / 18 bytes: fp16 scale, then int8 / 4-bit values).
+float32 array. What a format's bytes are is its `KernelFormat` (quant/formats.py), which the
+intrinsics take as their first argument: its numba type `KernelFormatType` holds the
+descriptor, so the format is a compile-time constant and each format compiles its own loop,
+with its block size and its own IR dequantiser (`dequantize_block_ir`, in the format's module).
 """
 
 from __future__ import annotations
@@ -17,55 +19,67 @@ from __future__ import annotations
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.core.imputils import lower_constant, lower_getattr
+from numba.core.typing.templates import AttributeTemplate, infer_getattr
+from numba.extending import intrinsic, models, register_model, typeof_impl
 
-BLOCK_BYTES = (128, 64, 34, 18)  # per 32-weight block, by format code: f32, bf16, q8_0, q4_0
+from hybridmoe.kernels.llvm_ir import F32, I8, I32, V32F, const_vec, i64, load
+from hybridmoe.quant.formats import KERNEL_BLOCK, KernelFormat
+
 # (weight rows, activation rows) of a tile_dot call: at most 8 <32 x float> accumulators,
 # which with the dequantised blocks and activations fit AVX-512's 32 vector registers
 TILES = ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2), (1, 3), (2, 3), (1, 4), (2, 4))
 PREFETCH_BYTES = 1024  # how far ahead of the block being read the weights are prefetched
 PREFETCH_LOCALITY = 3  # llvm.prefetch locality: 3 = into L1 (prefetcht0)
 
-_F32, _I8, _I16, _I32, _I64 = ir.FloatType(), *(ir.IntType(n) for n in (8, 16, 32, 64))
-_V32F = ir.VectorType(_F32, 32)
+
+class KernelFormatType(types.Type):
+    """The numba type of one KernelFormat: a jitted function that takes (or closes over) a
+    format is compiled for that format; the value itself carries nothing at run time."""
+
+    def __init__(self, kernel: KernelFormat) -> None:
+        self.kernel = kernel
+        super().__init__(name=f"KernelFormat({kernel.name})")
+
+    @property
+    def key(self) -> KernelFormat:
+        return self.kernel
 
 
-def _const_vec(elem: ir.Type, values: list[int]) -> ir.Constant:
-    return ir.Constant(ir.VectorType(elem, len(values)), values)
+register_model(KernelFormatType)(models.OpaqueModel)
 
 
-def _load(builder: ir.IRBuilder, ptr: ir.Value, ty: ir.Type, align: int = 1) -> ir.Value:
-    return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=align)
+@typeof_impl.register(KernelFormat)
+def _typeof_kernel_format(kernel: KernelFormat, context) -> KernelFormatType:
+    return KernelFormatType(kernel)
 
 
-def _splat(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
-    one = builder.insert_element(ir.Constant(_V32F, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(_V32F, ir.Undefined), _const_vec(_I32, [0] * 32))
+@lower_constant(KernelFormatType)
+def _lower_kernel_format(context, builder, ty, kernel):
+    return context.get_dummy_value()
 
 
-def _fp16_scale(builder: ir.IRBuilder, block: ir.Value) -> ir.Value:
-    bits = _load(builder, block, _I16)
-    return builder.fpext(builder.bitcast(bits, ir.HalfType()), _F32)
+@infer_getattr
+class _KernelFormatAttributes(AttributeTemplate):
+    """fmt.block_bytes and fmt.partial_blocks in jitted code: constants, lowered in place."""
+
+    key = KernelFormatType
+
+    def resolve_block_bytes(self, fmt: KernelFormatType) -> types.Type:
+        return types.intp
+
+    def resolve_partial_blocks(self, fmt: KernelFormatType) -> types.Type:
+        return types.boolean
 
 
-def _dequant_block(builder: ir.IRBuilder, fmt: int, block: ir.Value) -> ir.Value:
-    """The 32 weights of the block starting at byte pointer `block`, as <32 x float>."""
-    if fmt == 0:
-        return _load(builder, block, _V32F)
-    if fmt == 1:  # bf16: the high half of an fp32
-        raw = builder.zext(_load(builder, block, ir.VectorType(_I16, 32)), ir.VectorType(_I32, 32))
-        return builder.bitcast(builder.shl(raw, _const_vec(_I32, [16] * 32)), _V32F)
-    scale = _splat(builder, _fp16_scale(builder, block))
-    values = builder.gep(block, [ir.Constant(_I64, 2)])
-    if fmt == 2:  # q8_0
-        quants = _load(builder, values, ir.VectorType(_I8, 32))
-    else:  # q4_0: low nibbles are weights 0..15, high nibbles 16..31, both offset by 8
-        packed = _load(builder, values, ir.VectorType(_I8, 16))
-        low = builder.and_(packed, _const_vec(_I8, [0xF] * 16))
-        high = builder.lshr(packed, _const_vec(_I8, [4] * 16))
-        both = builder.shuffle_vector(low, high, _const_vec(_I32, list(range(32))))
-        quants = builder.sub(both, _const_vec(_I8, [8] * 32))
-    return builder.fmul(builder.sitofp(quants, _V32F), scale)
+@lower_getattr(KernelFormatType, "block_bytes")
+def _lower_block_bytes(context, builder, ty, value):
+    return context.get_constant(types.intp, ty.kernel.block_bytes)
+
+
+@lower_getattr(KernelFormatType, "partial_blocks")
+def _lower_partial_blocks(context, builder, ty, value):
+    return context.get_constant(types.boolean, ty.kernel.partial_blocks)
 
 
 def _reduce(builder: ir.IRBuilder, vec: ir.Value) -> ir.Value:
@@ -73,17 +87,17 @@ def _reduce(builder: ir.IRBuilder, vec: ir.Value) -> ir.Value:
     width = 32
     while width > 1:
         width //= 2
-        lo = builder.shuffle_vector(vec, vec, _const_vec(_I32, list(range(width))))
-        hi = builder.shuffle_vector(vec, vec, _const_vec(_I32, list(range(width, 2 * width))))
+        lo = builder.shuffle_vector(vec, vec, const_vec(I32, list(range(width))))
+        hi = builder.shuffle_vector(vec, vec, const_vec(I32, list(range(width, 2 * width))))
         vec = builder.fadd(lo, hi)
-    return builder.extract_element(vec, ir.Constant(_I32, 0))
+    return builder.extract_element(vec, ir.Constant(I32, 0))
 
 
 def _declare(builder: ir.IRBuilder, name: str, ret: ir.Type, params: list[ir.Type]):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, params), name)
 
 
-def _tile_dot_codegen(fmt: int, wrows: int, xrows: int):
+def _tile_dot_codegen(kernel: KernelFormat, wrows: int, xrows: int):
     # An FMA waits ~4 cycles for the previous one on its accumulator: with few accumulators
     # in the tile the loop takes `sets` blocks per iteration, each on its own accumulator set.
     sets = max(1, 4 // (wrows * xrows))
@@ -93,29 +107,29 @@ def _tile_dot_codegen(fmt: int, wrows: int, xrows: int):
         weights, w_off, row_bytes, nblocks, x, x_offs, first, out, out_off, out_stride = args[3:]
         w_data = context.make_array(w_ty)(context, builder, weights).data
         w_rows = [
-            builder.gep(w_data, [builder.add(w_off, builder.mul(row_bytes, _i64(r)))])
+            builder.gep(w_data, [builder.add(w_off, builder.mul(row_bytes, i64(r)))])
             for r in range(wrows)
         ]
         x_data = context.make_array(x_ty)(context, builder, x).data
         offs_data = context.make_array(offs_ty)(context, builder, x_offs).data
         x_rows = [
             builder.gep(
-                x_data, [builder.load(builder.gep(offs_data, [builder.add(first, _i64(c))]))]
+                x_data, [builder.load(builder.gep(offs_data, [builder.add(first, i64(c))]))]
             )
             for c in range(xrows)
         ]
-        zero = ir.Constant(_V32F, None)
+        zero = ir.Constant(V32F, None)
         accs = [
             [[cgutils.alloca_once_value(builder, zero) for _ in x_rows] for _ in w_rows]
             for _ in range(sets)
         ]
-        step = _block_step(builder, fmt, w_rows, x_rows)
-        main_iters = builder.udiv(nblocks, _i64(sets))
+        step = _block_step(builder, kernel, w_rows, x_rows)
+        main_iters = builder.udiv(nblocks, i64(sets))
         with cgutils.for_range(builder, main_iters) as loop:
-            first_block = builder.mul(loop.index, _i64(sets))
+            first_block = builder.mul(loop.index, i64(sets))
             for s, acc_set in enumerate(accs):
-                step(builder.add(first_block, _i64(s)), acc_set)
-        done = builder.mul(main_iters, _i64(sets))
+                step(builder.add(first_block, i64(s)), acc_set)
+        done = builder.mul(main_iters, i64(sets))
         with cgutils.for_range(builder, builder.sub(nblocks, done)) as loop:
             step(builder.add(done, loop.index), accs[0])
         out_data = context.make_array(out_ty)(context, builder, out).data
@@ -124,7 +138,7 @@ def _tile_dot_codegen(fmt: int, wrows: int, xrows: int):
                 total = builder.load(accs[0][r][c])
                 for acc_set in accs[1:]:
                     total = builder.fadd(total, builder.load(acc_set[r][c]))
-                index = builder.add(out_off, builder.add(builder.mul(out_stride, _i64(c)), _i64(r)))
+                index = builder.add(out_off, builder.add(builder.mul(out_stride, i64(c)), i64(r)))
                 slot = builder.gep(out_data, [index])
                 builder.store(_reduce(builder, total), slot)
         return context.get_dummy_value()
@@ -132,27 +146,24 @@ def _tile_dot_codegen(fmt: int, wrows: int, xrows: int):
     return codegen
 
 
-def _i64(value: int) -> ir.Constant:
-    return ir.Constant(_I64, value)
-
-
-def _block_step(builder: ir.IRBuilder, fmt: int, w_rows: list[ir.Value], x_rows: list[ir.Value]):
+def _block_step(
+    builder: ir.IRBuilder, kernel: KernelFormat, w_rows: list[ir.Value], x_rows: list[ir.Value]
+):
     """step(block_index, accs[wrow][xrow]): per weight row, prefetch ahead and dequantise the
-    block once; FMA it with each activation row's 32 values (each loaded once per block)."""
-    fma = _declare(builder, "llvm.fma.v32f32", _V32F, [_V32F] * 3)
-    prefetch = _declare(builder, "llvm.prefetch.p0", ir.VoidType(), [_I8.as_pointer(), *[_I32] * 3])
-    read, high_locality, data_cache = (ir.Constant(_I32, v) for v in (0, PREFETCH_LOCALITY, 1))
+    block once (the format's own IR); FMA it with each activation row's 32 values (each
+    loaded once per block)."""
+    fma = _declare(builder, "llvm.fma.v32f32", V32F, [V32F] * 3)
+    prefetch = _declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
+    read, high_locality, data_cache = (ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1))
 
     def step(index: ir.Value, accs: list[list[ir.Value]]) -> None:
-        first_weight = builder.mul(index, _i64(32))
-        xs = [
-            _load(builder, builder.gep(x_row, [first_weight]), _V32F, align=4) for x_row in x_rows
-        ]
+        first_weight = builder.mul(index, i64(KERNEL_BLOCK))
+        xs = [load(builder, builder.gep(x_row, [first_weight]), V32F, align=4) for x_row in x_rows]
         for w_row, row_accs in zip(w_rows, accs, strict=True):
-            block = builder.gep(w_row, [builder.mul(index, _i64(BLOCK_BYTES[fmt]))])
-            ahead = builder.bitcast(builder.gep(block, [_i64(PREFETCH_BYTES)]), _I8.as_pointer())
+            block = builder.gep(w_row, [builder.mul(index, i64(kernel.block_bytes))])
+            ahead = builder.bitcast(builder.gep(block, [i64(PREFETCH_BYTES)]), I8.as_pointer())
             builder.call(prefetch, [ahead, read, high_locality, data_cache])
-            w = _dequant_block(builder, fmt, block)
+            w = kernel.dequantize_block_ir(builder, block)
             for acc, xv in zip(row_accs, xs, strict=True):
                 builder.store(builder.call(fma, [w, xv, builder.load(acc)]), acc)
 
@@ -180,35 +191,35 @@ def tile_dot(
     x[x_offs[first + c] + 32 b : ... + 32] for r < wrows, c < xrows, over `nblocks` 32-weight
     blocks; weight row r starts at byte w_off + r * row_bytes of `weights`.
 
-    `fmt` (a format code, see BLOCK_BYTES), `wrows` and `xrows` are compile-time constants;
-    TILES lists the (wrows, xrows) pairs that fit the vector registers."""
-    literals = (fmt, wrows, xrows)
-    if not all(isinstance(v, types.IntegerLiteral) for v in literals):
+    `fmt` (a KernelFormat), `wrows` and `xrows` are compile-time constants; TILES lists the
+    (wrows, xrows) pairs that fit the vector registers."""
+    if not isinstance(fmt, KernelFormatType):
+        return None
+    if not all(isinstance(v, types.IntegerLiteral) for v in (wrows, xrows)):
         return None
     shape = (wrows.literal_value, xrows.literal_value)
-    if fmt.literal_value not in range(4) or shape not in TILES:
+    if shape not in TILES:
         return None
     args = (weights, w_off, row_bytes, nblocks, x, x_offs, first, out, out_off, out_stride)
     sig = types.void(fmt, wrows, xrows, *args)
-    return sig, _tile_dot_codegen(fmt.literal_value, *shape)
+    return sig, _tile_dot_codegen(fmt.kernel, *shape)
 
 
 @intrinsic
 def load_weight(typingctx, fmt, weights, byte_off):
-    """One f32 (fmt 0) or bf16 (fmt 1) weight at byte `byte_off` of `weights`, as float32:
-    the tail of a dense row whose length is not a multiple of 32. Quantised formats have no
-    tails (their rows are whole blocks); for them this is never reached and gives 0."""
-    if not isinstance(fmt, types.IntegerLiteral) or fmt.literal_value not in range(4):
+    """One weight of format `fmt` (a KernelFormat whose rows may end in part of a block) at
+    byte `byte_off` of `weights`, as float32: the tail of a row whose length is not a multiple
+    of 32. Other formats have no tails (their rows are whole blocks); for them this is never
+    reached and gives 0."""
+    if not isinstance(fmt, KernelFormatType):
         return None
+    kernel = fmt.kernel
 
     def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[1])(context, builder, args[1]).data
         ptr = builder.gep(data, [args[2]])
-        if fmt.literal_value >= 2:
-            return ir.Constant(_F32, 0.0)
-        if fmt.literal_value == 0:
-            return _load(builder, ptr, _F32)
-        wide = builder.zext(_load(builder, ptr, _I16), _I32)
-        return builder.bitcast(builder.shl(wide, ir.Constant(_I32, 16)), _F32)
+        if not kernel.partial_blocks:
+            return ir.Constant(F32, 0.0)
+        return kernel.load_weight_ir(builder, ptr)
 
     return types.float32(fmt, weights, byte_off), codegen

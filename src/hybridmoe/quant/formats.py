@@ -2,19 +2,51 @@
 
 Names are GGUF's type names in lower case. A format packs each row of n weights into
 n // block_size blocks of block_bytes bytes, held in a tensor of `storage_dtype`; f32 and bf16
-are the degenerate case of one weight a block.
+are the degenerate case of one weight a block. Each format is one module (dense.py: f32 and
+bf16; q8_0.py; q4_0.py) that defines its `WeightFormat`, torch reference and kernel IR, and
+registers it with `register_format`. The package (quant/__init__.py) imports those modules,
+in the order CLI choices list them, so the registry is complete once anything of
+`hybridmoe.quant` is imported, this module included.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
+from typing import Any
 
 import torch
 
-from hybridmoe.quant import q4_0, q8_0
 from hybridmoe.quant._blocks import row_length_error
+
+KERNEL_BLOCK = 32  # weights of a row the CPU kernels dequantise at once: one <32 x float>
+
+# LLVM IR builders (llvmlite objects; see kernels/llvm_ir.py):
+# (builder, byte pointer to a block) -> <32 x float>, the KERNEL_BLOCK weights of that block
+DequantizeBlockIR = Callable[[Any, Any], Any]
+# (builder, byte pointer to one weight) -> float
+LoadWeightIR = Callable[[Any, Any], Any]
+
+
+@dataclass(frozen=True)
+class KernelFormat:
+    """What the fused CPU kernel (kernels/numba_moe.py) compiles for a format: it reads a row
+    as `block_bytes` bytes per KERNEL_BLOCK weights and emits `dequantize_block_ir` for each
+    block. A format whose rows may end in part of a block (dense ones, of any length) also
+    gives `load_weight_ir`, which reads the tail weight by weight. The IR builders run when
+    numba compiles (they import kernels/llvm_ir.py, and so llvmlite, then); the source of the
+    module that defines them, with llvm_ir.py's, is part of the hash naming the kernels'
+    on-disk cache, so they belong in the format's own module, with helpers from llvm_ir.py."""
+
+    name: str
+    block_bytes: int  # bytes of KERNEL_BLOCK consecutive weights of a row
+    dequantize_block_ir: DequantizeBlockIR = field(repr=False)
+    load_weight_ir: LoadWeightIR | None = field(default=None, repr=False)
+
+    @property
+    def partial_blocks(self) -> bool:
+        """Whether a row may end in part of a block (then read with load_weight_ir)."""
+        return self.load_weight_ir is not None
 
 
 @dataclass(frozen=True)
@@ -22,7 +54,8 @@ class WeightFormat:
     """How a weight matrix [..., n] is stored. `quantize` turns a float tensor [..., n] into a
     contiguous tensor of `stored_shape` and `storage_dtype`, without modifying its input (for
     f32/bf16 it is a cast, and returns the input itself when already so stored); `dequantize`
-    turns that back into float [..., n], exactly the values the stored tensor represents."""
+    turns that back into float [..., n], exactly the values the stored tensor represents.
+    `kernel` is how the fused CPU kernel reads the same bytes."""
 
     name: str
     block_size: int  # weights per block along a row
@@ -30,10 +63,31 @@ class WeightFormat:
     storage_dtype: torch.dtype
     quantize_fn: Callable[[torch.Tensor], torch.Tensor] = field(repr=False)
     dequantize_fn: Callable[..., torch.Tensor] = field(repr=False)  # (q, dtype) -> float
+    kernel: KernelFormat = field(repr=False)
 
     def __post_init__(self) -> None:
         if self.block_bytes % self.storage_dtype.itemsize:
             raise ValueError(f"{self.name}: {self.block_bytes} bytes is not whole elements")
+        self._check_kernel()
+
+    def _check_kernel(self) -> None:
+        """ValueError unless `kernel` reads the rows this format stores."""
+        if KERNEL_BLOCK % self.block_size:
+            raise ValueError(
+                f"{self.name}: blocks of {self.block_size} weights do not tile "
+                f"the kernels' block of {KERNEL_BLOCK}"
+            )
+        kernel_bytes = KERNEL_BLOCK // self.block_size * self.block_bytes
+        if (self.kernel.name, self.kernel.block_bytes) != (self.name, kernel_bytes):
+            raise ValueError(
+                f"{self.name}: {self.kernel} should be named {self.name!r} and "
+                f"read {kernel_bytes} bytes a block"
+            )
+        if self.kernel.partial_blocks != (self.block_size < KERNEL_BLOCK):
+            raise ValueError(
+                f"{self.name}: needs load_weight_ir exactly when its rows may end "
+                "in part of a kernel block"
+            )
 
     @property
     def is_quantized(self) -> bool:
@@ -69,38 +123,15 @@ class WeightFormat:
         return self.dequantize_fn(q, dtype)
 
 
-def _cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return w.to(dtype).contiguous()
+WEIGHT_FORMATS: dict[str, WeightFormat] = {}  # by name, in registration order
 
 
-def _dense(name: str, dtype: torch.dtype) -> WeightFormat:
-    cast = partial(_cast, dtype=dtype)
-    return WeightFormat(name, 1, dtype.itemsize, dtype, cast, _cast)
-
-
-WEIGHT_FORMATS: dict[str, WeightFormat] = {
-    fmt.name: fmt
-    for fmt in (
-        _dense("f32", torch.float32),
-        _dense("bf16", torch.bfloat16),
-        WeightFormat(
-            "q8_0",
-            q8_0.BLOCK_SIZE,
-            q8_0.BLOCK_BYTES,
-            torch.uint8,
-            q8_0.quantize_q8_0,
-            q8_0.dequantize_q8_0,
-        ),
-        WeightFormat(
-            "q4_0",
-            q4_0.BLOCK_SIZE,
-            q4_0.BLOCK_BYTES,
-            torch.uint8,
-            q4_0.quantize_q4_0,
-            q4_0.dequantize_q4_0,
-        ),
-    )
-}
+def register_format(fmt: WeightFormat) -> WeightFormat:
+    """Adds `fmt` to WEIGHT_FORMATS and returns it; ValueError if its name is taken."""
+    if fmt.name in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {fmt.name!r} is already registered")
+    WEIGHT_FORMATS[fmt.name] = fmt
+    return fmt
 
 
 def weight_format(name: str) -> WeightFormat:

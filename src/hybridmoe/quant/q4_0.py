@@ -17,8 +17,9 @@ from hybridmoe.quant._blocks import (
     dequantize_blocks,
     quantize_blocks,
 )
+from hybridmoe.quant.formats import KernelFormat, WeightFormat, register_format
 
-__all__ = ["BLOCK_BYTES", "BLOCK_SIZE", "dequantize_q4_0", "quantize_q4_0"]
+__all__ = ["BLOCK_BYTES", "BLOCK_SIZE", "Q4_0", "dequantize_q4_0", "quantize_q4_0"]
 
 BLOCK_BYTES = 18  # fp16 d + 16 bytes of nibbles
 _HALF = BLOCK_SIZE // 2
@@ -62,3 +63,29 @@ def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
     qs = blocks[:, 2:]  # [b, 16]
     v = torch.cat([qs & 0x0F, qs >> 4], dim=1)  # [b, 32]: weights 0..15 then 16..31
     return (v.to(torch.float32) - 8) * block_scales(blocks)  # [b, 32]; exact
+
+
+def _dequantize_block_ir(builder, block):
+    """LLVM IR: the weights (v - 8) * d of the block at byte pointer `block`, <32 x float>."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    scale = ll.splat(builder, ll.fp16_scale(builder, block))
+    packed = ll.load(builder, builder.gep(block, [ll.i64(2)]), ll.vector(ll.I8, 16))
+    low = builder.and_(packed, ll.const_vec(ll.I8, [0xF] * 16))  # weights 0..15
+    high = builder.lshr(packed, ll.const_vec(ll.I8, [4] * 16))  # weights 16..31
+    both = builder.shuffle_vector(low, high, ll.const_vec(ll.I32, list(range(32))))
+    quants = builder.sub(both, ll.const_vec(ll.I8, [8] * 32))
+    return builder.fmul(builder.sitofp(quants, ll.V32F), scale)
+
+
+Q4_0 = register_format(
+    WeightFormat(
+        "q4_0",
+        BLOCK_SIZE,
+        BLOCK_BYTES,
+        torch.uint8,
+        quantize_q4_0,
+        dequantize_q4_0,
+        KernelFormat("q4_0", BLOCK_BYTES, _dequantize_block_ir),
+    )
+)

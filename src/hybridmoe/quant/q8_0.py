@@ -15,8 +15,9 @@ from hybridmoe.quant._blocks import (
     dequantize_blocks,
     quantize_blocks,
 )
+from hybridmoe.quant.formats import KernelFormat, WeightFormat, register_format
 
-__all__ = ["BLOCK_BYTES", "BLOCK_SIZE", "dequantize_q8_0", "quantize_q8_0"]
+__all__ = ["BLOCK_BYTES", "BLOCK_SIZE", "Q8_0", "dequantize_q8_0", "quantize_q8_0"]
 
 BLOCK_BYTES = 34  # fp16 d + 32 x int8
 
@@ -53,3 +54,25 @@ def _round_half_away_from_zero(v: torch.Tensor) -> torch.Tensor:
     v = 0.5 - 2^-25: the sum 1 - 2^-25 rounds to 1.0. Modifies v."""
     half_down = torch.tensor(0.5 - 2.0**-25, dtype=v.dtype)
     return v.add_(torch.copysign(half_down, v)).to(torch.int8)  # the cast truncates, as C's
+
+
+def _dequantize_block_ir(builder, block):
+    """LLVM IR: the weights d * q of the block at byte pointer `block`, <32 x float>."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    scale = ll.splat(builder, ll.fp16_scale(builder, block))
+    quants = ll.load(builder, builder.gep(block, [ll.i64(2)]), ll.vector(ll.I8, 32))
+    return builder.fmul(builder.sitofp(quants, ll.V32F), scale)
+
+
+Q8_0 = register_format(
+    WeightFormat(
+        "q8_0",
+        BLOCK_SIZE,
+        BLOCK_BYTES,
+        torch.uint8,
+        quantize_q8_0,
+        dequantize_q8_0,
+        KernelFormat("q8_0", BLOCK_BYTES, _dequantize_block_ir),
+    )
+)

@@ -8,11 +8,13 @@ import torch
 def assert_same_rounding(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Two float32 partials of the accumulation contract for bf16 activations, rounded once to
     bf16: equal but for the rare value where float32 summation order tips a rounding (at most
-    1 % of the values, each by at most one bf16 step). Rounding intermediates elsewhere (in a
-    bf16 accumulator, or skipping the bf16 rounding of the projections) misses both bounds."""
+    2 values plus 1 % of them, each by at most one bf16 step; which ones depends on the CPU's
+    kernels). Rounding intermediates elsewhere (in a bf16 accumulator, or skipping the bf16
+    rounding of the projections) misses both bounds."""
     assert actual.dtype == expected.dtype == torch.float32
     a, e = actual.to(torch.bfloat16).float(), expected.to(torch.bfloat16).float()
     step = e.abs().clamp(min=2.0**-126) * 2.0**-7  # one bf16 ulp at most, at e's magnitude
     differ = a != e
     assert bool(((a - e).abs() <= step).all()), f"max diff {(a - e).abs().max():.3g}"
-    assert differ.float().mean() <= 0.01, f"{int(differ.sum())} of {a.numel()} values differ"
+    allowed = 2 + a.numel() // 100
+    assert int(differ.sum()) <= allowed, f"{int(differ.sum())} of {a.numel()} values differ"

@@ -103,9 +103,11 @@ def test_quantised_rows_must_be_whole_blocks(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("tokens", [1, 3, 16])
-def test_bf16_activations_round_where_the_reference_does(fmt: str, tokens: int) -> None:
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])  # Mixtral | others
+def test_bf16_activations_round_where_the_reference_does(fmt, tokens, weights_dtype) -> None:
     bank = make_bank(fmt, hidden=128, inter=64)
     ids, weights = make_routes(tokens, 4, bank.num_experts, seed=tokens)
+    weights = weights.to(weights_dtype)
     x = x_for(bank, tokens).to(torch.bfloat16)
     assert_same_rounding(fused_cpu_moe(x, ids, weights, bank), bank_moe(x, ids, weights, bank))
 

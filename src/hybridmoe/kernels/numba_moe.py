@@ -177,6 +177,11 @@ def _swiglu(gate, up, n, act_bf16):
         _round_bf16(gate, n)
 
 
+# act_bf16 codes: how the kernel rounds (float32 activations: 0, no rounding)
+BF16_ACTIVATIONS = 1  # bf16 activations, float32 router weights (Mixtral): float32 products
+BF16_ROUTE_WEIGHTS = 2  # bf16 activations and router weights: bf16 weighted outputs
+
+
 @njit(inline="always", **_FLAGS)
 def _fused_moe(
     fmt, x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, act_bf16, y
@@ -185,8 +190,10 @@ def _fused_moe(
     ids < 0 skipped. x f32 [T*H], ids int64 [T*K], route_weights f32 [T*K], gate_up / down
     uint8 (the bank's bytes, [E, 2I, H] / [E, H, I] in KernelFormat `fmt`), y f32 [T*H].
     The accumulation contract (docs/architecture.md): every dot product in float32 from the
-    exact weights; when `act_bf16` each projection, silu and product is rounded to bf16 as the
-    torch reference computes them in bf16; the weighted sum over routes stays float32.
+    exact weights; when `act_bf16` (BF16_ACTIVATIONS or BF16_ROUTE_WEIGHTS) each projection,
+    silu and product is rounded to bf16 as the torch reference computes them in bf16, and with
+    BF16_ROUTE_WEIGHTS also each route's weighted output (bf16 output x bf16 router weight);
+    the sum over routes stays float32.
     Returns -1, or the first expert id >= num_experts (then y is untouched). `fmt` is a
     compile-time constant: call it through FUSED_MOE[name]."""
     bad_id, experts, starts, routes = _group_routes(ids, num_experts)
@@ -228,10 +235,15 @@ def _fused_moe(
             if act_bf16:
                 _round_bf16(out, count * rows)
             for c in range(count):
-                route = routes[first + c]
-                weight = route_weights[route]
+                weight = route_weights[routes[first + c]]
                 for r in range(rows):
-                    y[(route // top_k) * hidden + h0 + r] += weight * out[c * rows + r]
+                    out[c * rows + r] *= weight
+            if act_bf16 == BF16_ROUTE_WEIGHTS:
+                _round_bf16(out, count * rows)
+            for c in range(count):
+                token_off = (routes[first + c] // top_k) * hidden + h0
+                for r in range(rows):
+                    y[token_off + r] += out[c * rows + r]
     return -1
 
 

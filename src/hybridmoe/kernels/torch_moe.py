@@ -42,7 +42,8 @@ def gathered_moe(
     for start in range(0, routes, chunk):
         rows = slice(start, start + chunk)
         y_routes[rows] = _routes_mlp(x_routes[rows], ids[rows], bank)
-    weighted = y_routes.float() * weights.reshape(routes, 1).float()  # [R, H]
+    # in the promoted dtype of the route's output and its weight, as combine_experts
+    weighted = (y_routes * weights.reshape(routes, 1)).float()  # [R, H]
     weighted = torch.where(valid, weighted, 0)
     return weighted.view(tokens, top_k, hidden).sum(dim=1)
 

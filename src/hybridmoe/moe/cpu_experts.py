@@ -87,7 +87,7 @@ def fused_cpu_moe(
     w32 = weights.to(torch.float32).contiguous().view(-1).numpy()  # [T*K]
     y = torch.zeros(tokens, hidden)  # [T, H] float32, accumulated by the kernel
     gate_up, down = bank.byte_views()
-    act_bf16 = _bf16_activations(x.dtype)
+    act_bf16 = _bf16_rounding(x.dtype, weights.dtype)
     args = (x32, ids64, w32, gate_up, down, hidden, inter, num_experts, top_k, act_bf16)
     bad_id = run_fused_moe(bank.fmt.name, threads, *args, y.view(-1).numpy())
     if bad_id >= 0:
@@ -95,11 +95,17 @@ def fused_cpu_moe(
     return y
 
 
-def _bf16_activations(dtype: torch.dtype) -> bool:
-    """Whether the kernel rounds its intermediates to bf16; it computes float32 or bf16 only."""
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"the numba CPU expert kernel computes float32 or bfloat16, not {dtype}")
-    return dtype == torch.bfloat16
+def _bf16_rounding(act_dtype: torch.dtype, weights_dtype: torch.dtype) -> int:
+    """The kernel's rounding code (kernels/numba_moe.py); it computes float32 or bf16 only."""
+    from hybridmoe.kernels.numba_moe import BF16_ACTIVATIONS, BF16_ROUTE_WEIGHTS
+
+    if act_dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(
+            f"the numba CPU expert kernel computes float32 or bfloat16, not {act_dtype}"
+        )
+    if act_dtype == torch.float32:
+        return 0
+    return BF16_ROUTE_WEIGHTS if weights_dtype == torch.bfloat16 else BF16_ACTIVATIONS
 
 
 @register_cpu_expert_fn("torch")

@@ -113,18 +113,21 @@ def combine_experts(
 ) -> torch.Tensor:
     """Σ_k w[t,k] · expert_mlp(x_t, topk_ids[t,k]) over routes with ids >= 0, expert by expert
     in ascending id order. x [T, H], topk_ids/topk_weights [T, K] -> the float32 partial
-    [T, H]: each expert's output times its route weight, and the sum, in float32 (the
-    accumulation contract; the caller rounds once). expert_mlp(h [n, H], expert) -> [n, H]."""
+    [T, H] of the accumulation contract: each expert's output times its route weight in the
+    dtype torch promotes the two to (bf16 for a bf16 router weight, float32 for a float32
+    one), summed in float32 (the caller rounds once). expert_mlp(h [n, H], expert) -> [n, H]."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # stays zero if all < 0
-    route_weights = topk_weights.reshape(-1, 1).float()  # [T*K, 1], route t*K + k
+    route_weights = topk_weights.reshape(-1, 1)  # [T*K, 1], route t*K + k
     top_k = topk_ids.shape[1]
     for expert, (tokens, ks) in sorted(group_routes(topk_ids).items()):
         routes = [t * top_k + k for t, k in zip(tokens, ks, strict=True)]
         if len(tokens) == 1:  # the decode case: slices instead of index tensors
             t, r = tokens[0], routes[0]
-            out[t : t + 1] += expert_mlp(x[t : t + 1], expert).float() * route_weights[r : r + 1]
+            weighted = expert_mlp(x[t : t + 1], expert) * route_weights[r : r + 1]  # [1, H]
+            out[t : t + 1] += weighted.float()
             continue
         token_idx = torch.tensor(tokens, device=x.device)  # index_add_ needs out's device
-        h = expert_mlp(x[token_idx], expert).float()  # [n, H]
-        out.index_add_(0, token_idx, h * route_weights[torch.tensor(routes, device=x.device)])
+        h = expert_mlp(x[token_idx], expert)  # [n, H]
+        weighted = h * route_weights[torch.tensor(routes, device=x.device)]  # [n, H]
+        out.index_add_(0, token_idx, weighted.float())
     return out

@@ -19,7 +19,7 @@ from hybridmoe.server.errors import generation_error, install_error_handlers
 from hybridmoe.server.generation import ServedModel, start_chat, start_completion
 from hybridmoe.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 
-DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
+DISCONNECT_POLL_S = 0.05  # how often a non-streaming request checks that its client is there
 
 
 def create_app(engine: Engine, model_id: str, start_scheduler: bool = True) -> FastAPI:

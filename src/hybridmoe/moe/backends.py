@@ -78,15 +78,21 @@ class ResidentExperts:
 
 
 @dataclass(eq=False)
-class OffloadExperts:
-    """`offload`: decode computes on the cache's slots, every miss fetched first."""
+class _HostBankExperts:
+    """A target whose experts live in host banks: its prefill is the runtime's PrefillExperts."""
 
     layer_idx: int
-    cache: OffloadMoeCache
     prefill_experts: PrefillExperts
 
     def prefill(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return self.prefill_experts(self.layer_idx, x, ids, weights)
+
+
+@dataclass(eq=False)
+class OffloadExperts(_HostBankExperts):
+    """`offload`: decode computes on the cache's slots, every miss fetched first."""
+
+    cache: OffloadMoeCache
 
     def decode(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """A batched step routing to more distinct experts than the cache holds runs token by
@@ -102,15 +108,10 @@ class OffloadExperts:
 
 
 @dataclass(eq=False)
-class CpuExperts:
+class CpuExperts(_HostBankExperts):
     """`cpu`: decode's routes computed by the CPU executor from the host banks."""
 
-    layer_idx: int
     cpu_executor: CpuExecutor
-    prefill_experts: PrefillExperts
-
-    def prefill(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.prefill_experts(self.layer_idx, x, ids, weights)
 
     def decode(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         self.cpu_executor.decode_submit(self.layer_idx, x, ids, weights)
@@ -118,17 +119,12 @@ class CpuExperts:
 
 
 @dataclass(eq=False)
-class HybridExperts:
+class HybridExperts(_HostBankExperts):
     """`hybrid`: the HybridDecodeExecutor splits decode's routes between the cache's slots and
     the CPU; this backend supplies the accelerator side's math on the slots."""
 
-    layer_idx: int
     executor: HybridDecodeExecutor
     cache: OffloadMoeCache
-    prefill_experts: PrefillExperts
-
-    def prefill(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.prefill_experts(self.layer_idx, x, ids, weights)
 
     def decode(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         request = HybridDecodeRequest(self.layer_idx, x, ids, weights)
@@ -192,7 +188,7 @@ register_decode_target(
     DecodeTarget(
         "offload",
         "a cache of experts on the accelerator; every miss is fetched before use",
-        lambda parts, i: OffloadExperts(i, parts.cache, parts.prefill),
+        lambda parts, i: OffloadExperts(i, parts.prefill, parts.cache),
         uses_cache=True,
     )
 )
@@ -200,7 +196,7 @@ register_decode_target(
     DecodeTarget(
         "cpu",
         "every routed expert computed on the CPU from host memory",
-        lambda parts, i: CpuExperts(i, parts.cpu_executor, parts.prefill),
+        lambda parts, i: CpuExperts(i, parts.prefill, parts.cpu_executor),
         uses_cpu_executor=True,
     )
 )
@@ -209,7 +205,7 @@ register_decode_target(
         "hybrid",
         "cache hits on the accelerator; misses on the CPU, overlapped, but up to max_fetch "
         "per layer call fetched into the cache",
-        lambda parts, i: HybridExperts(i, parts.hybrid, parts.cache, parts.prefill),
+        lambda parts, i: HybridExperts(i, parts.prefill, parts.hybrid, parts.cache),
         uses_cache=True,
         uses_cpu_executor=True,
     )

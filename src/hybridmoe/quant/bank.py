@@ -111,7 +111,10 @@ class ExpertBank:
     def expert_mlp(self, h: torch.Tensor, expert: int) -> torch.Tensor:
         """h [n, H] -> down(silu(gate h) * up h) [n, H] in h's dtype, gate and up in one GEMM;
         each projection from the exact weights, its output rounded to h's dtype."""
-        dtype = self.compute_dtype(h.dtype)
+        if not self.fmt.is_quantized and self.gate_up.dtype == h.dtype:  # no casts to make
+            gate, up = F.linear(h, self.gate_up[expert]).chunk(2, dim=-1)  # 2 x [n, I]
+            return F.linear(F.silu(gate) * up, self.down[expert])
+        dtype = self.compute_dtype(h.dtype)  # float32: every stored value expands exactly
         gate_up = F.linear(h.to(dtype), self.gate_up_weights(expert, dtype)).to(h.dtype)
         gate, up = gate_up.chunk(2, dim=-1)  # 2 x [n, I]
         act = (F.silu(gate) * up).to(dtype)

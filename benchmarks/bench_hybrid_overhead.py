@@ -139,7 +139,7 @@ class CallClock:
 
 
 def timed_gpu_runner(clock: CallClock, bank: ExpertBank, zeros: torch.Tensor, real: bool):
-    """The accelerator side, as OffloadMoELayer._run_cached_decode_experts, timed per call."""
+    """The accelerator side, as HybridExperts.run_on_slots (moe/backends.py), timed per call."""
 
     def run(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter_ns()

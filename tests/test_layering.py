@@ -34,6 +34,7 @@ RANKS = {
     "demo": 1,
     "errors": 0,
     "env": 0,
+    "registry": 0,
     "__init__": 0,
 }
 

@@ -14,6 +14,7 @@ from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.norm import rms_norm
 from hybridmoe.layers.rotary import apply_rotary
 from hybridmoe.loader.weights import WeightSource
+from hybridmoe.registry import registering
 
 if TYPE_CHECKING:  # layers sit below models: no import of them at run time
     from hybridmoe.config.model import ModelConfig
@@ -36,14 +37,7 @@ ATTENTIONS: dict[str, Callable[[ModelConfig, int, WeightSource, str], AttentionL
 
 def register_attention(kind: str) -> Callable:
     """Decorator: register an AttentionLayer factory under `kind`."""
-
-    def register(factory: Callable) -> Callable:
-        if kind in ATTENTIONS:
-            raise ValueError(f"attention kind {kind!r} is already registered")
-        ATTENTIONS[kind] = factory
-        return factory
-
-    return register
+    return registering(ATTENTIONS, "attention kind", kind)
 
 
 def create_attention(

@@ -21,6 +21,7 @@ from hybridmoe.moe.hybrid_decode import CpuExecutor, HybridDecodeExecutor, Hybri
 from hybridmoe.moe.offload_cache import OffloadMoeCache
 from hybridmoe.moe.routing import combine_experts
 from hybridmoe.quant.bank import ExpertBank, ExpertWeights
+from hybridmoe.registry import add_entry
 
 GATHER_MAX_TOKENS = FUSED_MAX_TOKENS  # decode batches up to this size gather on an accelerator
 
@@ -162,10 +163,9 @@ TARGET_ALIASES = {"gpu": "resident"}  # the name `resident` had before it ran on
 
 
 def register_decode_target(target: DecodeTarget) -> DecodeTarget:
-    if target.name in DECODE_TARGETS or target.name in TARGET_ALIASES:
+    if target.name in TARGET_ALIASES:
         raise ValueError(f"decode target {target.name!r} is already registered")
-    DECODE_TARGETS[target.name] = target
-    return target
+    return add_entry(DECODE_TARGETS, "decode target", target.name, target)
 
 
 def decode_target(name: str) -> DecodeTarget:

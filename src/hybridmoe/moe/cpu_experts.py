@@ -20,6 +20,7 @@ import torch
 
 from hybridmoe.moe.routing import combine_experts
 from hybridmoe.quant.bank import ExpertBank
+from hybridmoe.registry import registering
 
 # (x [T, H], expert_ids [T, K], weights [T, K], bank) -> float32 partial [T, H]; ids < 0 skipped
 CpuExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertBank], torch.Tensor]
@@ -34,14 +35,7 @@ def register_cpu_expert_fn(
     name: str,
 ) -> Callable[[Callable[[int | None], CpuExpertFn]], Callable[[int | None], CpuExpertFn]]:
     """Decorator: register a factory(threads) that returns a CpuExpertFn under `name`."""
-
-    def register(factory: Callable[[int | None], CpuExpertFn]) -> Callable:
-        if name in CPU_EXPERT_FNS:
-            raise ValueError(f"CPU expert kernel {name!r} is already registered")
-        CPU_EXPERT_FNS[name] = factory
-        return factory
-
-    return register
+    return registering(CPU_EXPERT_FNS, "CPU expert kernel", name)
 
 
 def create_cpu_expert_fn(name: str = "numba", threads: int | None = None) -> CpuExpertFn:

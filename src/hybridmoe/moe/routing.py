@@ -11,6 +11,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from hybridmoe.registry import registering
+
 
 class Router(Protocol):
     """x [T, H] -> (topk_ids [T, K] int64, topk_weights [T, K]); the weights in the dtype the
@@ -38,14 +40,7 @@ ROUTERS: dict[str, Callable[[dict[str, torch.Tensor], RouterSpec], Router]] = {}
 
 def register_router(kind: str) -> Callable:
     """Decorator: register a Router factory under `kind`."""
-
-    def register(factory: Callable) -> Callable:
-        if kind in ROUTERS:
-            raise ValueError(f"router kind {kind!r} is already registered")
-        ROUTERS[kind] = factory
-        return factory
-
-    return register
+    return registering(ROUTERS, "router kind", kind)
 
 
 def create_router(kind: str, tensors: dict[str, torch.Tensor], spec: RouterSpec) -> Router:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from hybridmoe.quant._blocks import row_length_error
+from hybridmoe.registry import add_entry
 
 KERNEL_BLOCK = 32  # weights of a row the CPU kernels dequantise at once: one <32 x float>
 
@@ -128,10 +129,7 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {}  # by name, in registration order
 
 def register_format(fmt: WeightFormat) -> WeightFormat:
     """Adds `fmt` to WEIGHT_FORMATS and returns it; ValueError if its name is taken."""
-    if fmt.name in WEIGHT_FORMATS:
-        raise ValueError(f"weight format {fmt.name!r} is already registered")
-    WEIGHT_FORMATS[fmt.name] = fmt
-    return fmt
+    return add_entry(WEIGHT_FORMATS, "weight format", fmt.name, fmt)
 
 
 def weight_format(name: str) -> WeightFormat:

@@ -66,11 +66,11 @@ def test_stop_string_cuts_text(engine):
     assert "".join(engine.stream(PROMPTS[0], params)) == stopped.text
 
 
-def test_eos_stops_generation(engine):
+def test_eos_stops_generation(engine, monkeypatch):
     (full,) = engine.generate([PROMPTS[0]], GREEDY)
     first = full.token_ids[0]
-    eos_engine = Engine(engine.model, engine.tokenizer, engine.config)
-    eos_engine.eos_ids = engine.eos_ids | {first}
+    eos_engine = engine
+    monkeypatch.setattr(eos_engine, "eos_ids", engine.eos_ids | {first})
 
     (stopped,) = eos_engine.generate([PROMPTS[0]], SamplingParams(max_tokens=12))
     assert stopped.token_ids == [first]  # the EOS token is reported, its text is not
@@ -124,7 +124,8 @@ def test_stats_count_the_last_call_and_the_scheduler_counts_since_start(engine):
     assert (stats.prompt_tokens, stats.decode_tokens) == (len(completion.prompt_ids), 11)
     assert (stats.requests_served, stats.completion_tokens, stats.decode_steps) == (1, 12, 11)
     assert since_start.requests_served == 3 and since_start.completion_tokens == 2 * 5 + 12
-    assert stats.experts is None  # the gpu target: no expert cache
+    # the cpu target (`auto` on the cpu device): every route computed on the CPU
+    assert stats.experts.cpu_routes == stats.experts.routes > 0 and stats.experts.hits == 0
     assert "prompt tokens" in stats.summary() and "decode:" in stats.summary()
 
 

@@ -4,6 +4,8 @@ On the cpu device a budget is planned only when given explicitly."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from hybridmoe.cli import main
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.engine import engine as engine_module
 from hybridmoe.engine.kv_cache import KVCache
-from hybridmoe.engine.placement import ACTIVATION_RESERVE_BYTES, GIB
+from hybridmoe.engine.placement import ACTIVATION_RESERVE_BYTES, GIB, resolve_decode_target
 from hybridmoe.errors import DeviceMemoryError
 from hybridmoe.kernels.torch_moe import gathered_moe_peak_bytes
 from hybridmoe.models.loading import load_model
@@ -186,3 +188,44 @@ def test_cli_refuses_a_device_torch_cannot_use(checkpoint, capsys):
     code = main(["generate", "hi", "--model", str(checkpoint), "--device", "cuda"])
     assert code == 2
     assert "--device 'cuda'" in capsys.readouterr().err
+
+
+class AcceleratorBudget(BudgetPlatform):
+    """What resolve_decode_target sees of an accelerator with `free_bytes` free."""
+
+    device = torch.device("cuda")  # only its type is read; nothing runs on it
+
+
+@pytest.mark.parametrize(
+    ("platform", "experts", "expected"),
+    [
+        ("cpu", None, "cpu"),  # the fused CPU kernel, whatever the budget
+        ("cpu", "all", "cpu"),
+        ("accelerator", "all", "resident"),  # every expert fits: nothing to fetch
+        ("accelerator", "all but one", "hybrid"),
+    ],
+)
+def test_auto_decode_target_follows_the_device_and_what_fits(
+    checkpoint, sizes, platform, experts, expected
+):
+    fits = {None: None, "all": sizes["total"], "all but one": sizes["total"] - 1}[experts]
+    config = engine_config(None if fits is None else budget_gib(sizes, fits))
+    assert config.offload.decode_target == "auto"
+    platform = (AcceleratorBudget if platform == "accelerator" else BudgetPlatform)(0)
+    model = load_model(checkpoint, torch.float32, False)
+    resolved = resolve_decode_target(model, config, platform)
+    assert resolved.offload.decode_target == expected
+    assert resolved == replace(config, offload=replace(config.offload, decode_target=expected))
+
+
+@pytest.mark.parametrize("target", ["resident", "offload", "cpu", "hybrid"])
+def test_a_target_asked_for_is_kept(checkpoint, target):
+    config = engine_config(None, decode_target=target)
+    model = load_model(checkpoint, torch.float32, False)
+    assert resolve_decode_target(model, config, AcceleratorBudget(0)) is config
+
+
+def test_the_default_target_on_the_cpu_device_is_the_cpu_kernel(checkpoint):
+    with Engine.from_pretrained(checkpoint, engine_config(None)) as engine:
+        assert engine.config.offload.decode_target == "cpu"
+        assert engine.moe_runtime.cpu_executor is not None  # the fused kernel runs the experts

@@ -153,7 +153,8 @@ def test_stats_count_requests_and_tokens(client, server):
     assert after["completion_tokens"] == before["completion_tokens"] + 5
     assert after["decode_tokens_per_s"] > 0
     assert after["requests_running"] == 0 and after["requests_waiting"] == 0
-    assert after["decode_target"] == "resident" and after["experts"] is None
+    assert after["decode_target"] == "cpu"  # `auto` on the cpu device
+    assert after["experts"]["cpu_route_share"] == 1.0 and after["experts"]["hit_rate"] == 0.0
 
 
 def test_health(server):

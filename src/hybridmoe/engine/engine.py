@@ -10,7 +10,7 @@ import torch
 
 from hybridmoe.engine.config import EngineConfig
 from hybridmoe.engine.moe_runtime import MoeRuntime, create_moe_runtime
-from hybridmoe.engine.placement import plan_device_memory
+from hybridmoe.engine.placement import plan_device_memory, resolve_decode_target
 from hybridmoe.engine.sampling import SamplingParams
 from hybridmoe.engine.scheduler import OutputCallback, RequestOutput, ScheduledRequest, Scheduler
 from hybridmoe.engine.sequence import Completion, Sequence
@@ -30,11 +30,12 @@ class Engine:
     finish; `serve` runs the same scheduler on its main thread instead."""
 
     def __init__(self, model: MoeCausalLM, tokenizer: Tokenizer | None, config: EngineConfig):
-        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.model, self.tokenizer = model, tokenizer
         self.max_seq_len = config.resolve_max_seq_len(model.cfg.max_position_embeddings)
         platform = create_platform(config.device)
         runtime = None
         try:  # a failure (e.g. out of memory in model.to) closes what was created
+            config = resolve_decode_target(model, config, platform)  # `auto` -> a target
             memory = plan_device_memory(model, config, platform)
             runtime = create_moe_runtime(model, config.offload, platform, config.progress, memory)
             model.to(platform.device)
@@ -42,7 +43,7 @@ class Engine:
         except BaseException:
             _close_after_failure(runtime, platform)
             raise
-        self.moe_runtime = runtime
+        self.moe_runtime, self.config = runtime, config
         self.eos_ids = frozenset(model.cfg.eos_token_ids) | (
             tokenizer.eos_token_ids if tokenizer else frozenset()
         )

@@ -25,7 +25,7 @@ from hybridmoe.moe.backends import (
     decode_target,
 )
 from hybridmoe.moe.cache_stats import ExpertCacheStats
-from hybridmoe.moe.config import OffloadConfig
+from hybridmoe.moe.config import AUTO_TARGET, OffloadConfig
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import create_cpu_expert_fn
 from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor
@@ -109,6 +109,8 @@ def create_moe_runtime(
     checkpoint's mapped experts in place. With a memory plan the slot count comes from it
     (DeviceMemoryError when it does not fit)."""
     platform = platform if platform is not None else CpuPlatform()
+    if config.decode_target == AUTO_TARGET:
+        raise ValueError("decode target 'auto' is resolved by the engine (resolve_decode_target)")
     target = decode_target(config.decode_target)
     layers = model.moe_layers
     on_accelerator = platform.device.type != "cpu"

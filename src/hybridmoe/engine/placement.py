@@ -10,14 +10,14 @@ fit is refused with the figures.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridmoe.engine.config import EngineConfig
 from hybridmoe.engine.kv_cache import KVCache
 from hybridmoe.errors import DeviceMemoryError
 from hybridmoe.kernels.torch_moe import gathered_moe_peak_bytes
 from hybridmoe.models.transformer import MoeCausalLM
-from hybridmoe.moe.config import OffloadConfig
+from hybridmoe.moe.config import AUTO_TARGET, OffloadConfig
 from hybridmoe.platform.base import Platform
 from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.formats import dense_format, weight_format
@@ -132,3 +132,28 @@ def expert_shape_bank(model: MoeCausalLM, offload: OffloadConfig) -> ExpertBank:
     gate_up = ExpertBank.empty_like_tensor(fmt, (1, 2 * inter, hidden), "meta")
     down = ExpertBank.empty_like_tensor(fmt, (1, hidden, inter), "meta")
     return ExpertBank(gate_up, down, fmt)
+
+
+def resolve_decode_target(
+    model: MoeCausalLM, config: EngineConfig, platform: Platform
+) -> EngineConfig:
+    """`config` with decode target `auto` replaced by the target it means on `platform`: `cpu`
+    on the cpu device (the fused CPU kernel; torch's gather + bmm path is slower there and
+    its thread pool collapses when the cores are shared); on an accelerator `resident` when
+    every expert fits beside the dense weights and the KV cache (the memory plan of
+    `resident`), else `hybrid`. Any other target is returned as it is."""
+    offload = config.offload
+    if offload.decode_target != AUTO_TARGET:
+        return config
+
+    def choosing(target: str) -> EngineConfig:
+        return replace(config, offload=replace(offload, decode_target=target))
+
+    if platform.device.type == "cpu" or not model.moe_layers:
+        return choosing("cpu")
+    resident = choosing("resident")
+    memory = plan_device_memory(model, resident, platform)
+    total = len(model.moe_layers) * model.cfg.num_experts
+    expert_nbytes = expert_shape_bank(model, resident.offload).expert_nbytes
+    fits = memory is None or memory.expert_bytes >= total * expert_nbytes
+    return resident if fits else choosing("hybrid")

@@ -8,7 +8,8 @@ from hybridmoe.moe.backends import DECODE_TARGETS as _TARGETS
 from hybridmoe.moe.backends import TARGET_ALIASES, decode_target
 from hybridmoe.quant.formats import WEIGHT_FORMATS
 
-DECODE_TARGETS = (*_TARGETS, *TARGET_ALIASES)  # every name --decode-target accepts
+AUTO_TARGET = "auto"  # resolved when the device is known: engine/placement.py auto_decode_target
+DECODE_TARGETS = (AUTO_TARGET, *_TARGETS, *TARGET_ALIASES)  # every name --decode-target accepts
 CPU_KERNEL_CHOICES = ("numba", "torch")
 EXPERT_FORMATS = tuple(WEIGHT_FORMATS)  # GGUF's names, as registered in quant/formats.py
 PREFILL_CHOICES = ("auto", "stream", "cpu")  # see moe/prefill.py
@@ -18,8 +19,9 @@ DEFAULT_CACHE_RATIO = 0.25
 @dataclass(frozen=True)
 class OffloadConfig:
     # where routed experts run at decode: a name in moe/backends.py's DECODE_TARGETS (an
-    # alias such as `gpu` is replaced by its target's name)
-    decode_target: str = "resident"
+    # alias such as `gpu` is replaced by its target's name), or `auto`: `cpu` on the cpu
+    # device, else `resident` when every expert fits on the accelerator and `hybrid` when not
+    decode_target: str = AUTO_TARGET
     # slots in the shared expert cache; None: expert_cache_ratio of all routed experts, or,
     # when neither is given and device memory is planned (engine/placement.py), all that fit
     expert_cache_slots: int | None = None
@@ -41,7 +43,13 @@ class OffloadConfig:
     prefill_cpu_tokens: int = 32
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "decode_target", decode_target(self.decode_target).name)
+        if self.decode_target not in DECODE_TARGETS:
+            raise ValueError(
+                f"decode_target must be one of {', '.join(DECODE_TARGETS)}, "
+                f"got {self.decode_target!r}"
+            )
+        if self.decode_target != AUTO_TARGET:
+            object.__setattr__(self, "decode_target", decode_target(self.decode_target).name)
         if self.expert_cache_slots is not None and self.expert_cache_slots < 1:
             raise ValueError(f"expert_cache_slots must be >= 1, got {self.expert_cache_slots}")
         if self.expert_cache_ratio is not None and not 0.0 < self.expert_cache_ratio <= 1.0:

@@ -64,8 +64,9 @@ class PerLayerLruPolicy:
     def __init__(self, num_slots: int, num_layers: int, num_experts: int):
         base, extra = divmod(num_slots, num_layers)
         self.num_experts = num_experts
-        self.layers = [LruPolicy(base + (i < extra)) if base + (i < extra) else None
-                       for i in range(num_layers)]  # fmt: skip
+        self.layers = [
+            LruPolicy(base + (i < extra)) if base + (i < extra) else None for i in range(num_layers)
+        ]
 
     def _of(self, flat: int) -> LruPolicy | None:
         return self.layers[flat // self.num_experts]

@@ -19,7 +19,7 @@ from hybridmoe.planning import bench_hw
 from hybridmoe.planning.cost_model import CallMix, CostModel, ModelShape
 from hybridmoe.planning.hardware import HardwareProfile, default_profile
 from hybridmoe.planning.planner import format_table, plan
-from hybridmoe.planning.plot import plot_plan
+from hybridmoe.planning.plot import plot_plan, require_pyplot
 from hybridmoe.planning.trace import RoutingTrace, record_routes
 from hybridmoe.platform.base import create_platform
 from hybridmoe.quant.formats import WEIGHT_FORMATS, weight_format
@@ -161,6 +161,8 @@ def run_bench_hw(args: argparse.Namespace) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> None:
+    if args.plot:
+        require_pyplot()  # before any work: a missing extra is a clear error at once
     shape = ModelShape.from_config(args.model)
     hw = HardwareProfile.load(args.hw) if args.hw else default_profile()
     fmt = args.expert_format or "bf16"

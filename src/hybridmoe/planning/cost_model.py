@@ -116,13 +116,8 @@ class CostModel:
         parts = dict.fromkeys(BOTTLENECKS, 0.0)
         for share, h, f, cpu in mix.calls:
             accel = {"GPU": (h + f) * c.accel_expert_s, "PCIe": f * c.fetch_s}
-            on_cpu = {
-                "CPU DRAM": cpu * c.cpu_expert_s + (c.cpu_job_s if target != "resident" else 0)
-            }
-            if target in ("cpu", "hybrid") or cpu:
-                sides = (accel, on_cpu)
-            else:
-                sides = (accel,)
+            on_cpu = {"CPU DRAM": cpu * c.cpu_expert_s + (c.cpu_job_s if cpu else 0.0)}
+            sides = (accel, on_cpu) if cpu else (accel,)
             if self.overlapped and len(sides) == 2:  # only the longer side costs time
                 sides = (max(sides, key=lambda side: sum(side.values())),)
             for side in sides:

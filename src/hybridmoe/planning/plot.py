@@ -5,15 +5,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hybridmoe.errors import HybridMoeError
 from hybridmoe.planning.cost_model import CostModel
 from hybridmoe.planning.planner import PlanRow
 
 
-def _pyplot():
+class MissingExtraError(HybridMoeError, ImportError):
+    """An optional extra's package is not installed."""
+
+
+def require_pyplot():
+    """matplotlib.pyplot on the file-only backend; MissingExtraError naming the extra."""
     try:
         import matplotlib
     except ImportError:
-        raise ImportError(
+        raise MissingExtraError(
             "--plot needs matplotlib: pip install 'hybridmoe[plot]' (the optional extra `plot`)"
         ) from None
     matplotlib.use("Agg")  # files only, no display
@@ -24,7 +30,7 @@ def _pyplot():
 
 def plot_plan(rows: list[PlanRow], model: CostModel, path: str | Path, source: str) -> None:
     """Two panels side by side: tok/s per target, and hybrid's hit rate, over residency."""
-    plt = _pyplot()
+    plt = require_pyplot()
     total = model.shape.total_experts
     fig, (speed, hits) = plt.subplots(1, 2, figsize=(8, 3.2), dpi=80)
     for target, style in (("offload", "s-"), ("hybrid", "o-")):

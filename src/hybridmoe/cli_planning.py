@@ -106,9 +106,11 @@ CALIBRATION_TARGETS = {
 }
 
 
-def measured_decode(directory: Path, offload: OffloadConfig, device: str, tokens: int = 32):
+def measured_decode(
+    directory: Path, offload: OffloadConfig, device: str, dtype: str = "float32", tokens: int = 32
+) -> tuple[float, CallMix]:
     """(seconds per decoded token, CallMix of the run's mean call) of greedy decode."""
-    config = EngineConfig(dtype="float32", device=device, max_batch=1, offload=offload)
+    config = EngineConfig(dtype=dtype, device=device, max_batch=1, offload=offload)
     prompt = [list(range(100, 116))]
     with Engine.from_pretrained(directory, config) as engine:
         engine.generate_ids(prompt, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
@@ -178,6 +180,11 @@ def run_plan(args: argparse.Namespace) -> None:
         f"hardware: {args.hw or 'built-in defaults'} ({hw.device}); hit rates from {source}"
     )
     print(format_table(rows, model, args.expert_format))
+    best = max(rows, key=lambda row: row.cost.tok_per_s)
+    print(
+        f"recommended: {best.flags(args.expert_format)}  ({best.cost.tok_per_s:.2f} tok/s "
+        f"predicted, bound by {best.cost.bottleneck})"
+    )
     if args.plot:
         plot_plan(rows, model, args.plot, source)
         print(f"plot: {args.plot}", file=sys.stderr)

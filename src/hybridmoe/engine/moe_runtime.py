@@ -185,7 +185,8 @@ def _max_fetch(config: OffloadConfig, bank: ExpertBank, platform: Platform) -> i
     if isinstance(config.max_fetch, int):
         return config.max_fetch
     on_accelerator = platform.device.type != "cpu"
-    overlap = config.overlap and env.hybrid_overlap()
+    # on the cpu device both sides share the cores: their times add (planning/cost_model.py)
+    overlap = config.overlap and env.hybrid_overlap() and on_accelerator
     return AutoFetch(prior_costs(bank.expert_nbytes, on_accelerator), overlap)
 
 

@@ -5,10 +5,11 @@ target (the offload and hybrid targets at 25 % residency).
 Predictions use only what `hybridmoe plan` uses: the model's config.json, the bench-hw profile
 (--hw) and, for the demo, its shipped routing trace (the synthetic model's random routers route
 near-uniformly: uniform routing). Measured: greedy decode of `--tokens` tokens after a warm-up,
-batch 1, on the cpu device. The profile's orchestration costs were fitted on the demo model,
-so the demo's errors are in-sample; the synthetic model's are not.
+batch 1, on the cpu device, with the profile's thread count. The profile's orchestration
+costs were fitted on the demo model, so the demo's errors are in-sample; the synthetic
+model's are not.
 
-Run: python -m hybridmoe bench-hw -o hw.json --device cpu
+Run: python -m hybridmoe bench-hw -o hw.json --device cpu [--threads 1]
      python benchmarks/bench_plan_accuracy.py --hw hw.json
 """
 
@@ -60,7 +61,7 @@ def compare(directory: Path, fmt: str, dtype: str, trace, hw, tokens: int) -> li
         offload = OffloadConfig(decode_target=target, expert_cache_ratio=RATIO, max_fetch=cache_cap)
         if target in ("resident", "cpu"):
             offload = OffloadConfig(decode_target=target)
-        measured, _ = measured_decode(directory, offload, "cpu", dtype, tokens)
+        measured, _ = measured_decode(directory, offload, "cpu", dtype, tokens, hw.cpu_threads)
         predicted = predicted_s(model, target, cap, trace)
         error = (1 / predicted - 1 / measured) / (1 / measured)
         errors.append(abs(error))

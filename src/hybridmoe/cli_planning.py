@@ -12,6 +12,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import torch
+
 from hybridmoe.demo import require_demo_checkpoint
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.moe.config import OffloadConfig
@@ -68,20 +70,24 @@ def engine_model_name(args: argparse.Namespace) -> str:
 # --- bench-hw ------------------------------------------------------------------------------
 
 
-def measure_profile(device: str, formats: list[str], threads: int | None) -> HardwareProfile:
+def measure_profile(
+    device: str, formats: list[str], threads: int | None, repeats: int
+) -> HardwareProfile:
     """Every figure of a HardwareProfile on this machine, the orchestration last (it runs the
-    demo model on each decode target)."""
+    demo model on each decode target). `threads` sets the CPU kernel's and torch's threads."""
     from hybridmoe.kernels.numba_moe import max_threads  # numba: only when measuring
 
+    if threads:
+        torch.set_num_threads(threads)
     platform = create_platform(device)
     try:
         step = lambda what: print(f"bench-hw: {what}", file=sys.stderr)  # noqa: E731
         step("DRAM read bandwidth")
         dram = bench_hw.dram_read_gbps()
         step(f"CPU expert kernel x {', '.join(formats)}")
-        cpu = {f: bench_hw.cpu_expert_time(f, threads) for f in formats}
+        cpu = {f: bench_hw.cpu_expert_time(f, threads, repeats) for f in formats}
         step(f"accelerator tier ({platform.device}) expert math, dense reads, copies")
-        accel = {f: bench_hw.accel_expert_time(f, platform) for f in formats}
+        accel = {f: bench_hw.accel_expert_time(f, platform, repeats) for f in formats}
         profile = HardwareProfile(
             device=platform.device.type,
             dram_read_gbps=dram,
@@ -95,7 +101,7 @@ def measure_profile(device: str, formats: list[str], threads: int | None) -> Har
     finally:
         platform.close()
     step("orchestration: the demo model's decode on every target")
-    return calibrate_orchestration(profile, device)
+    return calibrate_orchestration(profile, device, threads)
 
 
 CALIBRATION_TARGETS = {
@@ -107,10 +113,17 @@ CALIBRATION_TARGETS = {
 
 
 def measured_decode(
-    directory: Path, offload: OffloadConfig, device: str, dtype: str = "float32", tokens: int = 32
+    directory: Path,
+    offload: OffloadConfig,
+    device: str,
+    dtype: str = "float32",
+    tokens: int = 32,
+    threads: int | None = None,
 ) -> tuple[float, CallMix]:
-    """(seconds per decoded token, CallMix of the run's mean call) of greedy decode."""
-    config = EngineConfig(dtype=dtype, device=device, max_batch=1, offload=offload)
+    """(seconds per decoded token, CallMix of the run's mean call) of greedy decode, with
+    `threads` torch and CPU-kernel threads (None: their defaults)."""
+    offload = dataclasses.replace(offload, cpu_threads=threads)
+    config = EngineConfig(dtype=dtype, device=device, max_batch=1, offload=offload, threads=threads)
     prompt = [list(range(100, 116))]
     with Engine.from_pretrained(directory, config) as engine:
         engine.generate_ids(prompt, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
@@ -129,7 +142,9 @@ def measured_decode(
     return stats.decode_s / stats.decode_tokens, mix
 
 
-def calibrate_orchestration(profile: HardwareProfile, device: str) -> HardwareProfile:
+def calibrate_orchestration(
+    profile: HardwareProfile, device: str, threads: int | None
+) -> HardwareProfile:
     """layer_overhead_s: per layer ("per_layer", from `resident`) and per MoE layer call of
     each target, the measured decode time of the demo model beyond the modelled compute."""
     directory = require_demo_checkpoint()
@@ -137,7 +152,7 @@ def calibrate_orchestration(profile: HardwareProfile, device: str) -> HardwarePr
     model = CostModel(shape, profile, "f32")
     residual = {}
     for target, offload in CALIBRATION_TARGETS.items():
-        seconds, mix = measured_decode(directory, offload, device)
+        seconds, mix = measured_decode(directory, offload, device, threads=threads)
         residual[target] = seconds - model.step(target, mix).seconds
     per_layer = residual["resident"] / shape.num_layers
     overhead = {"per_layer": per_layer}
@@ -151,7 +166,7 @@ def run_bench_hw(args: argparse.Namespace) -> None:
     formats = args.formats.split(",")
     for name in formats:
         weight_format(name)  # ValueError naming the choices
-    profile = measure_profile(args.device, formats, args.threads)
+    profile = measure_profile(args.device, formats, args.threads, args.repeats)
     profile.save(args.output)
     print(
         f"{args.output}: DRAM {profile.dram_read_gbps:.1f} GB/s, copies "
@@ -196,7 +211,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("-o", "--output", required=True, help="the JSON profile to write")
     bench.add_argument("--device", default="auto", help="the accelerator tier (auto, cpu, cuda)")
     bench.add_argument("--formats", default=",".join(WEIGHT_FORMATS), help="comma-separated")
-    bench.add_argument("--threads", type=int, default=None, help="CPU kernel threads")
+    bench.add_argument("--threads", type=int, default=None, help="CPU kernel and torch threads")
+    bench.add_argument("--repeats", type=int, default=10, help="timings per figure (best kept)")
     plan_cmd = commands.add_parser("plan", help="predict decode tok/s per target and cache size")
     plan_cmd.add_argument("--model", required=True, help="checkpoint dir or config.json")
     plan_cmd.add_argument("--gpu-memory", type=float, default=None, help="GiB for the model")

@@ -68,7 +68,7 @@ def main() -> None:
     table(CostModel(demo, hw, "f32"), RoutingTrace.load(ROOT / "tests/data/demo_trace.npz"))
     qwen = ModelShape.from_config(ROOT / "benchmarks/configs/qwen3-30b-a3b.json")
     print("\nQwen3-30B-A3B shape (bf16 experts), uniform routing")
-    table(CostModel(qwen, hw, "bf16", dense_bytes_per_param=2), None)
+    table(CostModel(qwen, hw, "bf16", "bfloat16"), None)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def predicted_s(model: CostModel, target: str, cap, trace: RoutingTrace | None) 
 
 
 def compare(directory: Path, fmt: str, dtype: str, trace, hw, tokens: int) -> list[float]:
-    model = CostModel(ModelShape.from_config(directory), hw, fmt, 4 if fmt == "f32" else 2)
+    model = CostModel(ModelShape.from_config(directory), hw, fmt, dtype)
     errors = []
     for label, (target, cap) in CASES.items():
         cache_cap = 1 if cap is None else cap

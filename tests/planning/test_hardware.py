@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from hybridmoe.planning import bench_hw
 from hybridmoe.planning.hardware import TOKENS, ExpertTime
@@ -38,7 +39,7 @@ def test_cheap_measurements_are_positive_and_finite():
     figures = [
         bench_hw.dram_read_gbps(mib=8, repeats=1),
         bench_hw.cpu_job_s(repeats=3),
-        bench_hw.dense_gbps(platform, mib=4, repeats=1),
+        bench_hw.dense_gbps(platform, torch.bfloat16, mib=4, repeats=1),
         bench_hw.h2d_gbps(platform, mib=4, repeats=1),
     ]
     assert all(math.isfinite(f) and f > 0 for f in figures), figures

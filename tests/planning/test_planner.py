@@ -53,7 +53,7 @@ def test_profile_round_trips_and_names_a_bad_file(tmp_path):
 
 
 def qwen_model(fmt: str = "bf16") -> CostModel:
-    return CostModel(ModelShape.from_config(QWEN), default_profile(), fmt, 2)
+    return CostModel(ModelShape.from_config(QWEN), default_profile(), fmt, "bfloat16")
 
 
 def test_more_hits_never_cost_more_and_formats_scale():

@@ -1,6 +1,6 @@
 """Measurements behind a HardwareProfile (`hybridmoe bench-hw`): host DRAM read bandwidth, the
 numba CPU expert kernel and the accelerator tier's expert math per weight format at TOKENS
-tokens (two expert sizes, fitted linearly in bytes), a CPU job's round trip, the accelerator's
+tokens (three expert sizes, fitted linearly in bytes), a CPU job's round trip, the accelerator's
 dense read speed and host -> accelerator copy bandwidth. Each figure is the best of `repeats`
 timings (the least disturbed by other work on the machine)."""
 
@@ -21,7 +21,7 @@ from hybridmoe.platform.base import Platform
 from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.formats import weight_format
 
-SIZES = ((256, 128), (1024, 512))  # (hidden, intermediate) of the two measured expert shapes
+SIZES = ((256, 128), (512, 256), (1024, 512))  # (hidden, intermediate) of the measured experts
 ROUTES = 8  # experts per measured call: every token routes to experts 0..7
 
 
@@ -71,11 +71,18 @@ def expert_time(
             w = torch.full((tokens, ROUTES), 1.0 / ROUTES, device=device)
             seconds = best_s(lambda b=bank, x=x, i=ids, w=w: run(x, i, w, b), repeats, sync)
             points.append((bank.expert_nbytes / 2**20, seconds / ROUTES))
-        (m0, s0), (m1, s1) = points
-        slope = max((s1 - s0) / (m1 - m0), 0.0)
-        fixed.append(max(s0 - slope * m0, 0.0))
+        intercept, slope = linear_fit(points)
+        fixed.append(intercept)
         per_mib.append(slope)
     return ExpertTime(tuple(fixed), tuple(per_mib))
+
+
+def linear_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of seconds over MiB, both clamped at >= 0 (a timing
+    disturbed by other work may tilt a fit below zero)."""
+    mibs, secs = np.array(points).T
+    slope = max(float(np.polyfit(mibs, secs, 1)[0]), 0.0)
+    return max(float(np.mean(secs - slope * mibs)), 0.0), slope
 
 
 def cpu_expert_time(fmt_name: str, threads: int | None, repeats: int = 5) -> ExpertTime:
@@ -105,10 +112,12 @@ def cpu_job_s(repeats: int = 30) -> float:
         executor.close()
 
 
-def dense_gbps(platform: Platform, mib: int = 64, repeats: int = 5) -> float:
+def dense_gbps(platform: Platform, dtype: torch.dtype, mib: int = 64, repeats: int = 5) -> float:
+    """Weight bytes per second of a [1, H] x [H, N] matmul in `dtype` (the dense layers' read)."""
     hidden = 4096
-    weight = torch.randn(mib * 2**20 // 4 // hidden, hidden, device=platform.device)
-    x = torch.randn(1, hidden, device=platform.device)
+    rows = mib * 2**20 // dtype.itemsize // hidden
+    weight = torch.randn(rows, hidden, device=platform.device).to(dtype)
+    x = torch.randn(1, hidden, device=platform.device).to(dtype)
     return weight.nbytes / best_s(lambda: F.linear(x, weight), repeats, platform.synchronize) / 1e9
 
 

@@ -93,7 +93,11 @@ class CostModel:
     shape: ModelShape
     hw: HardwareProfile
     expert_format: str  # the routed experts' format (f32, bf16, q8_0, ...)
-    dense_bytes_per_param: int = 4
+    dense_dtype: str = "float32"  # the dense weights' dtype (float32, bfloat16)
+
+    @property
+    def dense_bytes_per_param(self) -> int:
+        return 4 if self.dense_dtype == "float32" else 2
 
     def fetch_costs(self) -> FetchCosts:
         """The per-expert costs of one decode call, as `--max-fetch auto` balances them."""
@@ -124,7 +128,9 @@ class CostModel:
                 for name, seconds in side.items():
                     parts[name] += share * seconds * self.shape.moe_layers
         parts["GPU"] += (
-            self.shape.dense_params * self.dense_bytes_per_param / (self.hw.dense_gbps * 1e9)
+            self.shape.dense_params
+            * self.dense_bytes_per_param
+            / (self.hw.dense_gbps[self.dense_dtype] * 1e9)
         )
         overhead = self.hw.layer_overhead_s
         parts["orchestration"] = self.shape.moe_layers * overhead.get(target, 0.0) + (

@@ -1,6 +1,6 @@
 """HardwareProfile: what `hybridmoe bench-hw` measured (bench_hw.py), stored as JSON.
 
-Expert times are linear fits over two expert sizes, per weight format and tokens per call:
+Expert times are linear fits over three expert sizes, per weight format and tokens per call:
 seconds = fixed_s + per_mib_s * MiB of the expert's weights. Orchestration is the per-MoE-layer
 time each decode target adds beyond its modelled compute (fitted on the demo model's decode).
 """
@@ -43,7 +43,9 @@ class HardwareProfile:
     cpu_expert: dict[str, ExpertTime]  # weight format -> the numba kernel's time per expert
     cpu_job_s: float  # a CPU executor job's fixed round trip (submit + wake + sync)
     accel_expert: dict[str, ExpertTime]  # format -> the accelerator tier's time per expert
-    dense_gbps: float  # the accelerator tier's weight read speed in a [1, H] x [H, N] matmul
+    # dtype name (float32, bfloat16) -> the accelerator tier's weight read speed in a
+    # [1, H] x [H, N] matmul of that dtype
+    dense_gbps: dict[str, float]
     h2d_gbps: float  # host -> accelerator copy of an expert (cpu device: a host memcpy)
     # decode target -> seconds per MoE layer call beyond modelled compute, and per other layer
     layer_overhead_s: dict[str, float] = field(default_factory=dict)
@@ -106,7 +108,7 @@ def default_profile() -> HardwareProfile:
         cpu_expert=dict.fromkeys(formats, cpu),
         cpu_job_s=20e-6,
         accel_expert=dict.fromkeys(formats, gpu),
-        dense_gbps=700.0,
+        dense_gbps={"float32": 700.0, "bfloat16": 700.0},
         h2d_gbps=25.0,
         layer_overhead_s=overhead,
         notes="built-in assumptions (hardware.default_profile), not measured",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench_decode import Qwen3MoeShape, ensure_checkpoint
 
-from hybridmoe.cli_planning import measured_decode
+from hybridmoe.cli_planning import calibrate_orchestration, measured_decode
 from hybridmoe.demo import require_demo_checkpoint
 from hybridmoe.env import cache_dir
 from hybridmoe.moe.config import OffloadConfig
@@ -76,8 +76,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hw", type=Path, required=True, help="a bench-hw profile (cpu device)")
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="refit the profile's orchestration on the demo now (a busy machine drifts)",
+    )
     args = parser.parse_args()
     hw = HardwareProfile.load(args.hw)
+    if args.recalibrate:
+        hw = calibrate_orchestration(hw, "cpu", hw.cpu_threads)
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     trace = RoutingTrace.load(ROOT / "tests/data/demo_trace.npz")
     print("demo model (f32, shipped trace):")

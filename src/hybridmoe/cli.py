@@ -1,5 +1,6 @@
-"""Command line: `hybridmoe generate`, `chat`, `serve`, and the planning commands `trace`, `plan`
-and `bench-hw` (cli_planning.py).
+"""Command line: `hybridmoe generate|chat|serve` and the planning commands `trace|plan|bench-hw`.
+
+The planning commands live in cli_planning.py; `trace` takes the flags `generate` takes.
 
 A command's flags are the fields of its configs (COMMAND_CONFIGS), one flag per field:
 `--max-seq-len` sets EngineConfig.max_seq_len (argparse dest = the field's name), with the

@@ -63,10 +63,14 @@ def expert_time(
     """Per expert: (call seconds) / ROUTES at each of TOKENS, fitted over SIZES in MiB."""
     fixed, per_mib = [], []
     banks = [make_bank(h, i, fmt_name).to(device) for h, i in SIZES]
+    # activations as a model of that format computes them: a dense bank's own dtype (no
+    # casts), float32 beside a quantised one
+    fmt = weight_format(fmt_name)
+    act_dtype = torch.float32 if fmt.is_quantized else fmt.storage_dtype
     for tokens in TOKENS:
         points = []
         for bank in banks:
-            x = torch.randn(tokens, bank.hidden_size, device=device)
+            x = torch.randn(tokens, bank.hidden_size, device=device).to(act_dtype)
             ids = torch.arange(ROUTES, device=device).repeat(tokens, 1)  # [T, ROUTES]
             w = torch.full((tokens, ROUTES), 1.0 / ROUTES, device=device)
             seconds = best_s(lambda b=bank, x=x, i=ids, w=w: run(x, i, w, b), repeats, sync)

@@ -156,7 +156,8 @@ def calibrate_orchestration(
     each target, the measured decode time of the demo model beyond the modelled compute."""
     directory = require_demo_checkpoint()
     shape = ModelShape.from_config(directory)
-    model = CostModel(shape, profile, "f32")
+    bare = dataclasses.replace(profile, layer_overhead_s={})  # compute only: fit the rest
+    model = CostModel(shape, bare, "f32")
     residual = {}
     for target, offload in CALIBRATION_TARGETS.items():
         seconds, mix = measured_decode(directory, offload, device, threads=threads)

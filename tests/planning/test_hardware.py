@@ -43,3 +43,29 @@ def test_cheap_measurements_are_positive_and_finite():
         bench_hw.h2d_gbps(platform, mib=4, repeats=1),
     ]
     assert all(math.isfinite(f) and f > 0 for f in figures), figures
+
+
+@pytest.mark.parametrize("start", [{}, {"per_layer": 1.0, "cpu": 5.0}])
+def test_orchestration_fit_reproduces_the_calibration_runs(monkeypatch, start):
+    """With stand-in measurements, the fitted profile predicts each calibration run exactly,
+    whatever overhead the profile carried before (a refit replaces it)."""
+    import dataclasses
+
+    from hybridmoe import cli_planning
+    from hybridmoe.demo import require_demo_checkpoint
+    from hybridmoe.planning.cost_model import CallMix, CostModel, ModelShape
+    from hybridmoe.planning.hardware import default_profile
+
+    runs = {"resident": (0.010, 2, 0, 0), "offload": (0.020, 1, 0.5, 0),
+            "cpu": (0.030, 0, 0, 2), "hybrid": (0.025, 1, 0.2, 0.8)}  # fmt: skip
+
+    def fake_decode(directory, offload, device, threads=None):
+        seconds, *mix = runs[offload.decode_target]
+        return seconds, CallMix(((1.0, *mix),))
+
+    monkeypatch.setattr(cli_planning, "measured_decode", fake_decode)
+    profile = dataclasses.replace(default_profile(), layer_overhead_s=start)
+    fitted = cli_planning.calibrate_orchestration(profile, "cpu", None)
+    model = CostModel(ModelShape.from_config(require_demo_checkpoint()), fitted, "f32")
+    for target, (seconds, *mix) in runs.items():
+        assert model.step(target, CallMix(((1.0, *mix),))).seconds == pytest.approx(seconds)

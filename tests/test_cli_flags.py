@@ -17,7 +17,12 @@ from hybridmoe.moe.config import OffloadConfig
 from hybridmoe.server.config import ServerConfig
 
 COMMANDS = sorted(cli.COMMAND_CONFIGS)
-REQUIRED = {"generate": ["generate", "a prompt"], "chat": ["chat"], "serve": ["serve"]}
+REQUIRED = {
+    "generate": ["generate", "a prompt"],
+    "chat": ["chat"],
+    "serve": ["serve"],
+    "trace": ["trace", "--prompts", "p.txt", "-o", "t.npz"],
+}
 # What users type (README, docs): a field renamed must not rename its flag silently.
 ENGINE_SPELLINGS = {
     "--model", "--dtype", "--threads", "--device", "--gpu-memory", "--no-pin-memory",
@@ -30,8 +35,10 @@ SPELLINGS = {
     "generate": ENGINE_SPELLINGS | SAMPLING_SPELLINGS,
     "chat": ENGINE_SPELLINGS | SAMPLING_SPELLINGS | {"--system"},
     "serve": ENGINE_SPELLINGS | {"--host", "--port", "--max-seq-len", "--max-batch"},
+    "trace": ENGINE_SPELLINGS | SAMPLING_SPELLINGS | {"--prompts", "-o"},
 }
 FREE_TEXT_SAMPLES = {"device": "cpu", "host": "localhost"}  # str fields without choices
+PARSED_SAMPLES = {"max_fetch": "auto"}  # fields of more than one type (FlagDoc.parse)
 
 
 def subparser(command: str) -> argparse.ArgumentParser:
@@ -139,6 +146,8 @@ def sample_value(action: argparse.Action, hint: object) -> tuple[list[str], obje
         return [option], not default
     if typing.get_origin(hint) is tuple:
         return [option, "a", option, "b"], ("a", "b")
+    if cli.FLAG_DOCS.get(action.dest, cli.FlagDoc()).parse is not None:
+        return [option, PARSED_SAMPLES[action.dest]], PARSED_SAMPLES[action.dest]
     if action.choices is not None:
         choice = next(c for c in action.choices if c != default)
         return [option, choice], choice
@@ -173,3 +182,11 @@ def test_switches_turn_their_field_off():
     args = cli.build_parser().parse_args(["serve", "--no-overlap", "--no-pin-memory"])
     offload = cli.config_from_args(OffloadConfig, args)
     assert (offload.overlap, offload.pin_memory) == (False, False)
+
+
+def test_max_fetch_takes_an_integer_or_auto(capsys):
+    parse = cli.build_parser().parse_args
+    assert cli.config_from_args(OffloadConfig, parse(["serve", "--max-fetch", "3"])).max_fetch == 3
+    with pytest.raises(SystemExit):
+        parse(["serve", "--max-fetch", "many"])
+    assert "max_fetch must be an integer >= 0 or 'auto'" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """Imports in src/hybridmoe point downward only, and no modules import each other in a cycle.
 
-The layers, top to bottom (DESIGN.md): cli/server -> engine -> models -> layers -> moe ->
+The layers, top to bottom (DESIGN.md): cli/server -> engine -> models/planning -> layers -> moe ->
 platform/kernels/quant -> loader/config/demo -> errors/env. A module may import its own layer
 or any layer below; every import counts, also one inside a function (a hidden cycle is still a
 cycle) or under TYPE_CHECKING (a type from above is a dependency on above); cycles are
@@ -20,10 +20,12 @@ PACKAGE = Path(hybridmoe.__file__).parent
 # top-level subpackage or module -> layer rank (higher imports lower)
 RANKS = {
     "cli": 7,
+    "cli_planning": 7,
     "__main__": 7,
     "server": 7,
     "engine": 6,
     "models": 5,
+    "planning": 5,  # traces, simulator, cost model, planner: above models, below engine
     "layers": 4,
     "moe": 3,
     "platform": 2,

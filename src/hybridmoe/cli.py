@@ -1,4 +1,6 @@
-"""Command line: `hybridmoe generate`, `hybridmoe chat` and `hybridmoe serve`.
+"""Command line: `hybridmoe generate|chat|serve` and the planning commands `trace|plan|bench-hw`.
+
+The planning commands live in cli_planning.py; `trace` takes the flags `generate` takes.
 
 A command's flags are the fields of its configs (COMMAND_CONFIGS), one flag per field:
 `--max-seq-len` sets EngineConfig.max_seq_len (argparse dest = the field's name), with the
@@ -17,6 +19,7 @@ import typing
 from collections.abc import Sequence
 from pathlib import Path
 
+from hybridmoe import cli_planning
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.engine.config import DEFAULT_MAX_SEQ_LEN, DTYPE_CHOICES
 from hybridmoe.errors import HybridMoeError
@@ -26,6 +29,7 @@ from hybridmoe.moe.config import (
     EXPERT_FORMATS,
     PREFILL_CHOICES,
     OffloadConfig,
+    parse_max_fetch,
 )
 from hybridmoe.platform.base import DEVICE_HELP
 from hybridmoe.server.config import ServerConfig
@@ -34,12 +38,18 @@ COMMAND_CONFIGS: dict[str, tuple[type, ...]] = {
     "generate": (EngineConfig, OffloadConfig, SamplingParams),
     "chat": (EngineConfig, OffloadConfig, SamplingParams),
     "serve": (EngineConfig, OffloadConfig, ServerConfig),
+    "trace": (EngineConfig, OffloadConfig, SamplingParams),
 }
 # Flags of a command that set no config field (dest -> what it is).
 COMMAND_ARGS: dict[str, dict[str, str]] = {
     "generate": {"model": "the checkpoint to load", "prompt": "the text to complete"},
     "chat": {"model": "the checkpoint to load", "system": "the chat's system message"},
     "serve": {"model": "the checkpoint to load"},
+    "trace": {
+        "model": "the checkpoint to load",
+        "prompts": "a text file, one prompt per line",
+        "output": "the .npz trace to write",
+    },
 }
 # Config fields that are deliberately no flag ("Config.field" -> why), per command.
 _ENGINE_NO_FLAG = {
@@ -54,6 +64,7 @@ _DECODE_NO_FLAG = {
 NOT_FLAGS: dict[str, dict[str, str]] = {
     "generate": _DECODE_NO_FLAG,
     "chat": _DECODE_NO_FLAG,
+    "trace": _DECODE_NO_FLAG,
     "serve": {
         **_ENGINE_NO_FLAG,
         "ServerConfig.shutdown_timeout_s": "the fixed grace README promises (5 s)",
@@ -65,6 +76,7 @@ NOT_FLAGS: dict[str, dict[str, str]] = {
 class FlagDoc:
     help: str | None = None
     choices: tuple[str, ...] | None = None  # a config module's constant, never a literal here
+    parse: typing.Callable[[str], object] | None = None  # for a field of more than one type
 
 
 # Help texts by field name; a switch's text says what the switch (`--no-overlap`) does.
@@ -96,7 +108,10 @@ FLAG_DOCS: dict[str, FlagDoc] = {
         "expert cache size as a share of all routed experts (default: 0.25 on the cpu "
         "device; on an accelerator, as many as --gpu-memory leaves room for)"
     ),
-    "max_fetch": FlagDoc("hybrid: misses fetched per layer"),
+    "max_fetch": FlagDoc(
+        "hybrid: misses fetched per layer call, or auto (balanced against the CPU per call)",
+        parse=parse_max_fetch,
+    ),
     "overlap": FlagDoc("hybrid: wait for the CPU before the accelerator"),
     "cpu_threads": FlagDoc("threads computing CPU experts (default: every usable core)"),
     "expert_format": FlagDoc(
@@ -137,6 +152,16 @@ def _value_type(hint: object) -> type:
     return types[0]
 
 
+def _flag_type(parse: typing.Callable[[str], object]) -> typing.Callable[[str], object]:
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
 def _add_flag(parser: argparse._ActionsContainer, f: dataclasses.Field, hint: object) -> None:
     doc = FLAG_DOCS.get(f.name, FlagDoc())
     name, default = f.name.replace("_", "-"), _field_default(f)
@@ -152,7 +177,7 @@ def _add_flag(parser: argparse._ActionsContainer, f: dataclasses.Field, hint: ob
         parser.add_argument(
             f"--{name}",
             dest=f.name,
-            type=_value_type(hint),
+            type=_flag_type(doc.parse) if doc.parse else _value_type(hint),
             choices=doc.choices,
             default=default,
             help=doc.help,
@@ -178,7 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
     chat = commands.add_parser("chat", help="interactive chat using the checkpoint's template")
     chat.add_argument("--system", default=None, help="system message")
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    for command, sub in (("generate", generate), ("chat", chat), ("serve", serve)):
+    trace = commands.add_parser("trace", help="record the router's choices while decoding")
+    trace.add_argument("--prompts", required=True, help="text file, one prompt per line")
+    trace.add_argument("-o", "--output", required=True, help="the .npz trace to write")
+    cli_planning.add_parsers(commands)
+    for command, sub in (
+        ("generate", generate),
+        ("chat", chat),
+        ("serve", serve),
+        ("trace", trace),
+    ):
         sub.add_argument(
             "--model", help="checkpoint directory (default: the embedded demo model)", default=None
         )
@@ -201,7 +235,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     offload = config_from_args(OffloadConfig, args)
     # generate and chat decode one sequence: a KV cache (and on a GPU its planned memory) of one
     # row, not max_batch rows of max_seq_len positions
-    one_row = {"max_batch": 1} if args.command in ("generate", "chat") else {}
+    one_row = {"max_batch": 1} if args.command in ("generate", "chat", "trace") else {}
     return config_from_args(EngineConfig, args, progress=True, offload=offload, **one_row)
 
 
@@ -267,7 +301,14 @@ def run_serve(args: argparse.Namespace) -> None:
         serve(engine, config, model_id)
 
 
-COMMANDS = {"generate": run_generate, "chat": run_chat, "serve": run_serve}
+def run_trace(args: argparse.Namespace) -> None:
+    params = _sampling_params(args)
+    with _load_engine(args) as engine:
+        cli_planning.run_trace(engine, args, params)
+
+
+COMMANDS = {"generate": run_generate, "chat": run_chat, "serve": run_serve, "trace": run_trace}
+COMMANDS.update(cli_planning.COMMANDS)  # plan, bench-hw: no engine flags
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,6 +28,7 @@ from hybridmoe.moe.cache_stats import ExpertCacheStats
 from hybridmoe.moe.config import AUTO_TARGET, OffloadConfig
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import create_cpu_expert_fn
+from hybridmoe.moe.fetch_policy import AutoFetch, prior_costs
 from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor
 from hybridmoe.moe.offload_cache import OffloadMoeCache
 from hybridmoe.moe.prefill import ExpertPrefill, InPlacePrefill, LayerStreamer
@@ -159,7 +160,9 @@ def _build_offloaded(
     prefill_bytes = _prefill_bytes(prefill_mode, banks[0], memory)
     if target.uses_cache:
         slots = _num_slots(model, config, target, banks, memory, prefill_bytes)
-        parts.cache = OffloadMoeCache(banks, slots, config.max_fetch, platform)
+        parts.cache = OffloadMoeCache(
+            banks, slots, _max_fetch(config, banks[0], platform), platform
+        )
     if prefill_mode is not None or target.uses_cpu_executor:
         expert_fn = create_cpu_expert_fn(config.cpu_kernel, config.cpu_threads)
     if prefill_mode is None:
@@ -172,8 +175,21 @@ def _build_offloaded(
         executor = CpuMoeExecutor(banks, expert_fn=expert_fn, sync=platform.device_sync())
         parts.cpu_executor = executor
         if parts.cache is not None:
+            if isinstance(parts.cache.max_fetch, AutoFetch):  # follows the measured CPU cost
+                parts.cache.max_fetch.attach(executor.stats)
             overlap = config.overlap and env.hybrid_overlap()
             parts.hybrid = HybridDecodeExecutor(parts.cache, executor, overlap)
+
+
+def _max_fetch(config: OffloadConfig, bank: ExpertBank, platform: Platform) -> int | AutoFetch:
+    """The cache's fetch cap: the configured integer, or for "auto" a policy from bandwidth
+    priors (moe/fetch_policy.py) that follows the CPU executor's measured times."""
+    if isinstance(config.max_fetch, int):
+        return config.max_fetch
+    on_accelerator = platform.device.type != "cpu"
+    # on the cpu device both sides share the cores: their times add (planning/cost_model.py)
+    overlap = config.overlap and env.hybrid_overlap() and on_accelerator
+    return AutoFetch(prior_costs(bank.expert_nbytes, on_accelerator), overlap)
 
 
 def _prefill_bytes(

@@ -14,6 +14,19 @@ CPU_KERNEL_CHOICES = ("numba", "torch")
 EXPERT_FORMATS = tuple(WEIGHT_FORMATS)  # GGUF's names, as registered in quant/formats.py
 PREFILL_CHOICES = ("auto", "stream", "cpu")  # see moe/prefill.py
 DEFAULT_CACHE_RATIO = 0.25
+MAX_FETCH_AUTO = "auto"  # max_fetch chosen per layer call (moe/fetch_policy.py AutoFetch)
+
+
+def parse_max_fetch(text: str) -> int | str:
+    """A --max-fetch value: an integer >= 0 or "auto"; ValueError otherwise."""
+    if text == MAX_FETCH_AUTO:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"max_fetch must be an integer >= 0 or {MAX_FETCH_AUTO!r}, got {text!r}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -26,7 +39,9 @@ class OffloadConfig:
     # when neither is given and device memory is planned (engine/placement.py), all that fit
     expert_cache_slots: int | None = None
     expert_cache_ratio: float | None = None  # None: DEFAULT_CACHE_RATIO without a memory plan
-    max_fetch: int = 1  # misses fetched per layer call in hybrid (0 = never fetch)
+    # misses fetched per layer call in hybrid (0 = never fetch); "auto": per call, as many as
+    # balance the accelerator's fetch + compute against the CPU's compute (measured online)
+    max_fetch: int | str = 1
     overlap: bool = True  # hybrid: CPU experts overlap the accelerator's work
     cpu_threads: int | None = None  # threads of the CPU expert kernel; None: every usable core
     # routed experts' weight format; None: the model's dtype. Quantised formats are made at
@@ -54,7 +69,11 @@ class OffloadConfig:
             raise ValueError(f"expert_cache_slots must be >= 1, got {self.expert_cache_slots}")
         if self.expert_cache_ratio is not None and not 0.0 < self.expert_cache_ratio <= 1.0:
             raise ValueError(f"expert_cache_ratio must be in (0, 1], got {self.expert_cache_ratio}")
-        if self.max_fetch < 0:
+        if isinstance(self.max_fetch, str) and self.max_fetch != MAX_FETCH_AUTO:
+            raise ValueError(
+                f"max_fetch must be an integer >= 0 or {MAX_FETCH_AUTO!r}, got {self.max_fetch!r}"
+            )
+        if isinstance(self.max_fetch, int) and self.max_fetch < 0:
             raise ValueError(f"max_fetch must be >= 0, got {self.max_fetch}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")

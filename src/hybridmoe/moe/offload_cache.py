@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from hybridmoe.moe.cache_stats import ExpertCacheStats
+from hybridmoe.moe.fetch_policy import FetchPolicy
 from hybridmoe.platform.base import Platform
 from hybridmoe.platform.cpu import CpuPlatform
 from hybridmoe.quant.bank import ExpertBank
@@ -34,7 +35,7 @@ class OffloadMoeCache:
         self,
         banks: Sequence[ExpertBank],
         num_slots: int,
-        max_fetch: int,
+        max_fetch: int | FetchPolicy,
         platform: Platform | None = None,
     ) -> None:
         _check_banks(banks)
@@ -46,7 +47,7 @@ class OffloadMoeCache:
                 f"num_slots must be between 1 and the number of routed experts "
                 f"({len(banks)} layers x {self.num_experts} = {total}); got {num_slots}"
             )
-        if max_fetch < 0:
+        if isinstance(max_fetch, int) and max_fetch < 0:
             raise ValueError(f"max_fetch must be >= 0 (0: never fetch in hybrid); got {max_fetch}")
         self.num_slots = num_slots
         self.max_fetch = max_fetch
@@ -77,7 +78,8 @@ class OffloadMoeCache:
 
     def ensure_experts_hybrid(self, layer_idx: int, topk_ids: torch.Tensor) -> None:
         """Hits keep their slot; at most `max_fetch` distinct misses get a slot (planned for
-        copy_missing()); every other route becomes -1 (CPU). When more than `max_fetch` miss,
+        copy_missing()); every other route becomes -1 (CPU). A FetchPolicy as `max_fetch` sets
+        the cap per call from the call's distinct hits and misses. When more than the cap miss,
         the experts with the most routes in this call are fetched first, ties broken by first
         appearance in row-major order. A miss with no evictable slot goes to the CPU."""
         self._ensure(layer_idx, topk_ids, self.max_fetch)
@@ -115,7 +117,9 @@ class OffloadMoeCache:
         self._pending.clear()
         self._ids_pinned.clear()
 
-    def _ensure(self, layer_idx: int, topk_ids: torch.Tensor, fetch_cap: int | None) -> None:
+    def _ensure(
+        self, layer_idx: int, topk_ids: torch.Tensor, fetch_cap: int | FetchPolicy | None
+    ) -> None:
         self._check_layer(layer_idx)
         flat_ids = topk_ids.reshape(-1).tolist()  # the one device -> host read of the call
         counts = self._count_routes(layer_idx, flat_ids)  # expert -> routes, first-seen order
@@ -170,10 +174,12 @@ class OffloadMoeCache:
         layer_idx: int,
         counts: Counter[int],
         slot_of_expert: dict[int, int],
-        fetch_cap: int | None,
+        fetch_cap: int | FetchPolicy | None,
     ) -> list[int]:
         misses = [e for e in counts if e not in slot_of_expert]
         misses.sort(key=lambda e: -counts[e])  # stable: ties keep first-appearance order
+        if fetch_cap is not None and not isinstance(fetch_cap, int):
+            fetch_cap = fetch_cap.fetch_count(layer_idx, len(slot_of_expert), len(misses))
         protected = set(slot_of_expert.values())
         fetched = []
         for expert in misses[:fetch_cap]:

@@ -31,7 +31,11 @@ SPELLINGS = {
     "chat": ENGINE_SPELLINGS | SAMPLING_SPELLINGS | {"--system"},
     "serve": ENGINE_SPELLINGS | {"--host", "--port", "--max-seq-len", "--max-batch"},
 }
-FREE_TEXT_SAMPLES = {"device": "cpu", "host": "localhost"}  # str fields without choices
+FREE_TEXT_SAMPLES = {
+    "device": "cpu",
+    "host": "localhost",
+    "api_key": "secret",
+}  # str fields without choices
 
 
 def subparser(command: str) -> argparse.ArgumentParser:

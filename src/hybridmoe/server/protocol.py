@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from hybridmoe.server.errors import LONE_SURROGATE
 
 _MAX_SEED = 2**64
 # Values of the unimplemented /v1/completions fields that ask for nothing.
@@ -34,8 +37,8 @@ class _GenerationRequest(_Strict):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)  # 0 = greedy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # 0 = greedy, as OpenAI
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -48,6 +51,18 @@ class _GenerationRequest(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, body: Any) -> Any:
+        path = lone_surrogate_path(body)
+        if path is not None:
+            raise PydanticCustomError(
+                LONE_SURROGATE,
+                "contains a lone UTF-16 surrogate (not a Unicode character; send valid UTF-8)",
+                {"param": path or None},
+            )
+        return body
 
     @field_validator("n")
     @classmethod
@@ -89,6 +104,32 @@ class _GenerationRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """The dotted path ("messages.0.content") of the first string in the parsed JSON `value`
+    holding a lone surrogate (json.loads lets "\\ud800" through; UTF-8 cannot encode it), or
+    of the object holding such a key; None when there is none."""
+    if isinstance(value, str):
+        return path if _has_lone_surrogate(value) else None
+    if not isinstance(value, dict | list):
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, item in items:
+        if isinstance(key, str) and _has_lone_surrogate(key):
+            return path
+        found = lone_surrogate_path(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 class CompletionRequest(_GenerationRequest):

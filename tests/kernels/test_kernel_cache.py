@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 # Computes one fused layer with the numba kernel and the torch reference; prints the largest
 # difference. A fresh process, so the kernel comes from the cache directory or a compile.
 SCRIPT = """
@@ -32,19 +30,24 @@ def run_kernel(cache_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
 
 
-def damage(path: Path, how: str) -> None:
-    data = path.read_bytes()
-    path.write_bytes({"truncated": data[: len(data) // 2], "garbage": b"\x80garbage" * 9}[how])
+def damage(cached: list[Path]) -> None:
+    """Half the kernels get a truncated index, the other half data files of garbage (behind a
+    good index): numba fails in _load_index for the first, in _load_data for the second."""
+    indexes = [p for p in cached if p.suffix == ".nbi"]
+    for i, index in enumerate(indexes):
+        if i % 2 == 0:
+            index.write_bytes(index.read_bytes()[: index.stat().st_size // 2])
+            continue
+        for data in index.parent.glob(index.stem + ".*.nbc"):
+            data.write_bytes(b"\x80garbage" * 9)
 
 
-@pytest.mark.parametrize("how", ["truncated", "garbage"])
-def test_a_damaged_kernel_cache_is_rebuilt(tmp_path, how):
+def test_a_damaged_kernel_cache_is_rebuilt(tmp_path):
     first = run_kernel(tmp_path)
     assert first.returncode == 0, first.stderr
     cached = sorted(tmp_path.rglob("*.nb[ic]"))
     assert any(p.suffix == ".nbi" for p in cached) and any(p.suffix == ".nbc" for p in cached)
-    for path in cached:
-        damage(path, how)
+    damage(cached)
     second = run_kernel(tmp_path)
     assert second.returncode == 0, second.stderr
     assert float(second.stdout) < 1e-4, second.stdout

@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 
 SURROGATE = "\ud800"
 BIG = 20_000_000
+DEEP_SURROGATE = json.loads("[" * 900 + json.dumps(SURROGATE) + "]" * 900)
 
 
 def completion(**fields) -> dict:
@@ -40,6 +41,7 @@ CASES: dict[str, list[tuple[str, str, object]]] = {  # group -> (method, path, b
         ("POST", "/v1/completions", b"\xff\xfe garbage"),
         ("POST", "/v1/chat/completions", b""),
         ("POST", "/v1/chat/completions", b'"just a string"'),
+        ("POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000),  # deeper than json allows
     ],
     "wrong types": [
         ("POST", "/v1/completions", completion(max_tokens="ten")),
@@ -88,6 +90,7 @@ CASES: dict[str, list[tuple[str, str, object]]] = {  # group -> (method, path, b
         ("POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": SURROGATE}])),
         ("POST", "/v1/chat/completions", chat(messages=[{"role": SURROGATE, "content": "hi"}])),
         ("POST", "/v1/chat/completions", chat(user={SURROGATE: 1})),
+        ("POST", "/v1/chat/completions", chat(user=DEEP_SURROGATE)),
     ],
     "stream_options / unsupported fields": [
         ("POST", "/v1/completions", completion(stream=True, stream_options="x")),

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from hybridmoe.server.errors import LONE_SURROGATE
+from hybridmoe.server.text import lone_surrogate_path
 
 _MAX_SEED = 2**64
 # Values of the unimplemented /v1/completions fields that ask for nothing.
@@ -104,32 +105,6 @@ class _GenerationRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
-
-
-def lone_surrogate_path(value: Any, path: str = "") -> str | None:
-    """The dotted path ("messages.0.content") of the first string in the parsed JSON `value`
-    holding a lone surrogate (json.loads lets "\\ud800" through; UTF-8 cannot encode it), or
-    of the object holding such a key; None when there is none."""
-    if isinstance(value, str):
-        return path if _has_lone_surrogate(value) else None
-    if not isinstance(value, dict | list):
-        return None
-    items = value.items() if isinstance(value, dict) else enumerate(value)
-    for key, item in items:
-        if isinstance(key, str) and _has_lone_surrogate(key):
-            return path
-        found = lone_surrogate_path(item, f"{path}.{key}" if path else str(key))
-        if found is not None:
-            return found
-    return None
-
-
-def _has_lone_surrogate(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
 
 
 class CompletionRequest(_GenerationRequest):

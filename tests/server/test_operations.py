@@ -3,6 +3,7 @@ tokenised off the event loop, and /health saying "loading" until the kernels are
 
 from __future__ import annotations
 
+import json
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ def engine(demo_checkpoint: Path) -> Iterator[Engine]:
 
 @pytest.fixture
 def engine_without_scheduler(demo_checkpoint: Path) -> Iterator[Engine]:
-    """A fresh engine whose scheduler nobody runs: submitted requests wait forever."""
+    """A fresh engine (its scheduler not started: a test may leave it so)."""
     with Engine.from_pretrained(demo_checkpoint, EngineConfig(max_seq_len=64)) as engine:
         yield engine
 
@@ -65,6 +66,16 @@ def test_the_prompt_is_tokenised_off_the_event_loop(engine, monkeypatch):
             release.set()
             big.join()
     assert len(answers) == 1
+
+
+def test_the_warm_up_request_is_not_counted(engine_without_scheduler):
+    with inprocess.serving(create_app(engine_without_scheduler, "m")) as url:  # warms up
+        with urllib.request.urlopen(f"{url}/v1/stats", timeout=HANG_GUARD_S) as response:
+            stats = json.loads(response.read())
+        with urllib.request.urlopen(f"{url}/metrics", timeout=HANG_GUARD_S) as response:
+            metrics = response.read().decode()
+    assert (stats["requests_served"], stats["prompt_tokens"], stats["decode_steps"]) == (0, 0, 0)
+    assert 'vllm:prompt_tokens_total{model_name="m"} 0.0' in metrics.splitlines()
 
 
 def test_health_says_loading_until_ready(engine_without_scheduler):

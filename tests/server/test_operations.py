@@ -39,12 +39,13 @@ def engine_without_scheduler(demo_checkpoint: Path) -> Iterator[Engine]:
 
 def test_the_prompt_is_tokenised_off_the_event_loop(engine, monkeypatch):
     entered, release = threading.Event(), threading.Event()
+    released_in_time: list[bool] = []
     encode = engine.encode
 
     def slow_encode(text: str, add_special_tokens: bool = True) -> list[int]:
-        if text == PROMPT:
+        if text == PROMPT:  # held until /health has answered (on the loop: it cannot)
             entered.set()
-            release.wait(HANG_GUARD_S)
+            released_in_time.append(release.wait(HANG_GUARD_S))
         return encode(text, add_special_tokens)
 
     monkeypatch.setattr(engine, "encode", slow_encode)
@@ -61,11 +62,12 @@ def test_the_prompt_is_tokenised_off_the_event_loop(engine, monkeypatch):
             assert entered.wait(HANG_GUARD_S)
             with urllib.request.urlopen(f"{url}/health", timeout=HANG_GUARD_S) as health:
                 assert health.status == 200
-            assert not answers  # /health answered while the prompt was being tokenised
+            assert not answers
         finally:
             release.set()
             big.join()
     assert len(answers) == 1
+    assert released_in_time == [True]  # /health answered while the prompt was being tokenised
 
 
 def test_the_warm_up_request_is_not_counted(engine_without_scheduler):

@@ -21,7 +21,7 @@ class RebuildingFunctionCache(FunctionCache):
     def load_overload(self, sig, target_context):
         try:
             return super().load_overload(sig, target_context)
-        except Exception as exc:  # noqa: BLE001 - any damage to the files, whatever it raises
+        except Exception as exc:  # any damage to the files, whatever unpickling it raises
             index = self._cache_file._index_path
             log.warning(
                 "the compiled-kernel cache entry %s is unreadable (%s: %s); recompiling",

@@ -56,9 +56,11 @@ class Server:
             if self.process.poll() is not None:
                 sys.exit(f"server exited:\n{Path(self.log.name).read_text()}")
             try:
-                return self.get("/v1/models")["data"][0]["id"]
+                if self.get("/health").get("status") == "ok":  # "loading" while warming up
+                    return self.get("/v1/models")["data"][0]["id"]
             except OSError:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.2)
         self.stop()
         sys.exit(f"server not up after {STARTUP_TIMEOUT_S} s")
 

@@ -37,7 +37,11 @@ SPELLINGS = {
     "serve": ENGINE_SPELLINGS | {"--host", "--port", "--max-seq-len", "--max-batch"},
     "trace": ENGINE_SPELLINGS | SAMPLING_SPELLINGS | {"--prompts", "-o"},
 }
-FREE_TEXT_SAMPLES = {"device": "cpu", "host": "localhost"}  # str fields without choices
+FREE_TEXT_SAMPLES = {
+    "device": "cpu",
+    "host": "localhost",
+    "api_key": "secret",
+}  # str fields without choices
 PARSED_SAMPLES = {"max_fetch": "auto"}  # fields of more than one type (FlagDoc.parse)
 
 

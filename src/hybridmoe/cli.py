@@ -126,6 +126,19 @@ FLAG_DOCS: dict[str, FlagDoc] = {
     "stop": FlagDoc("stop string (repeatable)"),
     "host": FlagDoc("address to listen on (default: loopback)"),
     "port": FlagDoc("0 = any free port"),
+    "api_key": FlagDoc("require 'Authorization: Bearer <key>' on /v1 requests"),
+    "allowed_hosts": FlagDoc(
+        "Host header name to accept (repeatable; '*' = any; default: the --host name, plus "
+        "localhost/127.0.0.1/[::1] on loopback)"
+    ),
+    "max_body_bytes": FlagDoc("larger request bodies are refused with 413"),
+    "max_queue": FlagDoc(
+        "requests waiting for a slot beyond which new ones get 503 (default: no cap)"
+    ),
+    "request_timeout_s": FlagDoc("cancel a request still running after this many seconds"),
+    "read_timeout_s": FlagDoc("close a connection whose request is not fully sent within this"),
+    "keep_alive_timeout_s": FlagDoc("close an idle keep-alive connection after this"),
+    "max_connections": FlagDoc("open connections beyond which requests get 503"),
 }
 EXCLUSIVE_FLAGS = (("expert_cache_slots", "expert_cache_ratio"),)  # one cache size
 C = typing.TypeVar("C")

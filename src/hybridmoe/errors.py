@@ -23,3 +23,7 @@ class PinnedMemoryError(HybridMoeError, RuntimeError):
 
 class DeviceMemoryError(HybridMoeError, ValueError):
     """What was asked for does not fit in the accelerator's memory budget."""
+
+
+class HostMemoryError(HybridMoeError, ValueError):
+    """What was asked for does not fit in the host's available memory."""

@@ -69,6 +69,16 @@ def test_params_are_frozen_and_greedy_means_temperature_zero():
         params.temperature = 1.0  # type: ignore[misc]
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-6])
+def test_a_tiny_temperature_is_greedy(temperature):
+    # float32 cannot divide by these (1e-300 is 0 in float32): the draw would be nan
+    params = SamplingParams(temperature=temperature, seed=3)
+    assert params.greedy
+    logits = torch.tensor([0.5, 2.0, 1.0, 2.0 - 1e-3])
+    assert Sampler(params).sample(logits) == 1
+    assert sample_batch(torch.stack([logits, logits.flip(0)]), [Sampler(params)] * 2) == [1, 2]
+
+
 # --- masks ----------------------------------------------------------------------------------
 
 

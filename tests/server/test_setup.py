@@ -18,6 +18,7 @@ from hybridmoe.server.config import ServerConfig
 from hybridmoe.server.errors import ApiError
 from hybridmoe.server.generation import ServedModel, start_chat
 from hybridmoe.server.protocol import ChatCompletionRequest
+from hybridmoe.server.security import allowed_host_names, host_name
 
 
 @pytest.mark.parametrize(
@@ -26,6 +27,14 @@ from hybridmoe.server.protocol import ChatCompletionRequest
         (ServerConfig, {"port": 70000}, "port"),
         (EngineConfig, {"max_seq_len": 1}, "max_seq_len"),  # the engine's: its KV cache
         (ServerConfig, {"host": ""}, "host"),
+        (ServerConfig, {"api_key": ""}, "api_key"),
+        (ServerConfig, {"allowed_hosts": ("a", "")}, "allowed_hosts"),
+        (ServerConfig, {"max_body_bytes": 0}, "max_body_bytes"),
+        (ServerConfig, {"max_queue": 0}, "max_queue"),
+        (ServerConfig, {"max_connections": -1}, "max_connections"),
+        (ServerConfig, {"request_timeout_s": 0}, "request_timeout_s"),
+        (ServerConfig, {"read_timeout_s": float("inf")}, "read_timeout_s"),
+        (ServerConfig, {"keep_alive_timeout_s": float("nan")}, "keep_alive_timeout_s"),
     ],
 )
 def test_server_config_refuses_bad_values(config, fields, word):
@@ -100,3 +109,28 @@ def test_stats_report_the_expert_cache_when_hybrid(demo_checkpoint):
     assert set(experts) == {"hit_rate", "cpu_route_share", "fetched_per_token"}
     assert 0 <= experts["hit_rate"] <= 1 and 0 < experts["cpu_route_share"] <= 1
     assert experts["fetched_per_token"] >= 0
+
+
+@pytest.mark.parametrize(
+    ("host", "allowed", "names"),
+    [
+        ("127.0.0.1", (), {"127.0.0.1", "localhost", "[::1]"}),
+        ("::1", (), {"127.0.0.1", "localhost", "[::1]"}),
+        ("localhost", (), {"127.0.0.1", "localhost", "[::1]"}),
+        ("10.0.0.5", (), {"10.0.0.5"}),
+        ("0.0.0.0", (), None),
+        ("0.0.0.0", ("API.example",), {"api.example"}),
+        ("127.0.0.1", ("*",), None),
+    ],
+)
+def test_allowed_host_names(host, allowed, names):
+    config = ServerConfig(host=host, allowed_hosts=allowed)
+    assert allowed_host_names(config) == (None if names is None else frozenset(names))
+
+
+@pytest.mark.parametrize(
+    ("header", "name"),
+    [("Example.com:8000", "example.com"), ("[::1]:80", "[::1]"), ("[::1]", "[::1]"), ("x", "x")],
+)
+def test_host_name_drops_the_port(header, name):
+    assert host_name(header) == name

@@ -2,7 +2,8 @@
 
 The budget is `--gpu-memory` GiB when given, else the accelerator's free memory at load; on
 the cpu device without `--gpu-memory` nothing is planned (host memory is the tier and the
-slot count comes from OffloadConfig alone). Besides a fixed reserve for activations, the plan
+slot count comes from OffloadConfig alone) beyond checking that the KV cache fits in the
+host's available memory. Besides a fixed reserve for activations, the plan
 sets aside the peak of the decode expert kernel's temporaries at `max_batch` tokens (for
 q8_0/q4_0 it expands a chunk of gathered experts to float32: a GiB or more). What does not
 fit is refused with the figures.
@@ -14,11 +15,12 @@ from dataclasses import dataclass, replace
 
 from hybridmoe.engine.config import EngineConfig
 from hybridmoe.engine.kv_cache import KVCache
-from hybridmoe.errors import DeviceMemoryError
+from hybridmoe.errors import DeviceMemoryError, HostMemoryError
 from hybridmoe.kernels.torch_moe import gathered_moe_peak_bytes
 from hybridmoe.models.transformer import MoeCausalLM
 from hybridmoe.moe.config import AUTO_TARGET, OffloadConfig
 from hybridmoe.platform.base import Platform
+from hybridmoe.platform.cpu import host_available_bytes
 from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.formats import dense_format, weight_format
 
@@ -90,15 +92,16 @@ def plan_device_memory(
     model: MoeCausalLM, config: EngineConfig, platform: Platform
 ) -> DeviceMemoryPlan | None:
     """The plan for `model` on `platform`, or None when nothing is to be planned."""
+    seq_len = config.resolve_max_seq_len(model.cfg.max_position_embeddings)
+    kv_bytes = KVCache.nbytes(model.cfg, config.max_batch, seq_len, model.dtype)
     if config.gpu_memory is not None:
         budget = int(config.gpu_memory * GIB)
     else:
         memory = platform.memory_bytes()
         if memory is None:
+            check_host_kv_cache(kv_bytes, config.max_batch, seq_len)
             return None
         budget = memory[0]  # free now: the dense weights are still in host memory
-    seq_len = config.resolve_max_seq_len(model.cfg.max_position_embeddings)
-    kv_bytes = KVCache.nbytes(model.cfg, config.max_batch, seq_len, model.dtype)
     kernel_bytes = expert_kernel_bytes(model, config.offload, config.max_batch)
     plan = DeviceMemoryPlan(budget, model.dense_nbytes(), kv_bytes, kernel_bytes)
     if plan.expert_bytes < 0:
@@ -107,6 +110,19 @@ def plan_device_memory(
             "lower --max-batch or --max-seq-len, or raise --gpu-memory"
         )
     return plan
+
+
+def check_host_kv_cache(kv_bytes: int, max_batch: int, max_seq_len: int) -> None:
+    """HostMemoryError naming the flags when a KV cache of `kv_bytes` (max_batch rows of
+    max_seq_len positions) is larger than the host memory available now: refused with the
+    figures before anything is allocated, not by the allocator."""
+    available = host_available_bytes()
+    if kv_bytes > available:
+        raise HostMemoryError(
+            f"the KV cache of --max-batch {max_batch} requests x --max-seq-len {max_seq_len} "
+            f"positions needs {kv_bytes / GIB:.2f} GiB, but the host has "
+            f"{available / GIB:.2f} GiB available; lower --max-batch or --max-seq-len"
+        )
 
 
 def expert_kernel_bytes(model: MoeCausalLM, offload: OffloadConfig, max_batch: int) -> int:

@@ -15,16 +15,20 @@ import torch
 from torch import Tensor
 
 _MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
+# Below this temperature sampling is greedy (vLLM's threshold): dividing float32 logits by a
+# tinier one overflows (1e-300 is 0 in float32: 0/0 = nan) or leaves only the argmax anyway.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the tokens of one request.
 
-    `temperature == 0` means greedy (argmax); `top_k == 0` and `top_p == 1.0` switch those
-    masks off. `stop` strings end generation and are never part of the output; a single string
-    or a list is accepted and stored as a tuple. With `seed` set, the request's tokens depend
-    only on its own logits, never on what other requests in the batch do.
+    `temperature` below GREEDY_BELOW_TEMPERATURE (0 included) means greedy (argmax);
+    `top_k == 0` and `top_p == 1.0` switch those masks off. `stop` strings end generation and
+    are never part of the output; a single string or a list is accepted and stored as a tuple.
+    With `seed` set, the request's tokens depend only on its own logits, never on what other
+    requests in the batch do.
     """
 
     max_tokens: int = 128
@@ -47,8 +51,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when every token is the argmax of its logits (temperature 0)."""
-        return self.temperature == 0.0
+        """True when every token is the argmax of its logits (temperature ~0)."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

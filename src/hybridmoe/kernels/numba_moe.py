@@ -21,15 +21,16 @@ import threading
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from hybridmoe import env
 from hybridmoe.kernels import llvm_ir, numba_simd
+from hybridmoe.kernels.numba_cache import cached_njit
 from hybridmoe.kernels.numba_simd import load_weight, tile_dot
 from hybridmoe.quant.formats import WEIGHT_FORMATS, KernelFormat
 
 ROWS_PER_ITEM = 16  # weight rows per parallel work item
-_FLAGS = dict(nogil=True, cache=True, fastmath={"contract", "arcp"})
+_FLAGS = dict(nogil=True, fastmath={"contract", "arcp"})  # cached_njit adds cache=True
 
 
 def kernel_sources() -> list[str]:
@@ -53,7 +54,7 @@ _previous_cache_dir = numba.config.CACHE_DIR
 numba.config.CACHE_DIR = str(env.kernel_cache_dir(*kernel_sources()))
 
 
-@njit(**_FLAGS)
+@cached_njit(**_FLAGS)
 def _group_routes(ids, num_experts):
     """Routes r = t * K + k with ids[r] >= 0, sorted by expert: (bad_id, experts [U] ascending,
     starts [U + 1] into the sorted routes, routes [R]); bad_id is -1 unless some id is
@@ -78,7 +79,7 @@ def _group_routes(ids, num_experts):
     return -1, experts, starts, routes
 
 
-@njit(inline="always", **_FLAGS)
+@cached_njit(inline="always", **_FLAGS)
 def _tile(fmt, wrows, xrows, w, w_off, row_bytes, blocks, x, x_offs, first, out, out_off, stride):
     """tile_dot with the tile shape chosen at run time among TILES (each a compiled branch)."""
     if xrows == 1:
@@ -106,7 +107,7 @@ def _tile(fmt, wrows, xrows, w, w_off, row_bytes, blocks, x, x_offs, first, out,
         tile_dot(fmt, 1, 4, w, w_off, row_bytes, blocks, x, x_offs, first, out, out_off, stride)
 
 
-@njit(inline="always", **_FLAGS)
+@cached_njit(inline="always", **_FLAGS)
 def _matmul(fmt, w, w_off, row_bytes, n, nrows, x, x_offs, first, count, out):
     """out[c * nrows + r] = weight row r · x[x_offs[first + c] :][:n] for r < nrows, c < count;
     weight row r is n weights at byte w_off + r * row_bytes. Tiles of weight rows outermost,
@@ -146,12 +147,12 @@ def _matmul(fmt, w, w_off, row_bytes, n, nrows, x, x_offs, first, count, out):
                     out[c * nrows + r] += weight * x[x_offs[first + c] + j]
 
 
-@njit(**_FLAGS)
+@cached_njit(**_FLAGS)
 def _silu(g):
     return g / (np.float32(1.0) + np.exp(-g))
 
 
-@njit(inline="always", **_FLAGS)
+@cached_njit(inline="always", **_FLAGS)
 def _round_bf16(a, n):
     """Rounds a[:n] (float32) to the nearest bfloat16 value, ties to even, as torch's cast does;
     inf and nan are kept."""
@@ -163,7 +164,7 @@ def _round_bf16(a, n):
         bits[i] = np.uint32(b)
 
 
-@njit(inline="always", **_FLAGS)
+@cached_njit(inline="always", **_FLAGS)
 def _swiglu(gate, up, n, act_bf16):
     """gate[:n] = silu(gate) * up, each step rounded to bf16 when `act_bf16` (as torch computes
     it on bf16 tensors); gate and up are the projections, already in the activation dtype."""
@@ -182,7 +183,7 @@ BF16_ACTIVATIONS = 1  # bf16 activations, float32 router weights (Mixtral): floa
 BF16_ROUTE_WEIGHTS = 2  # bf16 activations and router weights: bf16 weighted outputs
 
 
-@njit(inline="always", **_FLAGS)
+@cached_njit(inline="always", **_FLAGS)
 def _fused_moe(
     fmt, x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, act_bf16, y
 ):
@@ -256,7 +257,7 @@ def _fused_moe_entry(kernel: KernelFormat):
         )
 
     fused_moe.__name__ = fused_moe.__qualname__ = f"fused_moe_{kernel.name}"  # own cache files
-    return njit(parallel=True, **_FLAGS)(fused_moe)
+    return cached_njit(parallel=True, **_FLAGS)(fused_moe)
 
 
 FUSED_MOE = {name: _fused_moe_entry(fmt.kernel) for name, fmt in WEIGHT_FORMATS.items()}
@@ -271,7 +272,7 @@ FUSED_MOE = {name: _fused_moe_entry(fmt.kernel) for name, fmt in WEIGHT_FORMATS.
 _LAUNCH_LOCK = threading.Lock()
 
 
-@njit(parallel=True, cache=True)
+@cached_njit(parallel=True)
 def _touch_pool(out):
     for i in prange(out.shape[0]):
         out[i] = i

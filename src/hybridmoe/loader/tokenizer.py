@@ -3,6 +3,7 @@ templates rendered as `transformers` renders them, and streaming decode."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,13 @@ class Tokenizer:
         """Number of ids the tokenizer can produce, added tokens included. The model's embedding
         may have more rows (padding)."""
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters of text one token stands for: the longest token string in the
+        vocabulary, added tokens included (a byte-level token's string has one character per
+        byte it covers, so this bounds characters too). Computed once."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def has_chat_template(self) -> bool:

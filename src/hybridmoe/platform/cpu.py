@@ -6,9 +6,13 @@ host memory and complete when handed over, and a copy has finished when it retur
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
+
+MEMINFO = Path("/proc/meminfo")
 
 
 class CpuDeviceSync:
@@ -57,3 +61,13 @@ class CpuPlatform:
 
     def close(self) -> None:
         return None
+
+
+def host_available_bytes() -> int:
+    """Bytes of host memory available to a new allocation without swapping: Linux's
+    MemAvailable (free plus reclaimable page cache); elsewhere the free physical pages."""
+    if MEMINFO.exists():
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the file says kB
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

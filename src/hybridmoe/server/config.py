@@ -1,9 +1,13 @@
-"""ServerConfig: where `hybridmoe serve` listens and how it shuts down. How long a sequence
-may grow is the engine's (EngineConfig.max_seq_len): the KV cache is the engine's."""
+"""ServerConfig: where `hybridmoe serve` listens, whom it answers, how much it accepts and how
+it shuts down. How long a sequence may grow is the engine's (EngineConfig.max_seq_len): the KV
+cache is the engine's."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -11,11 +15,44 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback only unless asked otherwise
     port: int = 8000  # 0: any free port (the URL printed on start names it)
     shutdown_timeout_s: float = 5.0  # after SIGINT/SIGTERM, how long open streams may go on
+    # Bearer token every /v1 request must carry; None: no authentication (/health, /metrics
+    # stay open either way)
+    api_key: str | None = None
+    # Host header names accepted (DNS rebinding); (): the bound host, plus localhost,
+    # 127.0.0.1 and [::1] when that is a loopback address; "*": any (security.py)
+    allowed_hosts: tuple[str, ...] = ()
+    max_body_bytes: int = 4 * MIB  # larger request bodies get 413 before they are read
+    max_queue: int | None = None  # requests waiting for a KV row beyond which 503; None: no cap
+    request_timeout_s: float | None = None  # a request still running after this is cancelled
+    # A request's headers and body must arrive within this many seconds of its first byte (of
+    # the connection, for its first request): half-sent requests do not hold connections
+    read_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    max_connections: int = 1024  # beyond this many open connections, requests get 503
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("host must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it out for no authentication)")
+        object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))  # argparse: a list
+        if any(not name for name in self.allowed_hosts):
+            raise ValueError("allowed_hosts must not contain an empty name")
+        for name in ("max_body_bytes", "max_queue", "max_connections"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("request_timeout_s", "read_timeout_s", "keep_alive_timeout_s"):
+            _check_positive_seconds(name, getattr(self, name))
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+
+
+def _check_positive_int(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _check_positive_seconds(name: str, value: float | None) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive number of seconds, got {value}")

@@ -11,8 +11,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from hybridmoe.engine.scheduler import SchedulerClosed
 
@@ -27,17 +28,32 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.code, self.kind = code, kind
+        self.code, self.kind, self.headers = code, kind, headers
 
     def body(self) -> dict[str, Any]:
         error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
         return {"error": error}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class RequestTimedOut(Exception):
+    """A request ran past ServerConfig.request_timeout_s; it has been cancelled."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            f"the request ran longer than the server's request timeout "
+            f"(--request-timeout-s {timeout_s:g} s) and was cancelled"
+        )
+
+
+# The error type of a string with a lone UTF-16 surrogate (protocol.py); ctx["param"] names it.
+LONE_SURROGATE = "lone_surrogate"
 
 
 def generation_error(exc: Exception) -> ApiError:
@@ -45,6 +61,8 @@ def generation_error(exc: Exception) -> ApiError:
     (logged: it is a fault of the server or the model, not of the request)."""
     if isinstance(exc, SchedulerClosed):
         return ApiError(503, "the server is shutting down", kind="server_error")
+    if isinstance(exc, RequestTimedOut):
+        return ApiError(504, str(exc), code="request_timeout", kind="timeout_error")
     log.error("generation failed", exc_info=exc)
     return ApiError(500, f"generation failed: {exc}", kind="server_error")
 
@@ -57,7 +75,10 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         reason = first.get("ctx", {}).get("error", first["msg"])
         return ApiError(400, f"the request body is not valid JSON: {reason}")
     message = str(first["msg"]).removeprefix("Value error, ")
-    if not path or first["type"] == "model_attributes_type":
+    if first["type"] == LONE_SURROGATE:
+        param = first["ctx"]["param"]
+        return ApiError(400, f"invalid '{param}': {message}", param=param)
+    if not path:
         return ApiError(400, f"the request body must be a JSON object: {message}")
     param = ".".join(path)
     return ApiError(400, f"invalid '{param}': {message}", param=param)
@@ -76,6 +97,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return ApiError(exc.status_code, str(exc.detail), kind=kind).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # nobody to send it to (a read timeout closed it)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -13,6 +13,7 @@ from hybridmoe.engine import Engine, SamplingParams
 from hybridmoe.engine.scheduler import RequestOutput, Scheduler, SchedulerClosed
 from hybridmoe.errors import CheckpointError
 from hybridmoe.server.errors import ApiError, generation_error
+from hybridmoe.server.limits import check_prompt_chars
 from hybridmoe.server.protocol import ChatCompletionRequest, CompletionRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -185,6 +186,7 @@ def _check_context(
 
 
 def _encode(engine: Engine, text: str, param: str, add_special_tokens: bool) -> list[int]:
+    check_prompt_chars(engine, text, param)
     try:
         return engine.encode(text, add_special_tokens)
     except ValueError as exc:  # empty after tokenisation, or no tokenizer

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from hybridmoe.server.errors import LONE_SURROGATE
+from hybridmoe.server.text import lone_surrogate_path
 
 _MAX_SEED = 2**64
 # Values of the unimplemented /v1/completions fields that ask for nothing.
@@ -34,8 +38,8 @@ class _GenerationRequest(_Strict):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)  # 0 = greedy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # 0 = greedy, as OpenAI
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -48,6 +52,18 @@ class _GenerationRequest(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, body: Any) -> Any:
+        path = lone_surrogate_path(body)
+        if path is not None:
+            raise PydanticCustomError(
+                LONE_SURROGATE,
+                "contains a lone UTF-16 surrogate (not a Unicode character; send valid UTF-8)",
+                {"param": path or None},
+            )
+        return body
 
     @field_validator("n")
     @classmethod

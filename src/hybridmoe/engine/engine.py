@@ -18,7 +18,7 @@ from hybridmoe.engine.stats import GenerationStats
 from hybridmoe.errors import CheckpointError
 from hybridmoe.loader.checkpoint import parse_dtype
 from hybridmoe.loader.tokenizer import Tokenizer
-from hybridmoe.models.loading import load_model
+from hybridmoe.models.loading import load_checkpoint
 from hybridmoe.models.transformer import MoeCausalLM
 from hybridmoe.platform.base import Platform, create_platform
 
@@ -53,11 +53,8 @@ class Engine:
         config = config or EngineConfig()
         if config.threads:
             torch.set_num_threads(config.threads)
-        directory = Path(path)
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
-        model = load_model(directory, dtype, config.progress)
-        has_tokenizer = (directory / "tokenizer.json").exists()
-        tokenizer = Tokenizer.from_dir(directory) if has_tokenizer else None
+        model, tokenizer = load_checkpoint(Path(path), dtype, config.progress)
         return cls(model, tokenizer, config)
 
     def close(self) -> None:

@@ -17,10 +17,11 @@ from hybridmoe.engine.kv_cache import KVCache
 from hybridmoe.errors import DeviceMemoryError
 from hybridmoe.kernels.torch_moe import gathered_moe_peak_bytes
 from hybridmoe.models.transformer import MoeCausalLM
+from hybridmoe.moe.backends import ResidentExperts
 from hybridmoe.moe.config import OffloadConfig
 from hybridmoe.platform.base import Platform
 from hybridmoe.quant.bank import ExpertBank
-from hybridmoe.quant.formats import dense_format, weight_format
+from hybridmoe.quant.formats import WeightFormat, dense_format, weight_format
 
 GIB = 2**30
 # Activations, logits and allocator slack (the expert kernel's temporaries are counted apart).
@@ -124,11 +125,18 @@ def expert_shape_bank(model: MoeCausalLM, offload: OffloadConfig) -> ExpertBank:
     """One expert of the banks create_moe_runtime builds (their format and shapes), on the meta
     device: what the expert kernel's temporaries depend on, without memory."""
     cfg = model.cfg
-    native = dense_format(model.dtype)
-    fmt = weight_format(offload.expert_format) if offload.expert_format else native
+    fmt = weight_format(offload.expert_format) if offload.expert_format else _loaded_format(model)
     fmt.check_row_length(cfg.hidden_size, "hidden_size (gate/up rows)")
     fmt.check_row_length(cfg.moe_intermediate_size, "moe_intermediate_size (down rows)")
     inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
     gate_up = ExpertBank.empty_like_tensor(fmt, (1, 2 * inter, hidden), "meta")
     down = ExpertBank.empty_like_tensor(fmt, (1, hidden, inter), "meta")
     return ExpertBank(gate_up, down, fmt)
+
+
+def _loaded_format(model: MoeCausalLM) -> WeightFormat:
+    """The format the model's experts were loaded in: a file's own (GGUF), else its dtype."""
+    experts = model.moe_layers[0].experts
+    if isinstance(experts, ResidentExperts) and isinstance(experts.store, ExpertBank):
+        return experts.store.fmt
+    return dense_format(model.dtype)

@@ -29,7 +29,9 @@ _MODEL_ARCH = {
     "llama": gguf.MODEL_ARCH.LLAMA,
     "olmoe": gguf.MODEL_ARCH.OLMOE,
 }
-_EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+\.\w+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+_EXPERT = re.compile(
+    r"^(?P<layer>model\.layers\.\d+\.\w+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$"
+)
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
 
 

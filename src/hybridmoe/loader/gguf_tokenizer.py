@@ -81,7 +81,7 @@ def gguf_tokenizer(gguf: GgufFile) -> Tokenizer:
 
 
 def _backend(gguf: GgufFile, tokens: list[str], spec: PreTokenizerSpec) -> tokenizers.Tokenizer:
-    merges = [tuple(m.split(" ", 1)) for m in gguf.require("tokenizer.ggml.merges", list)]
+    merges = [tuple(m.split(" ", 1)) for m in gguf.get("tokenizer.ggml.merges", list, [])]
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise CheckpointError(f"{gguf.path}: 'tokenizer.ggml.tokens' repeats a token")

@@ -85,7 +85,10 @@ def _backend(gguf: GgufFile, tokens: list[str], spec: PreTokenizerSpec) -> token
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise CheckpointError(f"{gguf.path}: 'tokenizer.ggml.tokens' repeats a token")
-    bpe = models.BPE(vocab, merges, ignore_merges=spec.ignore_merges)
+    try:
+        bpe = models.BPE(vocab, merges, ignore_merges=spec.ignore_merges)
+    except Exception as exc:  # the Rust library raises a bare Exception
+        raise CheckpointError(f"{gguf.path}: 'tokenizer.ggml.merges' is invalid ({exc})") from exc
     backend = tokenizers.Tokenizer(bpe)
     if spec.nfc:
         backend.normalizer = normalizers.NFC()

@@ -31,7 +31,7 @@ SPELLINGS = {
     "chat": ENGINE_SPELLINGS | SAMPLING_SPELLINGS | {"--system"},
     "serve": ENGINE_SPELLINGS | {"--host", "--port", "--max-seq-len", "--max-batch"},
 }
-FREE_TEXT_SAMPLES = {"device": "cpu", "host": "localhost"}  # str fields without choices
+FREE_TEXT_SAMPLES = {"device": "cpu", "host": "localhost", "gguf_file": "Q4_K_M"}  # str, no choices
 
 
 def subparser(command: str) -> argparse.ArgumentParser:

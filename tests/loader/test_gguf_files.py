@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_checkpoints import GGUF_ARCH, _MODEL_ARCH, write_gguf
+from gguf_checkpoints import _MODEL_ARCH, GGUF_ARCH, write_gguf
 from hf_checkpoints import PROMPT_IDS, VARIANTS, write_hf_checkpoint
 from hybridmoe.errors import CheckpointError
 from hybridmoe.loader.gguf import GgufFile

@@ -17,6 +17,7 @@ from hybridmoe.engine.sequence import Completion, Sequence
 from hybridmoe.engine.stats import GenerationStats
 from hybridmoe.errors import CheckpointError
 from hybridmoe.loader.checkpoint import parse_dtype
+from hybridmoe.loader.hub import resolve_model
 from hybridmoe.loader.tokenizer import Tokenizer
 from hybridmoe.models.loading import load_checkpoint
 from hybridmoe.models.transformer import MoeCausalLM
@@ -54,7 +55,9 @@ class Engine:
         if config.threads:
             torch.set_num_threads(config.threads)
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
-        model, tokenizer = load_checkpoint(Path(path), dtype, config.progress)
+        model, tokenizer = load_checkpoint(
+            resolve_model(str(path), config.gguf_file), dtype, config.progress
+        )
         return cls(model, tokenizer, config)
 
     def close(self) -> None:

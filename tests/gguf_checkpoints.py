@@ -119,7 +119,8 @@ def _add_metadata(writer: gguf.GGUFWriter, config: dict, tensors: dict) -> None:
     if model_type == "mixtral" and config.get("sliding_window"):
         writer.add_sliding_window(config["sliding_window"])
     writer.add_eos_token_id(config["eos_token_id"])
-    writer.add_bos_token_id(config["bos_token_id"])
+    if config.get("bos_token_id") is not None:
+        writer.add_bos_token_id(config["bos_token_id"])
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: dict | None, config: dict) -> None:

@@ -95,15 +95,22 @@ def _engine(path: Path, target: str) -> Engine:
 
 
 @pytest.mark.parametrize("target", list(DECODE_TARGETS))
-def test_gguf_greedy_matches_transformers_and_safetensors(case: Case, target: str) -> None:
+def test_gguf_greedy_matches_transformers(case: Case, target: str) -> None:
     with _engine(case.gguf_path, target) as engine:
-        [from_gguf] = engine.generate_ids([PROMPT_IDS], GREEDY)
+        [ours] = engine.generate_ids([PROMPT_IDS], GREEDY)
         logits = engine.model.logits(PROMPT_IDS + case.tokens[:-1])
-    with _engine(case.float_dir, target) as engine:
-        [from_safetensors] = engine.generate_ids([PROMPT_IDS], GREEDY)
-    assert from_gguf == case.tokens
-    assert from_safetensors == from_gguf
+    assert ours == case.tokens
     torch.testing.assert_close(logits, case.logits, atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
+
+
+def test_gguf_greedy_matches_safetensors(case: Case) -> None:
+    """The GGUF and its float checkpoint loaded as safetensors (the targets agree with each
+    other for a safetensors load: tests/moe)."""
+    runs = []
+    for path in (case.gguf_path, case.float_dir):
+        with _engine(path, "hybrid") as engine:
+            runs.append(engine.generate_ids([PROMPT_IDS], GREEDY))
+    assert runs[0] == runs[1]
 
 
 def test_gguf_experts_stay_in_the_files_format(case: Case) -> None:

@@ -17,7 +17,8 @@ from hybridmoe.layers.linear import GatedMLP, Linear
 from hybridmoe.loader.weights import WeightSource
 from hybridmoe.moe.backends import ExpertBackend, ResidentExperts
 from hybridmoe.moe.routing import Router, RouterSpec, combine_experts, create_router
-from hybridmoe.quant.bank import ExpertWeights, load_experts
+from hybridmoe.quant.bank import ExpertWeights
+from hybridmoe.quant.merged_bank import load_experts
 
 if TYPE_CHECKING:  # layers sit below models: no import of them at run time
     from hybridmoe.config.model import ModelConfig

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+import torch
+
 from hybridmoe.config.model import HfConfigReader, ModelConfig
 from hybridmoe.loader.gguf import GgufFile
 from hybridmoe.loader.gguf_weights import Restore
@@ -65,7 +67,7 @@ def mixtral_restore(cfg: ModelConfig) -> Restore:
     """llama.cpp's converter permutes llama-arch q/k rows for its rotary layout: undo it."""
     heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}
 
-    def restore(name: str, tensor):
+    def restore(name: str, tensor: torch.Tensor) -> torch.Tensor:
         projection = name.rsplit(".", 2)[-2]
         if projection not in heads:
             return tensor

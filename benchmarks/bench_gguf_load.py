@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -113,15 +112,20 @@ def load_once(path: str, expert_format: str | None) -> None:
     engine.close()
 
 
-def _rss_mib() -> float:
+def _status_mib(key: str) -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{key}:"):
             return int(line.split()[1]) / 1024
     return 0.0
 
 
+def _rss_mib() -> float:
+    return _status_mib("VmRSS")
+
+
 def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """The process's peak RSS (VmHWM; ru_maxrss would carry the parent's over exec)."""
+    return _status_mib("VmHWM")
 
 
 def _measure(path: Path, expert_format: str | None) -> dict:
@@ -141,7 +145,9 @@ def main() -> None:
     if args.load:
         return load_once(args.load, args.expert_format)
     layers = _layers(args.gguf_gib)
-    hf, gguf_path = write_checkpoints(args.dir, layers)
+    hf, gguf_path = args.dir / "hf", args.dir / "model.gguf"
+    if not (gguf_path.exists() and (hf / "model.safetensors").exists()):  # else: reused
+        hf, gguf_path = write_checkpoints(args.dir, layers)
     print(f"{layers} layers; GGUF {gguf_path.stat().st_size / 2**30:.2f} GiB, safetensors "
           f"{(hf / 'model.safetensors').stat().st_size / 2**30:.2f} GiB; loadavg "
           f"{Path('/proc/loadavg').read_text().split()[0]}")  # fmt: skip
@@ -149,6 +155,7 @@ def main() -> None:
     from_gguf = _measure(gguf_path, None)
     print(f"safetensors + --expert-format q4_0: {safetensors}")
     print(f"GGUF (q4_0 experts):                {from_gguf}")
+    print("rss_mib: RSS growth over the load (what stays resident); peak_mib: VmHWM")
     print(f"load time ratio safetensors/GGUF: {safetensors['s'] / from_gguf['s']:.1f}x")
 
 

@@ -45,5 +45,7 @@ def test_repo_id_and_quant_name_resolve_from_the_cache(hub_cache: Path) -> None:
 
 
 def test_repo_not_in_cache_says_how_to_download(hub_cache: Path) -> None:
-    with pytest.raises(CheckpointError, match="not in the local Hugging Face cache.*hf download"):
+    with pytest.raises(
+        CheckpointError, match="no repo of that id in the local Hugging Face cache.*download"
+    ):
         resolve_model("Org/Missing-GGUF", "Q4_K_M")

@@ -36,8 +36,9 @@ def _cached_snapshot(repo_id: str, gguf_file: str | None) -> Path:
     except LocalEntryNotFoundError:
         include = f" --include '*{gguf_file}*'" if gguf_file else ""
         raise CheckpointError(
-            f"{repo_id} is not in the local Hugging Face cache (hybridmoe does not download); "
-            f"download it with: hf download {repo_id}{include}"
+            f"{repo_id}: no such file or directory, and no repo of that id in the local Hugging "
+            f"Face cache (hybridmoe does not download); download it with: "
+            f"hf download {repo_id}{include}"
         ) from None
 
 

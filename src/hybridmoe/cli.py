@@ -82,6 +82,10 @@ class FlagDoc:
 # Help texts by field name; a switch's text says what the switch (`--no-overlap`) does.
 FLAG_DOCS: dict[str, FlagDoc] = {
     "dtype": FlagDoc(choices=DTYPE_CHOICES),
+    "gguf_file": FlagDoc(
+        "the GGUF in --model's directory or Hugging Face repo: its file name or a part of it "
+        "such as Q4_K_M"
+    ),
     "device": FlagDoc(DEVICE_HELP),
     "gpu_memory": FlagDoc(
         "GiB of device memory to use; expert slots fill what the dense weights and KV "
@@ -227,7 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
         ("trace", trace),
     ):
         sub.add_argument(
-            "--model", help="checkpoint directory (default: the embedded demo model)", default=None
+            "--model",
+            help="checkpoint: a directory, a .gguf file, or a Hugging Face repo id in the local "
+            "cache (default: the embedded demo model)",
+            default=None,
         )
         _add_config_flags(sub, command)
     return parser

@@ -24,6 +24,9 @@ class EngineConfig:
     # resolve_max_seq_len. The cache holds max_batch rows of this many positions.
     max_seq_len: int | None = None
     progress: bool = False  # progress bar while loading weights
+    # the GGUF to load from --model's directory or cached repo: a file name or a part of one
+    # (a quant name such as Q4_K_M); None: --model names the checkpoint itself
+    gguf_file: str | None = None
     offload: OffloadConfig = field(default_factory=OffloadConfig)  # where experts decode
 
     def __post_init__(self) -> None:

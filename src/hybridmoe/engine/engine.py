@@ -17,8 +17,9 @@ from hybridmoe.engine.sequence import Completion, Sequence
 from hybridmoe.engine.stats import GenerationStats
 from hybridmoe.errors import CheckpointError
 from hybridmoe.loader.checkpoint import parse_dtype
+from hybridmoe.loader.hub import resolve_model
 from hybridmoe.loader.tokenizer import Tokenizer
-from hybridmoe.models.loading import load_model
+from hybridmoe.models.loading import load_checkpoint
 from hybridmoe.models.transformer import MoeCausalLM
 from hybridmoe.platform.base import Platform, create_platform
 
@@ -54,11 +55,10 @@ class Engine:
         config = config or EngineConfig()
         if config.threads:
             torch.set_num_threads(config.threads)
-        directory = Path(path)
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
-        model = load_model(directory, dtype, config.progress)
-        has_tokenizer = (directory / "tokenizer.json").exists()
-        tokenizer = Tokenizer.from_dir(directory) if has_tokenizer else None
+        model, tokenizer = load_checkpoint(
+            resolve_model(str(path), config.gguf_file), dtype, config.progress
+        )
         return cls(model, tokenizer, config)
 
     def close(self) -> None:

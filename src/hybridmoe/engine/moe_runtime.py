@@ -252,10 +252,14 @@ def _expert_stores(
 ) -> list[ExpertStore]:
     """Each layer's experts as the target computes from them: stacked into a host bank in
     `expert_format` (the mapped pages released: the bank is their only copy), or, when not
-    `stack`ing and the format is the model's, the mapped experts themselves, aligned."""
-    native = dense_format(dtype)
-    fmt = weight_format(config.expert_format) if config.expert_format else native
+    `stack`ing and the format is the model's, the mapped experts themselves, aligned. A file
+    that stores its experts merged (GGUF) comes as banks already, in the file's format."""
     loaded = [_loaded_experts(layer) for layer in layers]
+    asked = weight_format(config.expert_format) if config.expert_format else None
+    if loaded and isinstance(loaded[0], ExpertBank):
+        return [_file_bank(bank, asked) for bank in loaded]
+    native = dense_format(dtype)
+    fmt = asked or native
     if fmt == native and not stack:
         for experts in loaded:
             experts.align()
@@ -265,14 +269,29 @@ def _expert_stores(
     return [_stacked(experts, fmt) for experts in bar]
 
 
-def _loaded_experts(layer: OffloadMoELayer) -> ExpertWeights:
+def _loaded_experts(layer: OffloadMoELayer) -> ExpertStore:
     experts = layer.experts
-    if not isinstance(experts, ResidentExperts) or not isinstance(experts.store, ExpertWeights):
+    unplaced = isinstance(experts, ResidentExperts) and (
+        experts.loaded or isinstance(experts.store, ExpertWeights)
+    )
+    if not unplaced:
         raise RuntimeError(
             "this model's experts were already placed by a MoE runtime; load the model again "
             "to build another"
         )
     return experts.store
+
+
+def _file_bank(bank: ExpertBank, asked: WeightFormat | None) -> ExpertBank:
+    """A bank the file stored: kept in its format; `expert_format` may only quantise floats."""
+    if asked is None or asked == bank.fmt:
+        return bank
+    if bank.fmt.is_quantized:
+        raise ValueError(
+            f"expert_format={asked.name!r}: the file stores its experts as {bank.fmt.name}, "
+            "and hybridmoe does not re-quantise them; leave --expert-format unset"
+        )
+    return bank.converted(asked)
 
 
 def _stacked(experts: ExpertWeights, fmt: WeightFormat) -> ExpertBank:

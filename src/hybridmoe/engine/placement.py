@@ -18,11 +18,12 @@ from hybridmoe.engine.kv_cache import KVCache
 from hybridmoe.errors import DeviceMemoryError, HostMemoryError
 from hybridmoe.kernels.torch_moe import gathered_moe_peak_bytes
 from hybridmoe.models.transformer import MoeCausalLM
+from hybridmoe.moe.backends import ResidentExperts
 from hybridmoe.moe.config import AUTO_TARGET, OffloadConfig
 from hybridmoe.platform.base import Platform
 from hybridmoe.platform.cpu import host_available_bytes
 from hybridmoe.quant.bank import ExpertBank
-from hybridmoe.quant.formats import dense_format, weight_format
+from hybridmoe.quant.formats import WeightFormat, dense_format, weight_format
 
 GIB = 2**30
 # Activations, logits and allocator slack (the expert kernel's temporaries are counted apart).
@@ -140,8 +141,7 @@ def expert_shape_bank(model: MoeCausalLM, offload: OffloadConfig) -> ExpertBank:
     """One expert of the banks create_moe_runtime builds (their format and shapes), on the meta
     device: what the expert kernel's temporaries depend on, without memory."""
     cfg = model.cfg
-    native = dense_format(model.dtype)
-    fmt = weight_format(offload.expert_format) if offload.expert_format else native
+    fmt = weight_format(offload.expert_format) if offload.expert_format else _loaded_format(model)
     fmt.check_row_length(cfg.hidden_size, "hidden_size (gate/up rows)")
     fmt.check_row_length(cfg.moe_intermediate_size, "moe_intermediate_size (down rows)")
     inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
@@ -173,3 +173,11 @@ def resolve_decode_target(
     expert_nbytes = expert_shape_bank(model, resident.offload).expert_nbytes
     fits = memory is None or memory.expert_bytes >= total * expert_nbytes
     return resident if fits else choosing("hybrid")
+
+
+def _loaded_format(model: MoeCausalLM) -> WeightFormat:
+    """The format the model's experts were loaded in: a file's own (GGUF), else its dtype."""
+    experts = model.moe_layers[0].experts
+    if isinstance(experts, ResidentExperts) and isinstance(experts.store, ExpertBank):
+        return experts.store.fmt
+    return dense_format(model.dtype)

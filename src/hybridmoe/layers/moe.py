@@ -18,6 +18,7 @@ from hybridmoe.loader.weights import WeightSource
 from hybridmoe.moe.backends import ExpertBackend, ResidentExperts
 from hybridmoe.moe.routing import Router, RouterSpec, combine_experts, create_router
 from hybridmoe.quant.bank import ExpertWeights
+from hybridmoe.quant.merged_bank import load_experts
 
 if TYPE_CHECKING:  # layers sit below models: no import of them at run time
     from hybridmoe.config.model import ModelConfig
@@ -103,11 +104,11 @@ class OffloadMoELayer:
         spec = RouterSpec(cfg.top_k, cfg.norm_topk_prob, cfg.router_weights_fp32)
         router = create_router(router_kind, {"weight": router_weight}, spec)
         shape = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        experts = ExpertWeights.load(source, f"{prefix}.experts", shape, names)
+        experts = load_experts(source, f"{prefix}.experts", shape, names)
         shared = None
         if shared_expert_kind is not None and cfg.shared_expert_intermediate_size:
             shared = SHARED_EXPERTS[shared_expert_kind](source, prefix, cfg)
-        return cls(router, ResidentExperts(experts), moe_idx, shared)
+        return cls(router, ResidentExperts(experts, loaded=True), moe_idx, shared)
 
     def use(self, experts: ExpertBackend) -> None:
         """Compute the routed experts with `experts` from now on (the MoE runtime's choice)."""

@@ -92,6 +92,11 @@ class Tokenizer:
         """The prompt text for `messages`, as transformers' `apply_chat_template(tokenize=False)`
         renders it. Raises CheckpointError if the checkpoint has no chat template or it does not
         compile, and ValueError if the template rejects the messages."""
+        if self.chat_template is None and self.directory.is_file():  # a GGUF
+            raise CheckpointError(
+                f"{self.directory} has no 'tokenizer.chat_template': this model cannot format "
+                "chat messages"
+            )
         if self.chat_template is None:
             raise CheckpointError(
                 f"{self.directory / TOKENIZER_CONFIG_FILE} has no 'chat_template' (and there is "

@@ -13,6 +13,7 @@ import json
 import mmap
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,6 +48,21 @@ def find_safetensors_files(directory: Path) -> list[Path]:
     if not files:
         raise CheckpointError(f"{directory}: no *.safetensors weight files found")
     return files
+
+
+@dataclass(frozen=True)
+class MergedExperts:
+    """One MoE layer's routed experts as a file stores them merged (GGUF's
+    `blk.N.ffn_{gate,up,down}_exps`): three tensors in the file's format `type_name` (a ggml
+    type name such as "Q8_0"), each [E, rows, row storage] (uint8 blocks, or the floats),
+    views of the file's mapping."""
+
+    gate: torch.Tensor  # stored [E, I, row(H)]
+    up: torch.Tensor  # stored [E, I, row(H)]
+    down: torch.Tensor  # stored [E, H, row(I)]
+    type_name: str
+    names: tuple[str, str, str]  # the three tensors' names in the file, for errors
+    path: Path
 
 
 class WeightSource:
@@ -106,6 +122,10 @@ class WeightSource:
         self._bar.update()
         tensor = tensor if tensor.dtype == self.dtype else tensor.to(self.dtype)
         return aligned(tensor) if align else tensor
+
+    def merged_experts(self, prefix: str, names: tuple[str, str, str]) -> MergedExperts | None:
+        """None: a safetensors checkpoint stores each expert's matrices apart (`get` them)."""
+        return None
 
     def unread_names(self) -> list[str]:
         """Names in the checkpoint that `get` has not been asked for, sorted."""

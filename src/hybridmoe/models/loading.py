@@ -1,4 +1,5 @@
-"""load_model: a Hugging Face checkpoint directory into the model its family builds."""
+"""load_model: a checkpoint (a Hugging Face directory, or a GGUF file) into the model its
+family builds."""
 
 from __future__ import annotations
 
@@ -9,15 +10,44 @@ import torch
 from hybridmoe.errors import CheckpointError
 from hybridmoe.loader.checkpoint import check_all_used, refuse_quantized, stored_dtype
 from hybridmoe.loader.files import read_json_object
+from hybridmoe.loader.gguf import GgufFile, is_gguf
+from hybridmoe.loader.gguf_tokenizer import gguf_tokenizer
+from hybridmoe.loader.gguf_weights import GgufWeightSource
+from hybridmoe.loader.tokenizer import TOKENIZER_FILE, Tokenizer
 from hybridmoe.loader.weights import WeightSource
-from hybridmoe.models.registry import family_for
+from hybridmoe.models.gguf_names import gguf_name_map
+from hybridmoe.models.registry import family_for, family_for_gguf
+from hybridmoe.models.transformer import MoeCausalLM
 
 
 def load_model(
+    path: str | Path, dtype: torch.dtype | None = torch.float32, progress: bool = False
+) -> MoeCausalLM:
+    """MoeCausalLM of the checkpoint at `path` (see load_hf_model and load_gguf_model)."""
+    path = Path(path)
+    if is_gguf(path):
+        return load_gguf_model(GgufFile(path), dtype, progress)
+    return load_hf_model(path, dtype, progress)
+
+
+def load_checkpoint(
+    path: str | Path, dtype: torch.dtype | None = torch.float32, progress: bool = False
+) -> tuple[MoeCausalLM, Tokenizer | None]:
+    """The model and the tokenizer of the checkpoint at `path`: a GGUF's own, or a Hugging Face
+    directory's tokenizer.json (None without one)."""
+    path = Path(path)
+    if is_gguf(path):
+        gguf = GgufFile(path)
+        return load_gguf_model(gguf, dtype, progress), gguf_tokenizer(gguf)
+    model = load_hf_model(path, dtype, progress)
+    return model, Tokenizer.from_dir(path) if (path / TOKENIZER_FILE).exists() else None
+
+
+def load_hf_model(
     directory: str | Path, dtype: torch.dtype | None = torch.float32, progress: bool = False
 ):
-    """MoeCausalLM of the checkpoint in `directory`, weights memory-mapped where dtypes agree.
-    `dtype` None picks it from config.json (see stored_dtype)."""
+    """MoeCausalLM of the Hugging Face checkpoint in `directory`, weights memory-mapped where
+    dtypes agree. `dtype` None picks it from config.json (see stored_dtype)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: checkpoint directory does not exist")
@@ -27,9 +57,27 @@ def load_model(
     family = family_for(raw, str(config_path))
     cfg = family.config_from(raw, str(config_path))
     source = WeightSource.from_dir(directory, dtype or stored_dtype(raw), progress)
+    return _build(family, cfg, source, config_path)
+
+
+def load_gguf_model(
+    gguf: GgufFile, dtype: torch.dtype | None = torch.float32, progress: bool = False
+):
+    """MoeCausalLM of a GGUF model: config from its metadata, dense weights dequantised to
+    `dtype` (None: float32), routed experts kept in the file's format, memory-mapped."""
+    family = family_for_gguf(gguf.architecture, str(gguf.path))
+    where = f"{gguf.path} (metadata as config.json fields)"
+    cfg = family.config_from(family.gguf.config(gguf), where)
+    restore = family.gguf.restore(cfg) if family.gguf.restore is not None else None
+    names = gguf_name_map(family.weights.moe_prefix, family.weights.expert_names)
+    source = GgufWeightSource(gguf, dtype or torch.float32, names, restore, progress)
+    return _build(family, cfg, source, gguf.path)
+
+
+def _build(family, cfg, source, origin: Path):
     try:
         model = family.build(cfg, family, source)
-        check_all_used(source, config_path)
+        check_all_used(source, origin)
         return model
     finally:
         source.close()

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+import torch
+
 from hybridmoe.config.model import HfConfigReader, ModelConfig
+from hybridmoe.loader.gguf import GgufFile
+from hybridmoe.loader.gguf_weights import Restore
+from hybridmoe.models.gguf_config import GgufKeys, GgufSpec, decoder_fields, unpermute_rope_rows
 from hybridmoe.models.parsing import decoder_config
 from hybridmoe.models.registry import ModelFamily, WeightNames, register
 from hybridmoe.models.transformer import MoeCausalLM
@@ -43,6 +48,34 @@ def parse_mixtral(r: HfConfigReader) -> ModelConfig:
     )
 
 
+def mixtral_config(gguf: GgufFile) -> dict:
+    """GGUF `llama` metadata with experts as Mixtral config.json fields (a `llama` file without
+    experts is a dense model: refused). The experts' width is `feed_forward_length`."""
+    keys = GgufKeys(gguf)
+    if not keys.get("expert_count"):
+        keys.refuse("expert_count", "a llama GGUF without experts is a dense model")
+    if not keys.get("expert_weights_norm", bool, True):
+        keys.refuse("expert_weights_norm", "Mixtral always renormalises its top-k weights")
+    return {
+        **decoder_fields(keys, "MixtralForCausalLM"),
+        "intermediate_size": keys.require("feed_forward_length"),
+        "sliding_window": keys.get("attention.sliding_window"),
+    }
+
+
+def mixtral_restore(cfg: ModelConfig) -> Restore:
+    """llama.cpp's converter permutes llama-arch q/k rows for its rotary layout: undo it."""
+    heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}
+
+    def restore(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        projection = name.rsplit(".", 2)[-2]
+        if projection not in heads:
+            return tensor
+        return unpermute_rope_rows(tensor, heads[projection])
+
+    return restore
+
+
 MIXTRAL = register(
     ModelFamily(
         architecture="MixtralForCausalLM",
@@ -52,5 +85,6 @@ MIXTRAL = register(
         weights=WeightNames(moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2")),
         router="softmax_topk",
         attention="gqa",
+        gguf=GgufSpec("llama", mixtral_config, mixtral_restore),
     )
 )

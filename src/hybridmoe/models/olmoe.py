@@ -11,6 +11,8 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from hybridmoe.config.model import HfConfigReader, ModelConfig
+from hybridmoe.loader.gguf import GgufFile
+from hybridmoe.models.gguf_config import GgufKeys, GgufSpec, decoder_fields, has_attention_bias
 from hybridmoe.models.parsing import decoder_config
 from hybridmoe.models.registry import ModelFamily, register
 from hybridmoe.models.transformer import MoeCausalLM
@@ -54,6 +56,19 @@ def parse_olmoe(r: HfConfigReader) -> ModelConfig:
     )
 
 
+def olmoe_config(gguf: GgufFile) -> dict:
+    """GGUF `olmoe` metadata as OLMoE config.json fields: the experts' width is
+    `feed_forward_length`, qkv clipping `attention.clamp_kqv`."""
+    keys = GgufKeys(gguf)
+    return {
+        **decoder_fields(keys, "OlmoeForCausalLM"),
+        "intermediate_size": keys.require("feed_forward_length"),
+        "norm_topk_prob": keys.get("expert_weights_norm", bool, False),
+        "attention_bias": has_attention_bias(keys),
+        "clip_qkv": keys.get("attention.clamp_kqv", float),
+    }
+
+
 OLMOE = register(
     ModelFamily(
         architecture="OlmoeForCausalLM",
@@ -62,5 +77,6 @@ OLMOE = register(
         build=MoeCausalLM,
         router="softmax_topk",
         attention="gqa",
+        gguf=GgufSpec("olmoe", olmoe_config),
     )
 )

@@ -11,6 +11,15 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from hybridmoe.config.model import HfConfigReader, ModelConfig
+from hybridmoe.loader.gguf import GgufFile
+from hybridmoe.models.gguf_config import (
+    GgufKeys,
+    GgufSpec,
+    decoder_fields,
+    dense_layers,
+    dense_width,
+    has_attention_bias,
+)
 from hybridmoe.models.parsing import decoder_config, qwen_sparse_layers
 from hybridmoe.models.registry import ModelFamily, register
 from hybridmoe.models.transformer import MoeCausalLM
@@ -54,6 +63,22 @@ def parse_qwen2_moe(r: HfConfigReader) -> ModelConfig:
     )
 
 
+def qwen2moe_config(gguf: GgufFile) -> dict:
+    """GGUF `qwen2moe` metadata as Qwen2-MoE config.json fields (llama.cpp's qwen2moe graph
+    does not renormalise the top-k weights unless `expert_weights_norm` says so)."""
+    keys = GgufKeys(gguf)
+    dense = dense_layers(keys)
+    return {
+        **decoder_fields(keys, "Qwen2MoeForCausalLM"),
+        "moe_intermediate_size": keys.require("expert_feed_forward_length"),
+        "shared_expert_intermediate_size": keys.require("expert_shared_feed_forward_length"),
+        "intermediate_size": dense_width(keys, dense),
+        "mlp_only_layers": dense,
+        "norm_topk_prob": keys.get("expert_weights_norm", bool, False),
+        "qkv_bias": has_attention_bias(keys),
+    }
+
+
 QWEN2_MOE = register(
     ModelFamily(
         architecture="Qwen2MoeForCausalLM",
@@ -63,5 +88,6 @@ QWEN2_MOE = register(
         router="softmax_topk",
         shared_expert="sigmoid_gated",
         attention="gqa",
+        gguf=GgufSpec("qwen2moe", qwen2moe_config),
     )
 )

@@ -11,6 +11,15 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from hybridmoe.config.model import HfConfigReader, ModelConfig
+from hybridmoe.loader.gguf import GgufFile
+from hybridmoe.models.gguf_config import (
+    GgufKeys,
+    GgufSpec,
+    decoder_fields,
+    dense_layers,
+    dense_width,
+    has_attention_bias,
+)
 from hybridmoe.models.parsing import decoder_config, qwen_sparse_layers
 from hybridmoe.models.registry import ModelFamily, register
 from hybridmoe.models.transformer import MoeCausalLM
@@ -52,6 +61,24 @@ def parse_qwen3_moe(r: HfConfigReader) -> ModelConfig:
     )
 
 
+def qwen3moe_config(gguf: GgufFile) -> dict:
+    """GGUF `qwen3moe` metadata as Qwen3-MoE config.json fields. llama.cpp's qwen3moe graph
+    always renormalises the top-k weights; `expert_weights_norm`, when present, says so."""
+    keys = GgufKeys(gguf)
+    dense = dense_layers(keys)
+    window = keys.get("attention.sliding_window")
+    return {
+        **decoder_fields(keys, "Qwen3MoeForCausalLM"),
+        "moe_intermediate_size": keys.require("expert_feed_forward_length"),
+        "intermediate_size": dense_width(keys, dense),
+        "mlp_only_layers": dense,
+        "norm_topk_prob": keys.get("expert_weights_norm", bool, True),
+        "attention_bias": has_attention_bias(keys),
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
+    }
+
+
 QWEN3_MOE = register(
     ModelFamily(
         architecture="Qwen3MoeForCausalLM",
@@ -60,5 +87,6 @@ QWEN3_MOE = register(
         build=MoeCausalLM,
         router="softmax_topk",
         attention="gqa",
+        gguf=GgufSpec("qwen3moe", qwen3moe_config),
     )
 )

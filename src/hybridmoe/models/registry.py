@@ -18,6 +18,7 @@ from hybridmoe.errors import UnsupportedConfigError
 from hybridmoe.layers.attention import ATTENTIONS
 from hybridmoe.layers.moe import SHARED_EXPERTS
 from hybridmoe.loader.weights import WeightSource
+from hybridmoe.models.gguf_config import GgufSpec
 from hybridmoe.moe.routing import ROUTERS
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class ModelFamily:
     router: str = "softmax_topk"  # a kind in moe.routing.ROUTERS
     shared_expert: str | None = None  # a kind in layers.moe.SHARED_EXPERTS, or none
     attention: str = "gqa"  # a kind in layers.attention.ATTENTIONS
+    gguf: GgufSpec | None = None  # how the family is stored in GGUF files, if it can be
 
     def __post_init__(self) -> None:
         for role, kind, kinds in (
@@ -70,6 +72,18 @@ def register(family: ModelFamily) -> ModelFamily:
         raise ValueError(f"model family {family.architecture!r} is already registered")
     MODEL_REGISTRY[family.architecture] = family
     return family
+
+
+def family_for_gguf(architecture: str, source: str) -> ModelFamily:
+    """The family whose GGUF `general.architecture` is `architecture`."""
+    for family in MODEL_REGISTRY.values():
+        if family.gguf is not None and family.gguf.architecture == architecture:
+            return family
+    supported = sorted(f.gguf.architecture for f in MODEL_REGISTRY.values() if f.gguf)
+    raise UnsupportedConfigError(
+        f"{source}: metadata key 'general.architecture' = {architecture!r} names no supported "
+        f"model (supported: {', '.join(supported)})"
+    )
 
 
 def family_for(raw_config: dict, source: str = "config.json") -> ModelFamily:

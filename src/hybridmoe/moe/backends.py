@@ -70,6 +70,7 @@ class ResidentExperts:
     """`resident`: every expert lives where the layer computes."""
 
     store: ExpertStore
+    loaded: bool = False  # the layer's backend as loaded: its store is the checkpoint's experts
 
     def prefill(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return accelerator_experts(x, ids, weights, self.store)

@@ -1,0 +1,192 @@
+"""GgufFile: one GGUF model (a single file, or a split set `-00001-of-0000N.gguf`), its metadata
+and its tensors, memory-mapped by the `gguf` package's GGUFReader.
+
+Every problem with the files is a one-line CheckpointError naming the file and what is wrong:
+wrong magic, an unsupported version, a truncated or corrupt file, a missing split part, a
+missing or mistyped metadata key. Tensor data stays in the mapping (opened copy-on-write, so a
+view handed to torch is writable without ever touching the file).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridmoe.errors import CheckpointError, UnsupportedConfigError
+
+GGUF_SUFFIX = ".gguf"
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)  # what gguf's GGUFReader reads
+SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    """One tensor of the model: its ggml type name ("Q8_0", "F32", ...), its logical shape in
+    numpy order (GGUF stores dims reversed), and its stored data as a torch view of the mapping
+    (uint8 [..., row_bytes] for block formats, the float itself for F32/F16)."""
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+    data: torch.Tensor
+    path: Path
+
+
+def find_gguf_files(path: Path) -> list[Path]:
+    """The files of the GGUF model at `path`: a .gguf file, the first part of a split set (all
+    parts then), or a directory holding exactly one such model. CheckpointError otherwise."""
+    if path.is_dir():
+        return find_gguf_files(_only_model_in(path))
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found")
+    split = SPLIT_NAME.match(path.name)
+    if split is None:
+        return [path]
+    part, count = int(split["part"]), int(split["count"])
+    if part != 1:
+        first = path.with_name(f"{split['stem']}-00001-of-{split['count']}{GGUF_SUFFIX}")
+        raise CheckpointError(f"{path} is part {part} of {count} of a split GGUF; give {first}")
+    parts = [
+        path.with_name(f"{split['stem']}-{i:05d}-of-{split['count']}{GGUF_SUFFIX}")
+        for i in range(1, count + 1)
+    ]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{path}: split GGUF of {count} parts is missing {', '.join(missing)}"
+        )
+    return parts
+
+
+def _only_model_in(directory: Path) -> Path:
+    files = sorted(directory.glob(f"*{GGUF_SUFFIX}"))
+    models = [f for f in files if not SPLIT_NAME.match(f.name) or "-00001-of-" in f.name]
+    if len(models) != 1:
+        found = ", ".join(f.name for f in models) or "none"
+        raise CheckpointError(
+            f"{directory}: expected one GGUF model, found {found}; give the .gguf file itself"
+        )
+    return models[0]
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether `path` names a GGUF model: a .gguf file, or a directory of them without a
+    config.json (a Hugging Face checkpoint directory)."""
+    if path.is_dir():
+        return not (path / "config.json").exists() and any(path.glob(f"*{GGUF_SUFFIX}"))
+    return path.suffix == GGUF_SUFFIX
+
+
+class GgufFile:
+    """The metadata (from the first part) and the tensors (of every part) of one GGUF model."""
+
+    def __init__(self, path: str | Path):
+        self.paths = find_gguf_files(Path(path))
+        self.path = self.paths[0]
+        readers = [_open_reader(p) for p in self.paths]
+        self.fields = {name: f for name, f in readers[0].fields.items()}
+        self._check_split(readers)
+        self.tensors: dict[str, GgufTensor] = {}
+        for reader, part in zip(readers, self.paths, strict=True):
+            for tensor in reader.tensors:
+                self.tensors[tensor.name] = _tensor(tensor, part)
+
+    @property
+    def architecture(self) -> str:
+        return self.require("general.architecture", str)
+
+    def has(self, key: str) -> bool:
+        return key in self.fields
+
+    def get(self, key: str, kind: type = int, default: Any = None) -> Any:
+        """Metadata `key` as `kind` (int, float, str, bool or list), `default` when absent."""
+        if key not in self.fields:
+            return default
+        field = self.fields[key]
+        value = field.contents()
+        if kind is float and field.types == [_float32_type()]:
+            value = float(str(np.float32(value)))  # the decimal the writer was given: 1e-06
+        return self._typed(key, value, kind)
+
+    def require(self, key: str, kind: type = int) -> Any:
+        """Metadata `key` as `kind`; UnsupportedConfigError naming the key when it is absent."""
+        value = self.get(key, kind, _MISSING)
+        if value is _MISSING:
+            raise UnsupportedConfigError(f"{self.path}: metadata key '{key}' is missing")
+        return value
+
+    def _typed(self, key: str, value: Any, kind: type) -> Any:
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            shown = f"{len(value)} values" if isinstance(value, list) else repr(value)
+            raise UnsupportedConfigError(
+                f"{self.path}: metadata key '{key}' must be {kind.__name__}, got {shown}"
+            )
+        return value
+
+    def _check_split(self, readers: list) -> None:
+        """For a split set: every part says it is part i of n, and they hold the tensors the
+        first part counts."""
+        count = len(readers)
+        if count == 1 and "split.count" not in self.fields:
+            return
+        for i, (reader, part) in enumerate(zip(readers, self.paths, strict=True)):
+            no, total = _field(reader, "split.no"), _field(reader, "split.count")
+            if (no, total) != (i, count):
+                raise CheckpointError(
+                    f"{part}: metadata says split part {no} of {total}, its name says part "
+                    f"{i + 1} of {count} (split.no counts from 0)"
+                )
+        expected = _field(readers[0], "split.tensors.count")
+        found = sum(len(r.tensors) for r in readers)
+        if expected is not None and expected != found:
+            raise CheckpointError(
+                f"{self.path}: split set holds {found} tensors, its metadata counts {expected}"
+            )
+
+
+def _float32_type():
+    from gguf import GGUFValueType
+
+    return GGUFValueType.FLOAT32
+
+
+def _field(reader, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def _open_reader(path: Path):
+    """GGUFReader over `path`, after checking magic and version ourselves (for clear errors)."""
+    from gguf import GGUFReader  # import cost only when a GGUF is opened
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8:
+        raise CheckpointError(f"{path}: truncated GGUF file ({len(head)} bytes)")
+    if head[:4] != GGUF_MAGIC:
+        raise CheckpointError(f"{path}: not a GGUF file (starts with {head[:4]!r}, not b'GGUF')")
+    version = int.from_bytes(head[4:], "little")
+    if version not in SUPPORTED_VERSIONS:
+        raise CheckpointError(
+            f"{path}: GGUF version {version} is not supported (readable: "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))})"
+        )
+    try:
+        return GGUFReader(path, mode="c")
+    except (ValueError, IndexError, KeyError, OverflowError, TypeError, UnicodeError) as exc:
+        raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({exc})") from exc
+
+
+def _tensor(tensor, path: Path) -> GgufTensor:
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    data = torch.from_numpy(np.asarray(tensor.data))  # a view of the mapping
+    return GgufTensor(tensor.name, tensor.tensor_type.name, shape, data, path)

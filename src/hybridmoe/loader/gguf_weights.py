@@ -1,0 +1,135 @@
+"""GgufWeightSource: a GGUF model's tensors under the checkpoint names the model builder reads.
+
+The family's name map turns a Hugging Face name (`model.layers.3.self_attn.q_proj.weight`)
+into the GGUF one (`blk.3.attn_q.weight`); `get` returns that tensor dequantised to the compute
+dtype (dense weights: attention, norms, embeddings, routers, shared experts), after the
+family's `restore` undoes what llama.cpp's converter changed (the rotary row permutation of
+llama-arch q/k). Routed experts are not dequantised: `merged_experts` hands the layer's three
+merged tensors over in the file's format, as views of the mapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from hybridmoe.errors import CheckpointError
+from hybridmoe.loader.gguf import GgufFile, GgufTensor
+from hybridmoe.loader.weights import MergedExperts, aligned
+
+# checkpoint name -> GGUF tensor name, or None where the file has no counterpart for it
+GgufNameMap = Callable[[str], "str | None"]
+# (checkpoint name, dequantised float32 tensor) -> the tensor as the checkpoint held it
+Restore = Callable[[str, torch.Tensor], torch.Tensor]
+
+# ggml types stored as one float a value: read as torch views, no gguf.quants call
+_FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class GgufWeightSource:
+    """The WeightSource interface (loader/weights.py) over a GgufFile."""
+
+    def __init__(
+        self,
+        gguf: GgufFile,
+        dtype: torch.dtype,
+        name_map: GgufNameMap,
+        restore: Restore | None = None,
+        progress: bool = False,
+    ):
+        self.gguf, self.dtype = gguf, dtype
+        self._name_map, self._restore = name_map, restore
+        self._read: set[str] = set()
+        self._bar = tqdm(
+            total=len(gguf.tensors), desc="loading GGUF", unit="tensor", disable=not progress
+        )
+
+    def _tensor(self, name: str) -> GgufTensor | None:
+        gguf_name = self._name_map(name)
+        return None if gguf_name is None else self.gguf.tensors.get(gguf_name)
+
+    def has(self, name: str) -> bool:
+        return self._tensor(name) is not None
+
+    def get(self, name: str, shape: Sequence[int], align: bool = True) -> torch.Tensor:
+        """The tensor the checkpoint would call `name`, in the source dtype, dequantised;
+        CheckpointError if the file lacks it or its shape is not `shape` (GGUF drops
+        leading dims of 1: [1, H] and [H] are the same tensor)."""
+        tensor = self._tensor(name)
+        if tensor is None:
+            raise CheckpointError(
+                f"{self.gguf.path}: tensor '{self._name_map(name)}' ({name}) is missing"
+            )
+        if _squeezed(tensor.shape) != _squeezed(tuple(shape)):
+            raise CheckpointError(
+                f"{tensor.path}: tensor '{tensor.name}' has shape {tensor.shape}, the "
+                f"metadata implies {tuple(shape)}"
+            )
+        self._mark_read(tensor)
+        value = _dequantized(tensor, self.dtype).reshape(tuple(shape))
+        if self._restore is not None:
+            value = self._restore(name, value)
+        return aligned(value) if align else value
+
+    def merged_experts(self, prefix: str, names: tuple[str, str, str]) -> MergedExperts | None:
+        """The layer's merged expert tensors, asked for as `prefix`.{gate,up,down name}.weight,
+        all of one type; CheckpointError if any is missing or their types differ."""
+        found = [self._tensor(f"{prefix}.{n}.weight") for n in names]
+        gguf_names = [self._name_map(f"{prefix}.{n}.weight") for n in names]
+        for tensor, gguf_name in zip(found, gguf_names, strict=True):
+            if tensor is None:
+                raise CheckpointError(f"{self.gguf.path}: tensor '{gguf_name}' is missing")
+        types = {t.type_name for t in found}
+        if len(types) > 1:
+            listed = ", ".join(f"{t.name} is {t.type_name}" for t in found)
+            raise CheckpointError(
+                f"{found[0].path}: the experts of one layer must share one type ({listed}); "
+                "a bank with a format per projection is not supported yet"
+            )
+        for tensor in found:
+            self._mark_read(tensor)
+        gate, up, down = (t.data for t in found)
+        return MergedExperts(gate, up, down, found[0].type_name, tuple(gguf_names), found[0].path)
+
+    def _mark_read(self, tensor: GgufTensor) -> None:
+        if tensor.name not in self._read:
+            self._read.add(tensor.name)
+            self._bar.update()
+
+    def unread_names(self) -> list[str]:
+        """GGUF tensor names nothing has asked for, sorted."""
+        return sorted(self.gguf.tensors.keys() - self._read)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    dims = list(shape)
+    while len(dims) > 1 and dims[0] == 1:
+        dims.pop(0)
+    return tuple(dims)
+
+
+def _dequantized(tensor: GgufTensor, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor's values as `dtype` [*shape]: a view of the mapping when stored so, else a new
+    tensor (block formats through gguf.quants, exact in float32, then cast)."""
+    stored = _FLOAT_TYPES.get(tensor.type_name)
+    if stored is not None:
+        values = tensor.data.view(torch.uint8).view(stored).reshape(tensor.shape)
+        return values if stored == dtype else values.to(dtype)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    try:
+        qtype = GGMLQuantizationType[tensor.type_name]
+        values = dequantize(tensor.data.numpy(), qtype)  # float32 [*shape]
+    except (KeyError, NotImplementedError) as exc:
+        raise CheckpointError(
+            f"{tensor.path}: tensor '{tensor.name}' has type {tensor.type_name}, which "
+            f"cannot be dequantised ({exc})"
+        ) from exc
+    return torch.from_numpy(np.ascontiguousarray(values)).to(dtype)

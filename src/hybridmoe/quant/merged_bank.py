@@ -1,0 +1,76 @@
+"""A layer's expert bank from a file that stores its experts merged (GGUF's
+`blk.N.ffn_{gate,up,down}_exps`): the file's bytes in the file's format, never converted.
+
+`_bank_of` is the one place such a bank is assembled from the three merged tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridmoe.errors import CheckpointError
+from hybridmoe.loader.weights import MergedExperts, WeightSource, aligned, release_pages
+from hybridmoe.quant.bank import ExpertBank, ExpertWeights
+from hybridmoe.quant.formats import WEIGHT_FORMATS, WeightFormat
+
+
+def load_experts(
+    source: WeightSource, prefix: str, shape: tuple[int, int, int], names: tuple[str, str, str]
+) -> ExpertWeights | ExpertBank:
+    """A layer's routed experts `prefix`.*: the file's merged bank where the source stores
+    them merged (GGUF), else the per-expert matrices. shape = (E, H, I)."""
+    merged = source.merged_experts(prefix, names)
+    if merged is None:
+        return ExpertWeights.load(source, prefix, shape, names)
+    return bank_from_merged(merged, shape)
+
+
+def bank_from_merged(merged: MergedExperts, shape: tuple[int, int, int]) -> ExpertBank:
+    """A bank over a file's merged experts (shape = (E, H, I)) in the file's format, which
+    must be a registered weight format: experts are never converted at load."""
+    fmt = merged_format(merged)
+    num, hidden, inter = shape
+    gate, up = (
+        _stored_as(t, fmt, (num, inter, hidden), name)
+        for t, name in zip((merged.gate, merged.up), merged.names[:2], strict=True)
+    )
+    down = _stored_as(merged.down, fmt, (num, hidden, inter), merged.names[2])
+    return _bank_of(gate, up, down, fmt)
+
+
+def merged_format(merged: MergedExperts) -> WeightFormat:
+    """The registered format named like the file's type (GGUF names, lower case);
+    CheckpointError naming the tensor and its type when there is none."""
+    fmt = WEIGHT_FORMATS.get(merged.type_name.lower())
+    if fmt is None:
+        raise CheckpointError(
+            f"{merged.path}: tensor '{merged.names[0]}' has type {merged.type_name}, which no "
+            f"expert weight format stores (supported: "
+            f"{', '.join(f.upper() for f in WEIGHT_FORMATS)}); experts are not converted at load"
+        )
+    return fmt
+
+
+def _stored_as(
+    data: torch.Tensor, fmt: WeightFormat, shape: tuple[int, int, int], name: str
+) -> torch.Tensor:
+    """The file's bytes of a weight of float `shape` as `fmt` stores it (no copy)."""
+    stored_shape = fmt.stored_shape(shape)
+    raw = data.view(torch.uint8)
+    if raw.numel() != fmt.row_bytes(shape[-1]) * shape[0] * shape[1]:
+        raise CheckpointError(
+            f"tensor '{name}' holds {raw.numel()} bytes; experts of shape {shape} in "
+            f"{fmt.name} take {fmt.row_bytes(shape[-1]) * shape[0] * shape[1]}"
+        )
+    return raw.reshape(-1).view(fmt.storage_dtype).reshape(stored_shape)
+
+
+def _bank_of(
+    gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fmt: WeightFormat
+) -> ExpertBank:
+    """The one place a file's bank is assembled from its three merged tensors. gate_up is one
+    copy (the bank holds gate and up concatenated; the file pages behind them are released),
+    down stays a view of the mapping (copied only if not 64-byte aligned)."""
+    gate_up = torch.cat([gate, up], dim=1)  # [E, 2I, row(H)]
+    release_pages([gate, up])
+    return ExpertBank(gate_up, aligned(down), fmt)

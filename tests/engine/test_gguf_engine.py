@@ -1,0 +1,68 @@
+"""A GGUF model as a user runs it: the demo checkpoint converted to GGUF (Q8_0 experts, its
+tokenizer and chat template) generates, through the CLI, the text the safetensors demo does
+with --expert-format q8_0; its experts' down projections are the file's mapped pages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gguf_checkpoints import write_gguf
+from hybridmoe.models.loading import load_model
+
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def demo_gguf(demo_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tokenizer = json.loads((demo_checkpoint / "tokenizer.json").read_text())
+    template = json.loads((demo_checkpoint / "tokenizer_config.json").read_text())["chat_template"]
+    path = tmp_path_factory.mktemp("demo-gguf") / "demo-Q8_0.gguf"
+    return write_gguf(
+        demo_checkpoint,
+        path,
+        "Q8_0",
+        tokenizer={**tokenizer, "pre": "gpt-2"},
+        chat_template=template,
+    )
+
+
+def _generate(model: Path, *flags: str) -> str:
+    args = [sys.executable, "-m", "hybridmoe", "generate", PROMPT, "--max-tokens", "12"]
+    run = subprocess.run(
+        [*args, "--model", str(model), *flags], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_cli_generates_from_gguf_what_safetensors_gives(demo_checkpoint, demo_gguf) -> None:
+    flags = ("--decode-target", "hybrid", "--dtype", "float32")
+    expected = _generate(demo_checkpoint, *flags, "--expert-format", "q8_0")
+    assert _generate(demo_gguf, *flags) == expected
+    assert _generate(demo_gguf.parent, *flags, "--gguf-file", "Q8_0") == expected
+
+
+def test_down_projections_are_views_of_the_file(demo_gguf: Path) -> None:
+    """bank.down lies inside a mapping of the GGUF file (no copy); gate_up is the one copy."""
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("needs /proc/self/maps")
+    model = load_model(demo_gguf)
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(str(demo_gguf)):
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            ranges.append((start, end))
+    assert ranges, "the GGUF file is not mapped"
+
+    def mapped(address: int) -> bool:
+        return any(start <= address < end for start, end in ranges)
+
+    for layer in model.moe_layers:
+        bank = layer.experts.store
+        assert mapped(bank.down.data_ptr())
+        assert not mapped(bank.gate_up.data_ptr())

@@ -15,7 +15,8 @@ import torch
 from hf_checkpoints import write_hf_checkpoint
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams, steps
 from hybridmoe.engine.config import PREFIX_BLOCK_TOKENS as BLOCK
-from hybridmoe.engine.prefix_cache import PrefixTree
+from hybridmoe.engine.kv_cache import KVCache
+from hybridmoe.engine.prefix_cache import PrefixCache, PrefixTree
 from hybridmoe.moe.config import OffloadConfig
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -76,6 +77,38 @@ def test_remove_undoes_an_insert():
     tree.remove(new)
     assert tree.blocks_used == 1 and len(tree.match(blocks(1, 2), 2)) == 1
     tree.check()
+
+
+# --- the suffix prefill against the full prefill (its reference) ------------------------------
+
+
+def prefill_logits(model, ids: list[int], start: int, row: int, cache: KVCache) -> torch.Tensor:
+    """[V] logits of the last token after prefilling ids[start:] at positions start.. of `row`."""
+    positions = torch.arange(start, len(ids))[None]  # [1, T - start]
+    batch = model.make_batch(positions, [row], cache)
+    return model.forward(torch.tensor([ids[start:]]), batch)[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_suffix_after_cached_blocks_gives_the_full_prefills_logits(demo_checkpoint, dtype):
+    """A prompt's KV stored from one prompt's prefill, loaded for another sharing 4 blocks: the
+    suffix's logits are the full prefill's, within float32 summation order (SDPA with a mask
+    rounds unlike SDPA is_causal) or one bf16 step (measured: bitwise equal on x86 CPUs)."""
+    with Engine.from_pretrained(demo_checkpoint, EngineConfig(dtype=dtype)) as engine:
+        model = engine.model
+        first = engine.encode("Shared context for both prompts, long enough for blocks. " * 8)
+        assert len(first) > 5 * BLOCK
+        second = first[: 4 * BLOCK] + engine.encode("A different question at the end?")
+        cache = KVCache(model.cfg, 2, 256, model.dtype)
+        prefix_cache = PrefixCache(model.cfg, 8, model.dtype, "cpu")
+        prefill_logits(model, first, 0, 0, cache)
+        prefix_cache.store(first, 0, cache)
+        assert prefix_cache.load(second, 1, cache) == 4 * BLOCK
+        cached = prefill_logits(model, second, 4 * BLOCK, 1, cache)
+        reference = prefill_logits(model, second, 0, 0, KVCache(model.cfg, 1, 256, model.dtype))
+    step = reference.abs() * 2.0**-7 if dtype == "bfloat16" else 1e-4
+    diff = (cached - reference).abs()
+    assert bool((diff <= step).all()), f"max diff {diff.max():.3g}"
 
 
 # --- end to end: with the cache against without ----------------------------------------------

@@ -6,6 +6,7 @@ import torch
 
 from hybridmoe.config.model import ModelConfig
 from hybridmoe.layers.batch import ForwardBatch
+from hybridmoe.platform.base import to_device_no_sync
 
 
 class KVCache:
@@ -69,7 +70,7 @@ class KVBlockPool:
     def load_row(self, cache: KVCache, row: int, blocks: list[int]) -> None:
         """Copy `blocks` into `row` of `cache` as its positions [0, len(blocks) * block_tokens)."""
         end = len(blocks) * self.block_tokens
-        index = torch.tensor(blocks, device=self.k[0].device)
+        index = to_device_no_sync(torch.tensor(blocks), self.k[0].device)  # [n]
         for pool, rows in ((self.k, cache.k), (self.v, cache.v)):
             for layer, blocks_kv in enumerate(pool):
                 picked = blocks_kv[index].transpose(0, 1)  # [kv_heads, n, block_tokens, D]
@@ -80,7 +81,7 @@ class KVBlockPool:
         `cache` into `blocks`."""
         start, n = first_block * self.block_tokens, len(blocks)
         end = start + n * self.block_tokens
-        index = torch.tensor(blocks, device=self.k[0].device)
+        index = to_device_no_sync(torch.tensor(blocks), self.k[0].device)  # [n]
         for pool, rows in ((self.k, cache.k), (self.v, cache.v)):
             for layer, blocks_kv in enumerate(pool):
                 span = rows[layer][row, :, start:end]  # [kv_heads, n * block_tokens, D]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hybridmoe import cli_planning
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
-from hybridmoe.engine.config import DEFAULT_MAX_SEQ_LEN, DTYPE_CHOICES
+from hybridmoe.engine.config import DEFAULT_MAX_SEQ_LEN, DTYPE_CHOICES, PREFIX_BLOCK_TOKENS
 from hybridmoe.errors import HybridMoeError
 from hybridmoe.moe.config import (
     CPU_KERNEL_CHOICES,
@@ -97,6 +97,10 @@ FLAG_DOCS: dict[str, FlagDoc] = {
     ),
     "max_batch": FlagDoc(
         "requests decoded together; each holds a KV-cache row of --max-seq-len positions"
+    ),
+    "prefix_cache_tokens": FlagDoc(
+        "prompt tokens whose KV is kept for later requests that share a prefix, in blocks of "
+        f"{PREFIX_BLOCK_TOKENS} (0 = off; default: --max-seq-len)"
     ),
     "pin_memory": FlagDoc(
         "keep expert banks in pageable host memory (slower fetches; for systems that "

@@ -13,7 +13,8 @@ from hf_checkpoints import PROMPT_IDS, write_hf_checkpoint
 from hybridmoe.cli import main
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.engine import engine as engine_module
-from hybridmoe.engine.kv_cache import KVCache
+from hybridmoe.engine.config import PREFIX_BLOCK_TOKENS
+from hybridmoe.engine.kv_cache import KVBlockPool, KVCache
 from hybridmoe.engine.placement import ACTIVATION_RESERVE_BYTES, GIB, resolve_decode_target
 from hybridmoe.errors import DeviceMemoryError
 from hybridmoe.kernels.torch_moe import gathered_moe_peak_bytes
@@ -48,14 +49,16 @@ class BudgetPlatform(CpuPlatform):
 
 def planned_sizes(checkpoint, expert_format: str | None = None) -> dict[str, int]:
     """What the plan of a float32 engine with MAX_BATCH x MAX_SEQ_LEN counts, from a built
-    engine's own bank: `fixed` (dense weights, KV cache, activation reserve), `kernel`
+    engine's own bank: `fixed` (dense weights, KV cache, the prefix cache's default of
+    MAX_SEQ_LEN tokens, activation reserve), `kernel`
     (gathered_moe's peak at MAX_BATCH tokens), one `expert`, a `layer`, the `total` experts."""
     offload = OffloadConfig(decode_target="hybrid", expert_format=expert_format)
     with Engine.from_pretrained(checkpoint, EngineConfig(dtype="float32", offload=offload)) as e:
         bank, cfg, dense = e.moe_runtime.banks[0], e.model.cfg, e.model.dense_nbytes()
     kv = KVCache.nbytes(cfg, MAX_BATCH, MAX_SEQ_LEN, torch.float32)
+    prefix = prefix_cache_nbytes(cfg, MAX_SEQ_LEN)
     return {
-        "fixed": dense + kv + ACTIVATION_RESERVE_BYTES,
+        "fixed": dense + kv + prefix + ACTIVATION_RESERVE_BYTES,
         "kernel": gathered_moe_peak_bytes(bank, MAX_BATCH, cfg.top_k, torch.float32),
         "expert": bank.expert_nbytes,
         "layer": bank.num_experts * bank.expert_nbytes,
@@ -69,6 +72,11 @@ def sizes(checkpoint) -> dict[str, int]:
     cfg = load_model(checkpoint, None, False).cfg
     assert found["expert"] == 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4
     return found
+
+
+def prefix_cache_nbytes(cfg, tokens: int) -> int:
+    blocks = tokens // PREFIX_BLOCK_TOKENS
+    return KVBlockPool.nbytes(cfg, blocks, PREFIX_BLOCK_TOKENS, torch.float32)
 
 
 def budget_gib(sizes: dict[str, int], experts: int, extra: int = 0) -> float:
@@ -123,6 +131,32 @@ def test_kv_cache_nbytes_is_what_it_allocates(checkpoint):
     cache = KVCache(model.cfg, 3, 17, model.dtype)
     allocated = sum(t.nbytes for t in cache.k + cache.v)
     assert KVCache.nbytes(model.cfg, 3, 17, model.dtype) == allocated
+
+
+def test_kv_block_pool_nbytes_is_what_it_allocates(checkpoint):
+    model = load_model(checkpoint, None, False)
+    pool = KVBlockPool(model.cfg, 5, PREFIX_BLOCK_TOKENS, model.dtype)
+    allocated = sum(t.nbytes for t in pool.k + pool.v)
+    assert KVBlockPool.nbytes(model.cfg, 5, PREFIX_BLOCK_TOKENS, model.dtype) == allocated
+
+
+def test_the_prefix_cache_takes_its_bytes_from_the_expert_slots(checkpoint, sizes):
+    """A budget of 3 slots at the default prefix cache (MAX_SEQ_LEN tokens): without the prefix
+    cache its bytes become slots; a larger one costs slots, as many as its extra bytes need."""
+    cfg = load_model(checkpoint, None, False).cfg
+    default_bytes = prefix_cache_nbytes(cfg, MAX_SEQ_LEN)
+    larger_tokens = MAX_SEQ_LEN + 2 * PREFIX_BLOCK_TOKENS
+    extra_bytes = prefix_cache_nbytes(cfg, larger_tokens) - default_bytes
+    expert = sizes["expert"]
+    cases = [(None, 3), (0, min(3 + default_bytes // expert, sizes["total"]))]
+    cases.append((larger_tokens, 3 - -(-extra_bytes // expert)))
+    for tokens, slots in cases:
+        config = replace(
+            engine_config(budget_gib(sizes, 3), decode_target="hybrid"),
+            prefix_cache_tokens=tokens,
+        )
+        with Engine.from_pretrained(checkpoint, config) as engine:
+            assert engine.moe_runtime.cache.num_slots == slots, tokens
 
 
 def test_budget_gives_the_slots_that_fit(checkpoint, sizes):

@@ -155,10 +155,10 @@ def test_failing_prefill_fails_that_request_only(engine, scheduler, monkeypatch)
     bad_ids = engine.encode(PROMPTS[1])
     real_prefill = steps.prefill
 
-    def prefill(model, seq, row, cache):
+    def prefill(model, seq, row, cache, cached_tokens=0):
         if seq.prompt_ids == bad_ids:
             raise RuntimeError("injected prefill failure")
-        return real_prefill(model, seq, row, cache)
+        return real_prefill(model, seq, row, cache, cached_tokens)
 
     monkeypatch.setattr(steps, "prefill", prefill)
     _, good = submit(engine, scheduler, PROMPTS[0])

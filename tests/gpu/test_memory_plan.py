@@ -14,7 +14,8 @@ import torch
 
 from hf_checkpoints import PROMPT_IDS
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
-from hybridmoe.engine.kv_cache import KVCache
+from hybridmoe.engine.config import PREFIX_BLOCK_TOKENS
+from hybridmoe.engine.kv_cache import KVBlockPool, KVCache
 from hybridmoe.engine.placement import ACTIVATION_RESERVE_BYTES, GIB, expert_kernel_bytes
 from hybridmoe.errors import DeviceMemoryError
 from hybridmoe.kernels import torch_moe
@@ -57,7 +58,11 @@ def sizes(tiny_checkpoint: Path, device: torch.device) -> Sizes:
     layer = cfg.num_experts * expert
     return Sizes(
         dense=model.dense_nbytes(),
-        kv=KVCache.nbytes(cfg, MAX_BATCH, MAX_SEQ_LEN, torch.float32),
+        # the KV cache and the prefix cache's default pool (MAX_SEQ_LEN tokens)
+        kv=KVCache.nbytes(cfg, MAX_BATCH, MAX_SEQ_LEN, torch.float32)
+        + KVBlockPool.nbytes(
+            cfg, MAX_SEQ_LEN // PREFIX_BLOCK_TOKENS, PREFIX_BLOCK_TOKENS, torch.float32
+        ),
         expert=expert,
         total_experts=cfg.num_experts * len(cfg.moe_layer_ids),
         prefill=2 * layer if device.type != "cpu" else 0,

@@ -8,6 +8,7 @@ from hybridmoe.moe.config import OffloadConfig
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32")
 DEFAULT_MAX_SEQ_LEN = 4096  # KV positions per sequence when the model's context allows more
+PREFIX_BLOCK_TOKENS = 16  # the prefix cache's granularity: prompts share whole blocks of this
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,11 @@ class EngineConfig:
     # the server; None: the model's context window, at most DEFAULT_MAX_SEQ_LEN. See
     # resolve_max_seq_len. The cache holds max_batch rows of this many positions.
     max_seq_len: int | None = None
+    # Prompt tokens whose KV the prefix cache keeps for later requests that share them (engine/
+    # prefix_cache.py), rounded up to whole blocks of PREFIX_BLOCK_TOKENS; 0: off; None:
+    # max_seq_len tokens (one full context). Beside the KV cache on the device; placement counts
+    # it.
+    prefix_cache_tokens: int | None = None
     progress: bool = False  # progress bar while loading weights
     # the GGUF to load from --model's directory or cached repo: a file name or a part of one
     # (a quant name such as Q4_K_M); None: --model names the checkpoint itself
@@ -40,6 +46,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory must be > 0 GiB, got {self.gpu_memory}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.prefix_cache_tokens is not None and self.prefix_cache_tokens < 0:
+            raise ValueError(
+                f"prefix_cache_tokens must be >= 0 (0: off), got {self.prefix_cache_tokens}"
+            )
 
     def resolve_max_seq_len(self, context_window: int) -> int:
         """max_seq_len for a model whose context window is `context_window` positions
@@ -52,3 +62,9 @@ class EngineConfig:
                 f"({context_window} positions)"
             )
         return self.max_seq_len
+
+    def resolve_prefix_cache_blocks(self, max_seq_len: int) -> int:
+        """Blocks of PREFIX_BLOCK_TOKENS the prefix cache holds (0: off), for a KV cache of
+        `max_seq_len` positions per row (resolve_max_seq_len)."""
+        tokens = max_seq_len if self.prefix_cache_tokens is None else self.prefix_cache_tokens
+        return -(-tokens // PREFIX_BLOCK_TOKENS)

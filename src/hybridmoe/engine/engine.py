@@ -26,9 +26,10 @@ from hybridmoe.platform.base import Platform, create_platform
 
 class Engine:
     """A loaded checkpoint and its one Scheduler, over a KV cache of max_batch rows x
-    max_seq_len positions (EngineConfig.resolve_max_seq_len) allocated here, as placement
-    plans it. generate and stream submit their prompts and step the scheduler until those
-    finish; `serve` runs the same scheduler on its main thread instead."""
+    max_seq_len positions (EngineConfig.resolve_max_seq_len) and a prefix cache
+    (resolve_prefix_cache_blocks) allocated here, as placement plans them. generate and
+    stream submit their prompts and step the scheduler until those finish; `serve` runs the
+    same scheduler on its main thread instead."""
 
     def __init__(self, model: MoeCausalLM, tokenizer: Tokenizer | None, config: EngineConfig):
         self.model, self.tokenizer = model, tokenizer
@@ -40,7 +41,10 @@ class Engine:
             memory = plan_device_memory(model, config, platform)
             runtime = create_moe_runtime(model, config.offload, platform, config.progress, memory)
             model.to(platform.device)
-            self.scheduler = Scheduler(model, runtime, config.max_batch, self.max_seq_len)
+            prefix_blocks = config.resolve_prefix_cache_blocks(self.max_seq_len)
+            self.scheduler = Scheduler(
+                model, runtime, config.max_batch, self.max_seq_len, prefix_blocks
+            )
         except BaseException:
             _close_after_failure(runtime, platform)
             raise

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hybridmoe.engine.config import EngineConfig
-from hybridmoe.engine.kv_cache import KVCache
+from hybridmoe.engine.config import PREFIX_BLOCK_TOKENS, EngineConfig
+from hybridmoe.engine.kv_cache import KVBlockPool, KVCache
 from hybridmoe.errors import DeviceMemoryError, HostMemoryError
 from hybridmoe.kernels.torch_moe import gathered_moe_peak_bytes
 from hybridmoe.models.transformer import MoeCausalLM
@@ -37,6 +37,7 @@ class DeviceMemoryPlan:
     kv_bytes: int
     expert_kernel_bytes: int = 0  # peak temporaries of one decode step's expert kernel call
     activation_bytes: int = ACTIVATION_RESERVE_BYTES
+    prefix_cache_bytes: int = 0  # the prefix cache's KV blocks (--prefix-cache-tokens)
 
     @property
     def reserve_bytes(self) -> int:
@@ -46,12 +47,14 @@ class DeviceMemoryPlan:
     @property
     def expert_bytes(self) -> int:
         """What is left for expert slots (and prefill's layer buffers)."""
-        return self.budget_bytes - self.dense_bytes - self.kv_bytes - self.reserve_bytes
+        kv_bytes = self.kv_bytes + self.prefix_cache_bytes
+        return self.budget_bytes - self.dense_bytes - kv_bytes - self.reserve_bytes
 
     def describe(self) -> str:
         return (
             f"budget {self.budget_bytes / GIB:.2f} GiB = dense weights "
             f"{self.dense_bytes / GIB:.2f} GiB + KV cache {self.kv_bytes / GIB:.2f} GiB + "
+            f"prefix cache {self.prefix_cache_bytes / GIB:.2f} GiB + "
             f"reserve {self.reserve_bytes / GIB:.2f} GiB (activations "
             f"{self.activation_bytes / GIB:.2f} + expert kernel "
             f"{self.expert_kernel_bytes / GIB:.2f}) + experts "
@@ -104,11 +107,15 @@ def plan_device_memory(
             return None
         budget = memory[0]  # free now: the dense weights are still in host memory
     kernel_bytes = expert_kernel_bytes(model, config.offload, config.max_batch)
-    plan = DeviceMemoryPlan(budget, model.dense_nbytes(), kv_bytes, kernel_bytes)
+    blocks = config.resolve_prefix_cache_blocks(seq_len)
+    prefix_bytes = KVBlockPool.nbytes(model.cfg, blocks, PREFIX_BLOCK_TOKENS, model.dtype)
+    plan = DeviceMemoryPlan(
+        budget, model.dense_nbytes(), kv_bytes, kernel_bytes, prefix_cache_bytes=prefix_bytes
+    )
     if plan.expert_bytes < 0:
         raise DeviceMemoryError(
             f"the model does not fit on the device even without experts: {plan.describe()}; "
-            "lower --max-batch or --max-seq-len, or raise --gpu-memory"
+            "lower --max-batch, --max-seq-len or --prefix-cache-tokens, or raise --gpu-memory"
         )
     return plan
 

@@ -2,10 +2,10 @@
 
 Each of `max_batch` KV-cache rows holds at most one request. Between decode steps, requests
 that finished or were cancelled give their row back and waiting requests are prefilled into
-free rows; then one decode step advances every running request by one token together. A
-thread inside `run()` (or `start()`'s background thread) takes these steps (`serve`), or
-`step()` is driven by hand: Engine.generate and stream step their engine's scheduler until
-their requests finish.
+free rows (the part of the prompt the prefix cache does not hold); then one decode step
+advances every running request by one token together. A thread inside `run()` (or `start()`'s
+background thread) takes these steps (`serve`), or `step()` is driven by hand: Engine.generate
+and stream step their engine's scheduler until their requests finish.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from hybridmoe.engine import steps
 from hybridmoe.engine.kv_cache import KVCache
 from hybridmoe.engine.moe_runtime import MoeRuntime
+from hybridmoe.engine.prefix_cache import PrefixCache
 from hybridmoe.engine.sequence import Sequence
 from hybridmoe.engine.stats import GenerationStats
 from hybridmoe.models.transformer import MoeCausalLM
@@ -55,6 +56,7 @@ class ScheduledRequest:
 
     def __init__(self, seq: Sequence, on_output: OutputCallback) -> None:
         self.seq, self.on_output = seq, on_output
+        self.cached_tokens = 0  # prompt positions the prefix cache held; set at admission
         # Written by any thread, read by the scheduler between steps (a plain bool suffices:
         # the worst case is one extra step before the row is freed).
         self.cancelled = False
@@ -66,11 +68,17 @@ class ScheduledRequest:
 
 class Scheduler:
     """Continuous batching of `model` over a KV cache of `max_batch` rows x `max_seq_len`
-    positions, allocated here. Steps run on one thread at a time: while a thread is inside
-    run(), the model and MoE runtime belong to it (Engine.generate refuses to step then)."""
+    positions and a prefix cache of `prefix_cache_blocks` blocks (0: none), allocated here.
+    Steps run on one thread at a time: while a thread is inside run(), the model and MoE
+    runtime belong to it (Engine.generate refuses to step then)."""
 
     def __init__(
-        self, model: MoeCausalLM, moe_runtime: MoeRuntime, max_batch: int, max_seq_len: int
+        self,
+        model: MoeCausalLM,
+        moe_runtime: MoeRuntime,
+        max_batch: int,
+        max_seq_len: int,
+        prefix_cache_blocks: int = 0,
     ) -> None:
         context = model.cfg.max_position_embeddings
         if not 2 <= max_seq_len <= context:
@@ -81,6 +89,10 @@ class Scheduler:
         self.model, self.moe_runtime = model, moe_runtime
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.cache = KVCache(model.cfg, max_batch, max_seq_len, model.dtype, model.device)
+        self.prefix_cache = None
+        if prefix_cache_blocks:
+            args = (model.cfg, prefix_cache_blocks, model.dtype, model.device)
+            self.prefix_cache = PrefixCache(*args)
         self.free_rows = list(range(max_batch))  # a min-heap: low rows keep batches dense
         self.running: dict[int, ScheduledRequest] = {}  # KV row -> request
         self.waiting: deque[ScheduledRequest] = deque()
@@ -145,6 +157,7 @@ class Scheduler:
                 self._fail(request, SchedulerClosed("the scheduler is closed"))
             self.running.clear()
             self.cache = self.model = None  # nothing runs again: submit refuses from now on
+            self.prefix_cache = None
 
     def stats(self) -> GenerationStats:
         """A snapshot of the counters since the start, taken between steps."""
@@ -154,6 +167,7 @@ class Scheduler:
                 requests_running=len(self.running),
                 requests_waiting=len(self.waiting),
                 experts=self.moe_runtime.stats(),
+                prefix_cache=self.prefix_cache.stats() if self.prefix_cache else None,
             )
 
     @property
@@ -211,18 +225,29 @@ class Scheduler:
             return self.waiting.popleft() if self.waiting else None
 
     def _prefill(self, request: ScheduledRequest, row: int) -> None:
-        start = time.perf_counter()
+        seq, start = request.seq, time.perf_counter()
         try:
-            delta = steps.prefill(self.model, request.seq, row, self.cache)
+            cached = self._load_prefix(seq, row)
+            delta = steps.prefill(self.model, seq, row, self.cache, cached)
+            if self.prefix_cache is not None:
+                self.prefix_cache.store(seq.prompt_ids, row, self.cache)
         except Exception as exc:  # this request's fault (or its input's): fail it alone
             heapq.heappush(self.free_rows, row)
             self._fail(request, exc)
             return
+        request.cached_tokens = cached
         self._counters.prefill_s += time.perf_counter() - start
-        self._counters.prompt_tokens += len(request.seq.prompt_ids)
+        self._counters.prompt_tokens += len(seq.prompt_ids)
+        self._counters.cached_prompt_tokens += cached
         self._counters.completion_tokens += 1
         self.running[row] = request
         self._deliver(row, delta)
+
+    def _load_prefix(self, seq: Sequence, row: int) -> int:
+        """Copies what the prefix cache holds of `seq`'s prompt into `row`; its length."""
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.load(seq.prompt_ids, row, self.cache)
 
     def _decode_running(self) -> None:
         rows = sorted(self.running)  # ascending rows: contiguous batches take the cheap KV path

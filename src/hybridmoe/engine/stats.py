@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from hybridmoe.engine.prefix_cache import PrefixCacheStats
 from hybridmoe.moe.cache_stats import ExpertCacheStats
 
 
@@ -18,7 +19,8 @@ class GenerationStats:
     requests_cancelled: int = 0  # dropped because the client went away
     requests_running: int = 0  # holding a KV-cache row at the snapshot
     requests_waiting: int = 0  # queued for a row at the snapshot
-    prompt_tokens: int = 0  # prefilled
+    prompt_tokens: int = 0  # of the prompts admitted
+    cached_prompt_tokens: int = 0  # of those, held by the prefix cache (not prefilled)
     completion_tokens: int = 0  # sampled, by prefill and decode steps
     decode_tokens: int = 0  # sampled by decode steps (a request's first token comes from prefill)
     decode_steps: int = 0
@@ -27,10 +29,13 @@ class GenerationStats:
     # The expert cache over the decode steps since the MoE runtime's stats were last reset (at
     # the scheduler's start, and at the start of each Engine call); None when unused.
     experts: ExpertCacheStats | None = None
+    prefix_cache: PrefixCacheStats | None = None  # since the start; None when off
 
     @property
     def prefill_tok_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+        """Prompt tokens prefilled (those the prefix cache held excluded) per prefill second."""
+        computed = self.prompt_tokens - self.cached_prompt_tokens
+        return computed / self.prefill_s if self.prefill_s else 0.0
 
     @property
     def decode_tok_per_s(self) -> float:
@@ -44,17 +49,21 @@ class GenerationStats:
 
     def since(self, earlier: GenerationStats) -> GenerationStats:
         """What was counted between `earlier`, a snapshot of the same counters, and this one;
-        the requests running and waiting, and `experts`, as in this snapshot."""
+        the requests running and waiting, `experts` and `prefix_cache`, as in this snapshot."""
         counts = {name: getattr(self, name) - getattr(earlier, name) for name in _COUNTERS}
         return replace(self, **counts)
 
     def summary(self) -> str:
         line = (
-            f"prompt tokens: {self.prompt_tokens} | "
+            f"prompt tokens: {self.prompt_tokens}{self._cached_summary()} | "
             f"prefill: {self.prefill_tok_per_s:.1f} tok/s | "
             f"decode: {self.decode_tok_per_s:.1f} tok/s ({self.decode_tokens} tokens)"
         )
         return line + self._expert_summary()
+
+    def _cached_summary(self) -> str:
+        cached = self.cached_prompt_tokens
+        return f" ({cached} from the prefix cache)" if cached else ""
 
     def _expert_summary(self) -> str:
         e, tokens = self.experts, max(self.decode_tokens, 1)
@@ -68,5 +77,5 @@ class GenerationStats:
         )
 
 
-_SNAPSHOT_ONLY = ("requests_running", "requests_waiting", "experts")
+_SNAPSHOT_ONLY = ("requests_running", "requests_waiting", "experts", "prefix_cache")
 _COUNTERS = tuple(f.name for f in fields(GenerationStats) if f.name not in _SNAPSHOT_ONLY)

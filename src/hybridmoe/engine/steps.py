@@ -14,14 +14,19 @@ from hybridmoe.engine.sequence import Sequence
 from hybridmoe.models.transformer import MoeCausalLM
 
 
-def prefill(model: MoeCausalLM, seq: Sequence, row: int, cache: KVCache) -> str:
-    """Write `seq`'s prompt into KV row `row` from position 0 and sample its first token.
+def prefill(
+    model: MoeCausalLM, seq: Sequence, row: int, cache: KVCache, cached_tokens: int = 0
+) -> str:
+    """Write `seq`'s prompt into KV row `row` from position `cached_tokens` and sample its
+    first token; positions below `cached_tokens` (< the prompt's length) must already hold the
+    prompt's KV there (the prefix cache put them there).
 
     Returns the text that token makes printable. Whatever a previous occupant left in the row
     beyond the prompt is never read: every query attends to positions <= its own only.
     """
-    ids = torch.tensor([seq.prompt_ids])  # [1, T]
-    batch = model.make_batch(torch.arange(ids.shape[1])[None], [row], cache)
+    ids = torch.tensor([seq.prompt_ids[cached_tokens:]])  # [1, T - cached_tokens]
+    positions = torch.arange(cached_tokens, len(seq.prompt_ids))[None]  # [1, T - cached_tokens]
+    batch = model.make_batch(positions, [row], cache)
     logits = model.forward(ids, batch)  # [1, V]
     return seq.append(sample_batch(logits, [seq.sampler])[0])
 

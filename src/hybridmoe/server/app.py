@@ -208,6 +208,21 @@ def stats_body(served: ServedModel, baseline: GenerationStats | None = None) -> 
         "max_seq_len": served.scheduler.max_seq_len,
         "decode_target": served.engine.config.offload.decode_target,
         "experts": _expert_stats(s),
+        "prefix_cache": _prefix_cache_stats(s),
+    }
+
+
+def _prefix_cache_stats(s: GenerationStats) -> dict[str, float] | None:
+    """Blocks of the prefix cache, and prompt tokens it held of those looked up; None when off."""
+    p = s.prefix_cache
+    if p is None:
+        return None
+    return {
+        "blocks_total": p.blocks_total,
+        "blocks_used": p.blocks_used,
+        "hit_tokens": p.hit_tokens,
+        "queried_tokens": p.queried_tokens,
+        "hit_rate": round(p.hit_rate, 4),
     }
 
 

@@ -110,6 +110,11 @@ class Generation:
         finally:
             self.cancel()
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache held, once an output arrived (set at admission)."""
+        return self._request.cached_tokens
+
     def cancel(self) -> None:
         """Free the request's row before the next step; no effect once it has finished."""
         self._request.cancel()

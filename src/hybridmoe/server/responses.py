@@ -48,7 +48,9 @@ async def collect(generation: Generation) -> tuple[str, str]:
 
 
 def _usage(generation: Generation) -> Usage:
-    return Usage.of(generation.prompt_tokens, generation.completion_tokens)
+    return Usage.of(
+        generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens
+    )
 
 
 async def completion_body(generation: Generation, model: str) -> Completion:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from hybridmoe.loader.chat_template import (
     special_token_text,
 )
 from hybridmoe.loader.files import read_json_object
+from hybridmoe.loader.token_bytes import token_bytes_table
 
 TOKENIZER_FILE = "tokenizer.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -70,6 +72,16 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return self.chat_template is not None
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the added tokens marked special (what skip_special_tokens drops)."""
+        added = self.backend.get_added_tokens_decoder()
+        return frozenset(i for i, token in added.items() if token.special)
+
+    def token_bytes(self, vocab_size: int) -> tuple[bytes, ...]:
+        """The exact bytes of every id in [0, vocab_size) (loader/token_bytes.py)."""
+        return _token_bytes(self.directory / TOKENIZER_FILE, vocab_size)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, what tokenizer.json's post-processor
@@ -132,6 +144,11 @@ class IncrementalDecoder:
         printed = self._decode(self._ids[self._prefix_offset : self._read_offset])
         window = self._decode(self._ids[self._prefix_offset :])
         return printed, window
+
+
+@lru_cache(maxsize=4)
+def _token_bytes(path: Path, vocab_size: int) -> tuple[bytes, ...]:
+    return tuple(token_bytes_table(path, vocab_size))
 
 
 def _load_backend(path: Path) -> tokenizers.Tokenizer:

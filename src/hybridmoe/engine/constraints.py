@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "lark")
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Read by llguidance from a schema's "x-guidance" key; also how a %json schema in Lark gets them.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(ValueError):
@@ -56,7 +57,7 @@ class Grammar:
             return llguidance.LLMatcher.grammar_from_lark(self.source)
         schema = '{"type": "object"}' if self.kind == "json_object" else self.source
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         except ValueError as e:
             raise GrammarError(f"not a JSON schema: {e}") from e
 

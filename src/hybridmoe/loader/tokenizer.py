@@ -92,16 +92,22 @@ class Tokenizer:
         """Text of `ids`; bytes that do not form whole UTF-8 characters decode to U+FFFD."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`, as transformers' `apply_chat_template(tokenize=False)`
-        renders it. Raises CheckpointError if the checkpoint has no chat template or it does not
-        compile, and ValueError if the template rejects the messages."""
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """The prompt text for `messages` (and `tools`), as transformers'
+        `apply_chat_template(tokenize=False)` renders it. Raises CheckpointError if the
+        checkpoint has no chat template or it does not compile, and ValueError if the template
+        rejects the messages."""
         if self.chat_template is None:
             raise CheckpointError(
                 f"{self.directory / TOKENIZER_CONFIG_FILE} has no 'chat_template' (and there is "
                 f"no {CHAT_TEMPLATE_FILE}): this checkpoint cannot format chat messages"
             )
-        return self.chat_template.render(messages, add_generation_prompt)
+        return self.chat_template.render(messages, add_generation_prompt, tools)
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         """A fresh streaming decoder for one generated sequence."""

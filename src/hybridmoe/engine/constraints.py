@@ -20,6 +20,7 @@ from typing import Any
 
 import llguidance
 import llguidance.numpy
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -69,15 +70,14 @@ class TokenConstraint:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self._matcher, self._vocab_size = matcher, vocab_size
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)  # int32 [1, W]
-        self._shifts = torch.arange(32, dtype=torch.int32)  # [32]
 
     def allowed(self) -> Tensor:
         """bool [V]: True for the tokens the grammar accepts next (EOS once it is complete)."""
         llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask)
         self._check()
-        words = torch.from_numpy(self._bitmask[0])  # int32 [W]
-        bits = (words[:, None] >> self._shifts) & 1  # [W, 32]; bit j of word w is token 32w+j
-        return bits.view(-1)[: self._vocab_size].bool()
+        # Bit j of word w is token 32w + j: little-endian words, so little-endian bits of bytes.
+        bits = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")  # uint8 [32W]
+        return torch.from_numpy(bits[: self._vocab_size].view(np.bool_))
 
     def advance(self, token_id: int) -> None:
         if not self._matcher.consume_token(token_id):
@@ -108,7 +108,7 @@ class TokenConstraint:
 
 def mask_logits(logits: Tensor, allowed: Tensor) -> Tensor:
     """`logits` [V] with the tokens not `allowed` (bool [V]) set to -inf; a new tensor."""
-    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+    return torch.where(allowed.to(logits.device), logits, float("-inf"))
 
 
 class GrammarCompiler:

@@ -179,6 +179,18 @@ def test_json_schema_whole_and_streamed(client, server):
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == content
 
 
+def test_completion_response_format(client, server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    result = client.completions.create(
+        model=server.model_id,
+        prompt="A person as JSON:",
+        max_tokens=60,
+        temperature=0,
+        extra_body={"response_format": fmt},
+    )
+    _check_person(json.loads(result.choices[0].text))
+
+
 def test_the_client_parses_into_a_pydantic_model(client, server):
     from pydantic import BaseModel, Field
 
@@ -327,6 +339,8 @@ def test_tool_choice_none_is_plain_text(client, server):
         ),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
         (
             {
                 "tools": [

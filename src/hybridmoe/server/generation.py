@@ -143,7 +143,9 @@ def start_completion(served: ServedModel, request: CompletionRequest) -> Generat
     else:
         prompt_ids = _checked_ids(served.engine, request.prompt)
     max_tokens = request.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-    return _start(served, request, prompt_ids, max_tokens, "prompt", request.logprobs)
+    fmt = request.response_format
+    constraint = (fmt.grammar(), fmt.grammar_param) if fmt else (None, None)
+    return _start(served, request, prompt_ids, max_tokens, "prompt", request.logprobs, constraint)
 
 
 def start_chat(served: ServedModel, request: ChatCompletionRequest) -> Generation:

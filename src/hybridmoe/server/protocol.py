@@ -99,6 +99,7 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[int]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)  # top alternatives per token, as OpenAI's
+    response_format: ResponseFormat | None = None  # an extension, as vLLM's
     best_of: int | None = None
     suffix: str | None = None
 
@@ -183,6 +184,16 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    # OpenAI's deprecated spelling of tools: refused, so that it is not quietly ignored.
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _deprecated(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("not supported by this server; use tools and tool_choice")
+        return value
 
     # Each check below reads fields declared above it (pydantic validates in that order).
     @field_validator("top_logprobs")

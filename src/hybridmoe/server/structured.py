@@ -43,6 +43,12 @@ class ResponseFormat(_Strict):
             raise ValueError("'json_schema' is required with type json_schema, and only then")
         return self
 
+    @property
+    def grammar_param(self) -> str:
+        """The field a grammar error is reported under."""
+        schema = self.type == "json_schema"
+        return "response_format.json_schema.schema" if schema else "response_format"
+
     def grammar(self) -> Grammar | None:
         if self.type == "json_object":
             return Grammar("json_object")
@@ -99,9 +105,9 @@ def plan_chat(
     the checkpoint's template cannot offer tools or no registered syntax parses its calls."""
     choice = tool_choice or ("auto" if tools else "none")
     if not tools or choice == "none":
-        grammar = response_format.grammar() if response_format else None
-        param = "response_format.json_schema.schema" if grammar and grammar.source else None
-        return ChatPlan(None, grammar, param or "response_format", None)
+        if response_format is None:
+            return ChatPlan(None, None, None, None)
+        return ChatPlan(None, response_format.grammar(), response_format.grammar_param, None)
     fmt = _tool_format(template_source)
     specs = [tool.spec() for tool in tools]
     template_tools = [tool.model_dump(exclude_none=True) for tool in tools]

@@ -15,6 +15,7 @@ from hybridmoe.server.tools import (
     TOOL_CALL_FORMATS,
     QwenToolCalls,
     ToolCall,
+    ToolCallParsing,
     format_for_template,
     parse_tool_calls,
 )
@@ -59,6 +60,16 @@ def test_streamed_pieces_assemble_to_the_whole_parse(text, piece):
     assert all(e for e in events), "no empty content pieces"
 
 
+@pytest.mark.parametrize("piece", [1, 1000])
+def test_without_parallel_calls_only_the_first_is_kept(piece):
+    text = f"a {CALL}\n{CALL} b"
+    whole = parse_tool_calls(ToolCallParsing(QwenToolCalls, parallel=False), text)
+    assert whole == ("a \n b", [WEATHER])
+    stream = ToolCallParsing(QwenToolCalls, parallel=False).stream()
+    events = [e for i in range(0, len(text), piece) for e in stream.feed(text[i : i + piece])]
+    assert [e for e in events + stream.finish() if isinstance(e, ToolCall)] == [WEATHER]
+
+
 def test_a_call_is_not_emitted_before_it_is_closed():
     stream = QwenToolCalls.stream()
     assert stream.feed(CALL[:-1]) == []
@@ -89,10 +100,10 @@ def _plan(template: str = QWEN_TOOL_TEMPLATE, **fields):
 
 def test_plans():
     auto = _plan(tools=TOOLS)
-    assert auto.grammar is None and auto.tool_format is QwenToolCalls
+    assert auto.grammar is None and auto.tool_parsing == ToolCallParsing(QwenToolCalls, True)
     assert [t["function"]["name"] for t in auto.template_tools] == ["get_weather", "noop"]
     none = _plan(tools=TOOLS, tool_choice="none")
-    assert none.template_tools is None and none.tool_format is None and none.grammar is None
+    assert none.template_tools is None and none.tool_parsing is None and none.grammar is None
     required = _plan(tools=TOOLS, tool_choice="required")
     assert required.grammar.kind == "lark" and required.grammar_param == "tools"
     named = _plan(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "noop"}})

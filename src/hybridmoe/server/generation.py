@@ -17,7 +17,7 @@ from hybridmoe.server.errors import ApiError, generation_error
 from hybridmoe.server.logprobs import TokenText
 from hybridmoe.server.protocol import ChatCompletionRequest, CompletionRequest
 from hybridmoe.server.structured import plan_chat
-from hybridmoe.server.tools import ToolCallFormat
+from hybridmoe.server.tools import ToolCallParsing
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -82,7 +82,7 @@ class ServedModel:
 
 class Generation:
     """One request in flight, seen from the event loop: its outputs arrive in a queue.
-    `tool_format` (chat with tools) parses tool calls out of its text; `vocab` spells the
+    `tool_parsing` (chat with tools) parses tool calls out of its text; `vocab` spells the
     tokens of its logprobs."""
 
     def __init__(
@@ -91,9 +91,9 @@ class Generation:
         bridge: OutputBridge,
         prompt_ids: list[int],
         params: SamplingParams,
-        tool_format: ToolCallFormat | None = None,
+        tool_parsing: ToolCallParsing | None = None,
     ) -> None:
-        self.tool_format = tool_format
+        self.tool_parsing = tool_parsing
         self.vocab: TokenText | None = None
         if params.logprobs is not None:  # read before the request is queued: it may fail
             tokenizer = engine.require_tokenizer()
@@ -172,7 +172,7 @@ def start_chat(served: ServedModel, request: ChatCompletionRequest) -> Generatio
     logprobs = request.top_logprobs_count
     constraint = (plan.grammar, plan.grammar_param)
     return _start(
-        served, request, prompt_ids, max_tokens, "messages", logprobs, constraint, plan.tool_format
+        served, request, prompt_ids, max_tokens, "messages", logprobs, constraint, plan.tool_parsing
     )
 
 
@@ -184,7 +184,7 @@ def _start(
     prompt_field: str,
     logprobs: int | None,
     constraint: tuple[Grammar | None, str | None] = (None, None),
-    tool_format: ToolCallFormat | None = None,
+    tool_parsing: ToolCallParsing | None = None,
 ) -> Generation:
     """`constraint`: the grammar the output must match, and the request field it came from."""
     _check_context(served.scheduler.max_seq_len, len(prompt_ids), max_tokens, prompt_field)
@@ -203,7 +203,7 @@ def _start(
         grammar=grammar,
     )
     try:
-        return Generation(served.engine, served.bridge, prompt_ids, params, tool_format)
+        return Generation(served.engine, served.bridge, prompt_ids, params, tool_parsing)
     except GrammarError as exc:
         raise ApiError(400, f"invalid '{grammar_param}': {exc}", param=grammar_param) from exc
     except CheckpointError as exc:  # a vocabulary whose token bytes cannot be read

@@ -79,8 +79,8 @@ async def completion_body(generation: Generation, model: str) -> Completion:
 async def chat_body(generation: Generation, model: str) -> ChatCompletion:
     text, finish_reason, entries = await collect(generation)
     content, calls = text, []
-    if generation.tool_format is not None:
-        content, calls = parse_tool_calls(generation.tool_format, text)
+    if generation.tool_parsing is not None:
+        content, calls = parse_tool_calls(generation.tool_parsing, text)
     message = AssistantMessage(content=content, tool_calls=[_tool_call(c) for c in calls] or None)
     logprobs = chat_logprobs(entries, generation.vocab) if generation.vocab else None
     reason = _finish_reason(finish_reason, bool(calls))
@@ -142,8 +142,8 @@ class _ChatDeltas:
     content and tool calls its parser completes (`calls` counts those so far)."""
 
     def __init__(self, generation: Generation) -> None:
-        fmt = generation.tool_format
-        self._parser = fmt.stream() if fmt is not None else None
+        parsing = generation.tool_parsing
+        self._parser = parsing.stream() if parsing is not None else None
         self.calls = 0
 
     def of(self, output: RequestOutput) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hybridmoe.engine.constraints import Grammar
 from hybridmoe.server.errors import ApiError
-from hybridmoe.server.tools import ToolCallFormat, ToolSpec, format_for_template
+from hybridmoe.server.tools import ToolCallFormat, ToolCallParsing, ToolSpec, format_for_template
 
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -91,7 +91,7 @@ class ChatPlan:
     template_tools: list[dict[str, Any]] | None  # the chat template's `tools`
     grammar: Grammar | None
     grammar_param: str | None  # the request field a grammar error is reported under
-    tool_format: ToolCallFormat | None  # parse tool calls out of the output with this
+    tool_parsing: ToolCallParsing | None  # how tool calls are parsed out of the output
 
 
 def plan_chat(
@@ -111,12 +111,15 @@ def plan_chat(
     fmt = _tool_format(template_source)
     specs = [tool.spec() for tool in tools]
     template_tools = [tool.model_dump(exclude_none=True) for tool in tools]
+    parsing = ToolCallParsing(fmt, parallel_tool_calls)
     if choice == "auto":
-        return ChatPlan(template_tools, None, None, fmt)
+        return ChatPlan(template_tools, None, None, parsing)
     if choice == "required":
-        return ChatPlan(template_tools, fmt.grammar(specs, parallel_tool_calls), "tools", fmt)
+        grammar = fmt.grammar(specs, parallel_tool_calls)
+        return ChatPlan(template_tools, grammar, "tools", parsing)
     named = [s for s in specs if s.name == choice.function.name]
-    return ChatPlan(template_tools, fmt.grammar(named, parallel=False), "tool_choice", fmt)
+    grammar = fmt.grammar(named, parallel=False)
+    return ChatPlan(template_tools, grammar, "tool_choice", ToolCallParsing(fmt, parallel=False))
 
 
 def _tool_format(template_source: str) -> ToolCallFormat:

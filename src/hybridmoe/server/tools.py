@@ -68,9 +68,46 @@ def format_for_template(template_source: str) -> ToolCallFormat | None:
     return next((f for f in TOOL_CALL_FORMATS.values() if f.detects(template_source)), None)
 
 
-def parse_tool_calls(fmt: ToolCallFormat, text: str) -> tuple[str | None, list[ToolCall]]:
+@dataclass(frozen=True)
+class ToolCallParsing:
+    """How one response's calls are parsed: in `format`'s syntax, and with `parallel` false
+    only the first call is kept (OpenAI's parallel_tool_calls: false, which tool_choice auto
+    cannot enforce while generating; "required" and a named function enforce it by grammar)."""
+
+    format: ToolCallFormat
+    parallel: bool = True
+
+    def stream(self) -> ToolCallStream:
+        stream = self.format.stream()
+        return stream if self.parallel else _FirstCallOnly(stream)
+
+
+class _FirstCallOnly:
+    def __init__(self, stream: ToolCallStream) -> None:
+        self._stream, self._called = stream, False
+
+    def feed(self, text: str) -> list[Event]:
+        return self._keep(self._stream.feed(text))
+
+    def finish(self) -> list[Event]:
+        return self._keep(self._stream.finish())
+
+    def _keep(self, events: list[Event]) -> list[Event]:
+        kept = []
+        for event in events:
+            if isinstance(event, ToolCall):
+                if self._called:
+                    continue
+                self._called = True
+            kept.append(event)
+        return kept
+
+
+def parse_tool_calls(
+    parsing: ToolCallParsing | ToolCallFormat, text: str
+) -> tuple[str | None, list[ToolCall]]:
     """(content, tool calls) of a whole generated text; content None when there is none."""
-    stream = fmt.stream()
+    stream = parsing.stream()
     events = stream.feed(text) + stream.finish()
     content = "".join(e for e in events if isinstance(e, str))
     return content or None, [e for e in events if isinstance(e, ToolCall)]

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
-from hybridmoe.engine.constraints import Grammar, GrammarError, mask_logits
+from hybridmoe.engine.constraints import (
+    Grammar,
+    GrammarError,
+    mask_logits,
+    mask_logits_reference,
+)
 
 PROMPT = "Describe a person as JSON:"
 SCHEMA = {
@@ -91,6 +96,16 @@ def test_mask_equals_the_matchers_token_by_token_check(engine):
             free_steps += 1
         constraint.advance(token)
     assert free_steps >= 3  # the test compares whole masks, not only subsets
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mask_logits_equals_its_reference(dtype):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(1000, generator=generator, dtype=dtype)
+    allowed = torch.rand(1000, generator=generator) < 0.3
+    masked = mask_logits(logits, allowed)
+    assert masked.dtype == dtype and torch.equal(masked, mask_logits_reference(logits, allowed))
+    assert torch.isinf(masked[~allowed]).all() and torch.equal(logits[allowed], masked[allowed])
 
 
 def test_unconstrained_rows_are_unchanged_by_a_constrained_neighbour(engine):

@@ -107,7 +107,16 @@ class TokenConstraint:
 
 
 def mask_logits(logits: Tensor, allowed: Tensor) -> Tensor:
-    """`logits` [V] with the tokens not `allowed` (bool [V]) set to -inf; a new tensor."""
+    """`logits` [V] with the tokens not `allowed` (bool [V]) set to -inf; a new tensor.
+    Host logits are masked by numpy: one pass, no thread pool (torch's OpenMP workers made
+    this 150k-element op cost milliseconds on a busy machine). Equal to mask_logits_reference."""
+    if logits.device.type != "cpu":
+        return mask_logits_reference(logits, allowed)
+    values = logits.numpy()
+    return torch.from_numpy(np.where(allowed.numpy(), values, values.dtype.type(-np.inf)))
+
+
+def mask_logits_reference(logits: Tensor, allowed: Tensor) -> Tensor:
     return torch.where(allowed.to(logits.device), logits, float("-inf"))
 
 

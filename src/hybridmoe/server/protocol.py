@@ -14,7 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from hybridmoe.engine.logprobs import MAX_TOP_LOGPROBS
 from hybridmoe.server.logprobs import ChatLogprobs, CompletionLogprobs
-from hybridmoe.server.structured import NamedToolChoice, ResponseFormat, ToolChoice, ToolDef
+from hybridmoe.server.structured import (
+    MessageToolCall,
+    NamedToolChoice,
+    ResponseFormat,
+    ResponseToolCall,
+    ToolChoice,
+    ToolDef,
+)
 
 _MAX_SEED = 2**64
 # Values of the unimplemented /v1/completions fields that ask for nothing.
@@ -125,26 +132,6 @@ class CompletionRequest(_GenerationRequest):
 class ContentPart(_Strict):
     type: Literal["text"]
     text: str
-
-
-class FunctionCall(_Strict):
-    name: str
-    arguments: str  # a JSON object, as text
-
-    @field_validator("arguments")
-    @classmethod
-    def _json_text(cls, arguments: str) -> str:
-        try:
-            json.loads(arguments)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"arguments must be JSON text: {e}") from e
-        return arguments
-
-
-class MessageToolCall(_Strict):
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
@@ -274,12 +261,6 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-
-
-class ResponseToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
 
 
 class AssistantMessage(BaseModel):

@@ -26,10 +26,9 @@ from hybridmoe.server.protocol import (
     ChatCompletionChunk,
     Completion,
     CompletionChoice,
-    FunctionCall,
-    ResponseToolCall,
     Usage,
 )
+from hybridmoe.server.structured import FunctionCall, ResponseToolCall
 from hybridmoe.server.tools import ToolCall, parse_tool_calls
 
 

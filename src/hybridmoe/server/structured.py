@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hybridmoe.engine.constraints import Grammar
 from hybridmoe.server.errors import ApiError
@@ -84,6 +84,34 @@ class NamedToolChoice(_Strict):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+class FunctionCall(_Strict):
+    """A call as OpenAI writes it, in an assistant message or a response."""
+
+    name: str
+    arguments: str  # a JSON object, as text
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_text(cls, arguments: str) -> str:
+        try:
+            json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"arguments must be JSON text: {e}") from e
+        return arguments
+
+
+class MessageToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 @dataclass(frozen=True)
 class ChatPlan:
     """What a chat request's format and tools ask of its generation."""
@@ -134,12 +162,3 @@ def _tool_format(template_source: str) -> ToolCallFormat:
             param="tools",
         )
     return fmt
-
-
-def template_arguments(arguments: str, where: str) -> Any:
-    """A history tool call's `arguments` (JSON text, as OpenAI sends them) as the object chat
-    templates expect (they write it with `tojson`, or as is when it is a string)."""
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError as e:
-        raise ApiError(400, f"'{where}' is not valid JSON: {e}", param=where) from e

@@ -60,6 +60,8 @@ _DECODE_NO_FLAG = {
     **_ENGINE_NO_FLAG,
     "EngineConfig.max_batch": "requests decoded together; generate and chat decode one (1)",
     "SamplingParams.ignore_eos": "an API extension for benchmarks; the CLI stops at EOS",
+    "SamplingParams.logprobs": "an API field (serve's logprobs); the CLI prints text",
+    "SamplingParams.grammar": "an API field (serve's response_format and tools)",
 }
 NOT_FLAGS: dict[str, dict[str, str]] = {
     "generate": _DECODE_NO_FLAG,

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from hybridmoe.engine.config import EngineConfig
+from hybridmoe.engine.constraints import GrammarCompiler
 from hybridmoe.engine.moe_runtime import MoeRuntime, create_moe_runtime
 from hybridmoe.engine.placement import plan_device_memory, resolve_decode_target
 from hybridmoe.engine.sampling import SamplingParams
@@ -53,6 +54,21 @@ class Engine:
             tokenizer.eos_token_ids if tokenizer else frozenset()
         )
         self.stats = GenerationStats()
+        self._grammars: GrammarCompiler | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of SamplingParams.grammar over this checkpoint's vocabulary (built on
+        first use). Raises CheckpointError without a tokenizer."""
+        if self._grammars is None:
+            tokenizer = self.require_tokenizer()
+            self._grammars = GrammarCompiler(
+                tokenizer.token_bytes(self.model.cfg.vocab_size),
+                sorted(self.eos_ids),
+                sorted(tokenizer.special_token_ids),
+                lambda text: tokenizer.encode(text, add_special_tokens=False),
+            )
+        return self._grammars
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
@@ -135,12 +151,13 @@ class Engine:
     ) -> Sequence:
         """A fresh Sequence for `prompt_ids`; prompt + output stay below `max_len` (default:
         max_seq_len, what the engine's KV cache holds). Raises ValueError if the prompt alone
-        does not fit."""
+        does not fit, GrammarError if `params.grammar` does not compile."""
         limit = max_len or self.max_seq_len
         if len(prompt_ids) >= limit:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context window is {limit}")
         detok = self.require_tokenizer().incremental_decoder() if with_text else None
-        return Sequence(list(prompt_ids), params, self.eos_ids, limit, detok)
+        constraint = None if params.grammar is None else self.grammars.constraint(params.grammar)
+        return Sequence(list(prompt_ids), params, self.eos_ids, limit, detok, constraint=constraint)
 
     def _run_to_end(self, seqs: list[Sequence]) -> None:
         for _ in self._run(seqs):

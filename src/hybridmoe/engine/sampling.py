@@ -9,10 +9,13 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from hybridmoe.engine.constraints import Grammar, TokenConstraint, mask_logits
+from hybridmoe.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 
 _MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
 # Below this temperature sampling is greedy (vLLM's threshold): dividing float32 logits by a
@@ -29,6 +32,12 @@ class SamplingParams:
     are never part of the output; a single string or a list is accepted and stored as a tuple.
     With `seed` set, the request's tokens depend only on its own logits, never on what other
     requests in the batch do.
+
+    `logprobs` (None: off) records each token's logprob and that many top alternatives
+    (0..20; see engine/logprobs.py for what is reported). With `grammar` every token is picked
+    from the tokens the grammar allows (the logits of the others are -inf before temperature,
+    top-k and top-p); the output ends with EOS once the grammar is complete, so `ignore_eos`
+    cannot go with it.
     """
 
     max_tokens: int = 128
@@ -38,6 +47,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    grammar: Grammar | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)
@@ -48,6 +59,14 @@ class SamplingParams:
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0)
+            if self.logprobs > MAX_TOP_LOGPROBS:
+                raise ValueError(f"logprobs must be <= {MAX_TOP_LOGPROBS}, got {self.logprobs}")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise ValueError(f"grammar must be a Grammar or None, got {self.grammar!r}")
+        if self.grammar is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a grammar (it ends with EOS)")
 
     @property
     def greedy(self) -> bool:
@@ -136,13 +155,24 @@ class Sampler:
 
     Owns its random generator, seeded from `params.seed` (a fresh random seed, kept in
     `self.seed`, when None), so a seeded request draws the same tokens from the same logits no
-    matter what other requests do. Not thread-safe; use one sampler per request.
+    matter what other requests do. With a `constraint` (the state of `params.grammar`) it picks
+    among the tokens the constraint allows and advances it with each pick. With
+    `params.logprobs` set, `logprobs[i]` is the TokenLogprob of the i-th token it picked, from
+    the raw logits it was given. Not thread-safe; use one sampler per request.
     """
 
-    def __init__(self, params: SamplingParams) -> None:
-        self.params = params
+    def __init__(self, params: SamplingParams, constraint: TokenConstraint | None = None) -> None:
+        if (params.grammar is None) != (constraint is None):
+            raise ValueError("a Sampler has a constraint exactly when its params have a grammar")
+        self.params, self.constraint = params, constraint
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._generators: dict[torch.device, torch.Generator] = {}
+        self.logprobs: list[TokenLogprob] = []
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing else to do per token: sample_batch's one-argmax fast path."""
+        return self.params.greedy and self.constraint is None and self.params.logprobs is None
 
     def sample(self, logits: Tensor) -> int:
         """Pick a token id from `logits` [V] (any float dtype; maths in float32)."""
@@ -150,6 +180,17 @@ class Sampler:
             raise ValueError(
                 f"Sampler.sample expects logits of shape [V], got {list(logits.shape)}"
             )
+        raw = logits
+        if self.constraint is not None:
+            logits = mask_logits(logits, self.constraint.allowed())
+        token = self._pick(logits)
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        if self.params.logprobs is not None:
+            self.logprobs.append(token_logprobs(raw, token, self.params.logprobs))
+        return token
+
+    def _pick(self, logits: Tensor) -> int:
         if self.params.greedy:
             return int(logits.argmax())
         probs = self.probabilities(logits)  # [V]
@@ -177,13 +218,14 @@ class Sampler:
 def sample_batch(logits: Tensor, samplers: Sequence[Sampler]) -> list[int]:
     """Pick one token per row: row b of `logits` [B, V] with `samplers[b]`.
 
-    When every sampler is greedy this is a single argmax over the batch.
+    When every sampler is plain (greedy, no grammar, no logprobs) this is a single argmax over
+    the batch.
     """
     if logits.dim() != 2 or logits.shape[0] != len(samplers):
         raise ValueError(
             f"sample_batch needs logits of shape [B, V] with B == len(samplers) = "
             f"{len(samplers)}, got {list(logits.shape)}"
         )
-    if all(s.params.greedy for s in samplers):
+    if all(s.plain for s in samplers):
         return logits.argmax(dim=-1).tolist()
     return [sampler.sample(row) for sampler, row in zip(samplers, logits, strict=True)]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 from hybridmoe.engine import steps
 from hybridmoe.engine.kv_cache import KVCache
+from hybridmoe.engine.logprobs import TokenLogprob
 from hybridmoe.engine.moe_runtime import MoeRuntime
 from hybridmoe.engine.prefix_cache import PrefixCache
 from hybridmoe.engine.sequence import Sequence
@@ -37,6 +38,8 @@ class RequestOutput:
     completion_tokens: int  # tokens generated so far, EOS included
     finish_reason: str | None = None  # "stop" | "length" on the last output of a success
     error: Exception | None = None  # set on the last output of a request that failed
+    # Of the tokens sampled since the previous output (SamplingParams.logprobs; else empty).
+    logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -272,7 +275,9 @@ class Scheduler:
         request = self.running[row]
         seq = request.seq
         if delta or seq.finished:
-            output = RequestOutput(delta, len(seq.output_ids), seq.finish_reason)
+            output = RequestOutput(
+                delta, len(seq.output_ids), seq.finish_reason, logprobs=seq.take_logprobs()
+            )
             if not self._send(request, output):
                 request.cancel()
         if seq.finished:

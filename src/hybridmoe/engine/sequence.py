@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridmoe.engine.constraints import TokenConstraint
+from hybridmoe.engine.logprobs import TokenLogprob
 from hybridmoe.engine.sampling import Sampler, SamplingParams
 from hybridmoe.engine.stopping import StopStringMatcher
 
@@ -14,6 +16,7 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" (EOS or stop string) | "length"
+    logprobs: list[TokenLogprob] | None = None  # one per token id when params.logprobs is set
 
 
 @dataclass
@@ -26,10 +29,18 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    constraint: TokenConstraint | None = None  # the state of params.grammar, if it has one
 
     def __post_init__(self) -> None:
-        self.sampler = Sampler(self.params)
+        self.sampler = Sampler(self.params, self.constraint)
         self.stop_matcher = StopStringMatcher(self.params.stop)
+        self._logprobs_taken = 0
+
+    def take_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The TokenLogprobs of the tokens sampled since the last call (() when not asked)."""
+        new = self.sampler.logprobs[self._logprobs_taken :]
+        self._logprobs_taken += len(new)
+        return tuple(new)
 
     @property
     def finished(self) -> bool:
@@ -72,4 +83,6 @@ class Sequence:
         return tail if stopped else tail + self.stop_matcher.flush()
 
     def completion(self) -> Completion:
-        return Completion(self.prompt_ids, self.output_ids, self.text, self.finish_reason or "")
+        logprobs = self.sampler.logprobs if self.params.logprobs is not None else None
+        reason = self.finish_reason or ""
+        return Completion(self.prompt_ids, self.output_ids, self.text, reason, logprobs)

@@ -48,8 +48,14 @@ class ChatTemplate:
     origin: str  # names the file (and field) the template was read from, for error messages
     special_tokens: Mapping[str, str]  # e.g. {"eos_token": "<|im_end|>"}; unset tokens absent
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
-        """Render `messages` to the prompt text; does not modify `messages`.
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """Render `messages` (and the `tools` offered, OpenAI's {"type": "function", ...} dicts,
+        as transformers passes them) to the prompt text; modifies neither.
 
         Raises CheckpointError if the template does not compile, and ValueError if it rejects the
         messages (its `raise_exception`) or fails to render them.
@@ -58,8 +64,8 @@ class ChatTemplate:
         try:
             return compiled.render(
                 messages=normalize_messages(messages),
-                # Passed as None, not left undefined: templates test `tools is not none`.
-                tools=None,
+                # None, not left undefined, when there are none: templates test `tools is not none`.
+                tools=[_plain_copy(tool) for tool in tools] if tools else None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from hybridmoe.loader.chat_template import (
     special_token_text,
 )
 from hybridmoe.loader.files import read_json_object
+from hybridmoe.loader.token_bytes import token_bytes_table
 
 TOKENIZER_FILE = "tokenizer.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -79,6 +81,16 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self.chat_template is not None
 
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the added tokens marked special (what skip_special_tokens drops)."""
+        added = self.backend.get_added_tokens_decoder()
+        return frozenset(i for i, token in added.items() if token.special)
+
+    def token_bytes(self, vocab_size: int) -> tuple[bytes, ...]:
+        """The exact bytes of every id in [0, vocab_size) (loader/token_bytes.py)."""
+        return _token_bytes(self.directory / TOKENIZER_FILE, vocab_size)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, what tokenizer.json's post-processor
         adds (e.g. a BOS) is included."""
@@ -88,10 +100,16 @@ class Tokenizer:
         """Text of `ids`; bytes that do not form whole UTF-8 characters decode to U+FFFD."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`, as transformers' `apply_chat_template(tokenize=False)`
-        renders it. Raises CheckpointError if the checkpoint has no chat template or it does not
-        compile, and ValueError if the template rejects the messages."""
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """The prompt text for `messages` (and `tools`), as transformers'
+        `apply_chat_template(tokenize=False)` renders it. Raises CheckpointError if the
+        checkpoint has no chat template or it does not compile, and ValueError if the template
+        rejects the messages."""
         if self.chat_template is None and self.directory.is_file():  # a GGUF
             raise CheckpointError(
                 f"{self.directory} has no 'tokenizer.chat_template': this model cannot format "
@@ -102,7 +120,7 @@ class Tokenizer:
                 f"{self.directory / TOKENIZER_CONFIG_FILE} has no 'chat_template' (and there is "
                 f"no {CHAT_TEMPLATE_FILE}): this checkpoint cannot format chat messages"
             )
-        return self.chat_template.render(messages, add_generation_prompt)
+        return self.chat_template.render(messages, add_generation_prompt, tools)
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         """A fresh streaming decoder for one generated sequence."""
@@ -145,6 +163,11 @@ class IncrementalDecoder:
         printed = self._decode(self._ids[self._prefix_offset : self._read_offset])
         window = self._decode(self._ids[self._prefix_offset :])
         return printed, window
+
+
+@lru_cache(maxsize=4)
+def _token_bytes(path: Path, vocab_size: int) -> tuple[bytes, ...]:
+    return tuple(token_bytes_table(path, vocab_size))
 
 
 def _load_backend(path: Path) -> tokenizers.Tokenizer:

@@ -10,11 +10,15 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from hybridmoe.engine import Engine, SamplingParams
+from hybridmoe.engine.constraints import Grammar, GrammarError
 from hybridmoe.engine.scheduler import RequestOutput, Scheduler, SchedulerClosed
 from hybridmoe.errors import CheckpointError
 from hybridmoe.server.errors import ApiError, generation_error
 from hybridmoe.server.limits import check_prompt_chars
+from hybridmoe.server.logprobs import TokenText
 from hybridmoe.server.protocol import ChatCompletionRequest, CompletionRequest
+from hybridmoe.server.structured import plan_chat
+from hybridmoe.server.tools import ToolCallParsing
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -78,7 +82,9 @@ class ServedModel:
 
 
 class Generation:
-    """One request in flight, seen from the event loop: its outputs arrive in a queue."""
+    """One request in flight, seen from the event loop: its outputs arrive in a queue.
+    `tool_parsing` (chat with tools) parses tool calls out of its text; `vocab` spells the
+    tokens of its logprobs."""
 
     def __init__(
         self,
@@ -86,7 +92,13 @@ class Generation:
         bridge: OutputBridge,
         prompt_ids: list[int],
         params: SamplingParams,
+        tool_parsing: ToolCallParsing | None = None,
     ) -> None:
+        self.tool_parsing = tool_parsing
+        self.vocab: TokenText | None = None
+        if params.logprobs is not None:  # read before the request is queued: it may fail
+            tokenizer = engine.require_tokenizer()
+            self.vocab = TokenText(tokenizer.token_bytes(engine.model.cfg.vocab_size))
         self._outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._request = engine.submit(prompt_ids, params, bridge.sender(self._outputs))
         self.prompt_tokens = len(prompt_ids)
@@ -122,7 +134,11 @@ class Generation:
 
 def _merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     return RequestOutput(
-        first.text + then.text, then.completion_tokens, then.finish_reason, then.error
+        first.text + then.text,
+        then.completion_tokens,
+        then.finish_reason,
+        then.error,
+        first.logprobs + then.logprobs,
     )
 
 
@@ -133,14 +149,25 @@ def start_completion(served: ServedModel, request: CompletionRequest) -> Generat
     else:
         prompt_ids = _checked_ids(served.engine, request.prompt)
     max_tokens = request.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-    return _start(served, request, prompt_ids, max_tokens, "prompt")
+    fmt = request.response_format
+    constraint = (fmt.grammar(), fmt.grammar_param) if fmt else (None, None)
+    return _start(served, request, prompt_ids, max_tokens, "prompt", request.logprobs, constraint)
 
 
 def start_chat(served: ServedModel, request: ChatCompletionRequest) -> Generation:
     served.check_name(request.model)
     messages = [message.template_dict() for message in request.messages]
     try:
-        text = served.engine.require_tokenizer().apply_chat_template(messages)
+        tokenizer = served.engine.require_tokenizer()
+        source = tokenizer.chat_template.source if tokenizer.chat_template else ""
+        plan = plan_chat(
+            request.response_format,
+            request.tools,
+            request.tool_choice,
+            request.parallel_tool_calls,
+            source,
+        )
+        text = tokenizer.apply_chat_template(messages, tools=plan.template_tools)
     except (CheckpointError, ValueError) as exc:
         raise ApiError(400, str(exc), param="messages") from exc
     # The rendered template already holds every special token the model expects.
@@ -148,7 +175,11 @@ def start_chat(served: ServedModel, request: ChatCompletionRequest) -> Generatio
     # Without a limit the completion may fill the rest of the context window.
     room = max(served.scheduler.max_seq_len - len(prompt_ids), 1)
     max_tokens = request.completion_limit or room
-    return _start(served, request, prompt_ids, max_tokens, "messages")
+    logprobs = request.top_logprobs_count
+    constraint = (plan.grammar, plan.grammar_param)
+    return _start(
+        served, request, prompt_ids, max_tokens, "messages", logprobs, constraint, plan.tool_parsing
+    )
 
 
 def _start(
@@ -157,8 +188,15 @@ def _start(
     prompt_ids: list[int],
     max_tokens: int,
     prompt_field: str,
+    logprobs: int | None,
+    constraint: tuple[Grammar | None, str | None] = (None, None),
+    tool_parsing: ToolCallParsing | None = None,
 ) -> Generation:
+    """`constraint`: the grammar the output must match, and the request field it came from."""
     _check_context(served.scheduler.max_seq_len, len(prompt_ids), max_tokens, prompt_field)
+    grammar, grammar_param = constraint
+    if grammar is not None and request.ignore_eos:
+        raise ApiError(400, "ignore_eos cannot go with a constrained output", param="ignore_eos")
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=request.temperature,
@@ -167,9 +205,16 @@ def _start(
         seed=request.seed,
         stop=request.stop_strings,
         ignore_eos=request.ignore_eos,
+        logprobs=logprobs,
+        grammar=grammar,
     )
     try:
-        return Generation(served.engine, served.bridge, prompt_ids, params)
+        return Generation(served.engine, served.bridge, prompt_ids, params, tool_parsing)
+    except GrammarError as exc:
+        raise ApiError(400, f"invalid '{grammar_param}': {exc}", param=grammar_param) from exc
+    except CheckpointError as exc:  # a vocabulary whose token bytes cannot be read
+        param = grammar_param or "logprobs"
+        raise ApiError(400, f"'{param}' is not available: {exc}", param=param) from exc
     except SchedulerClosed as exc:
         raise generation_error(exc) from exc
 

@@ -7,19 +7,29 @@ so a request never silently runs differently from what it asked for; unknown fie
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from hybridmoe.engine.logprobs import MAX_TOP_LOGPROBS
 from hybridmoe.server.errors import LONE_SURROGATE
+from hybridmoe.server.logprobs import ChatLogprobs, CompletionLogprobs
+from hybridmoe.server.structured import (
+    MessageToolCall,
+    NamedToolChoice,
+    ResponseFormat,
+    ResponseToolCall,
+    ToolChoice,
+    ToolDef,
+)
 from hybridmoe.server.text import lone_surrogate_path
 
 _MAX_SEED = 2**64
 # Values of the unimplemented /v1/completions fields that ask for nothing.
 _COMPLETION_NEUTRAL = {
     "echo": (False,),
-    "logprobs": (None,),
     "best_of": (None, 1),
     "suffix": (None, ""),
 }
@@ -110,7 +120,8 @@ class _GenerationRequest(_Strict):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)  # top alternatives per token, as OpenAI's
+    response_format: ResponseFormat | None = None  # an extension, as vLLM's
     best_of: int | None = None
     suffix: str | None = None
 
@@ -124,7 +135,7 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
         return prompt
 
-    @field_validator("echo", "logprobs", "best_of", "suffix")
+    @field_validator("echo", "best_of", "suffix")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         # Strict parsing has already checked the type, so `in` cannot confuse True with 1.
@@ -139,10 +150,11 @@ class ContentPart(_Strict):
 
 
 class ChatMessage(BaseModel):
-    # Extra keys (name, reasoning_content, ...) go to the chat template as they came.
+    # Extra keys (name, tool_call_id, reasoning_content, ...) go to the chat template as they came.
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls, earlier in the chat
 
     @field_validator("content", mode="before")
     @classmethod
@@ -159,21 +171,72 @@ class ChatMessage(BaseModel):
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
+        for call in message.get("tool_calls", []):
+            # Templates write arguments with `tojson` (or as is when a string): give the object.
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
         return message
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
-    logprobs: bool | None = None
-    tools: list[dict[str, Any]] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDef] | None = Field(None, min_length=1)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    # OpenAI's deprecated spelling of tools: refused, so that it is not quietly ignored.
+    functions: list[Any] | None = None
+    function_call: Any = None
 
-    @field_validator("logprobs", "tools")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _unsupported(cls, value: Any) -> Any:
-        if value:
-            raise ValueError("not supported by this server")
+    def _deprecated(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("not supported by this server; use tools and tool_choice")
         return value
+
+    # Each check below reads fields declared above it (pydantic validates in that order).
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice_shape(cls, choice: Any) -> Any:
+        if isinstance(choice, dict) or choice in (None, "none", "auto", "required"):
+            return choice
+        raise ValueError('tool_choice must be "none", "auto", "required" or a named function')
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _one_of_the_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        if choice is not None and choice != "none" and not tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in {tool.function.name for tool in tools}:
+                raise ValueError(f"no tool is named {choice.function.name!r}")
+        return choice
+
+    @field_validator("response_format")
+    @classmethod
+    def _not_with_tools(cls, value: ResponseFormat | None, info: ValidationInfo) -> Any:
+        tools_on = info.data.get("tools") and info.data.get("tool_choice") != "none"
+        if value is not None and value.type != "text" and tools_on:
+            raise ValueError(
+                'a JSON response_format cannot go with tools (unless tool_choice is "none")'
+            )
+        return value
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        """SamplingParams.logprobs: None when no logprobs are asked for."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def completion_limit(self) -> int | None:
@@ -206,7 +269,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -223,13 +286,14 @@ class Completion(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
 
 
@@ -244,8 +308,9 @@ class ChatCompletion(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
-    delta: dict[str, str]  # {"role": ...} first, then {"content": ...}, {} with finish_reason
-    logprobs: None = None
+    # {"role": ...} first, then {"content": ...} or {"tool_calls": [...]}, {} with finish_reason
+    delta: dict[str, Any]
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

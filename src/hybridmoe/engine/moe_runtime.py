@@ -149,8 +149,8 @@ def _build_offloaded(
     if on_accelerator and config.pin_memory:
         bar = tqdm(parts.stores, desc="pinning expert banks", unit="layer", disable=not progress)
         parts.stores = [bank.in_own_pages() for bank in bar]
-        for bank in parts.stores:
-            platform.pin(bank.gate_up), platform.pin(bank.down)
+        for tensor in (tensor for bank in parts.stores for tensor in bank.tensors()):
+            platform.pin(tensor)
     banks = parts.stores
     # On the cpu device `auto` computes prefill from the banks in place.
     prefill_mode = config.prefill if on_accelerator or config.prefill != "auto" else None
@@ -258,6 +258,6 @@ def _loaded_experts(layer: OffloadMoELayer) -> ExpertWeights:
 
 
 def _stacked(experts: ExpertWeights, fmt: WeightFormat) -> ExpertBank:
-    bank = ExpertBank.stack(experts)
+    bank = ExpertBank.stack(experts, fmt)  # quantised straight from the mapped matrices
     release_pages(experts.gate + experts.up + experts.down)  # the bank is now their only copy
-    return bank if fmt == bank.fmt else bank.converted(fmt)
+    return bank

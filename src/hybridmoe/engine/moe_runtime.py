@@ -242,9 +242,16 @@ def _expert_stores(
         for experts in loaded:
             experts.align()
         return loaded
-    desc = f"experts -> {fmt.name}"
-    bar = tqdm(loaded, desc=desc, unit="layer", disable=not progress or fmt == native)
-    return [_stacked(experts, fmt) for experts in bar]
+    desc = "stacking experts" if fmt == native else f"experts -> {fmt.name}"
+    weights = [sum(w.numel() for w in e.gate + e.up + e.down) for e in loaded]  # per layer
+    stores = []
+    with tqdm(
+        total=sum(weights), desc=desc, unit="weight", unit_scale=True, disable=not progress
+    ) as bar:
+        for experts, count in zip(loaded, weights, strict=True):
+            stores.append(_stacked(experts, fmt))
+            bar.update(count)
+    return stores
 
 
 def _loaded_experts(layer: OffloadMoELayer) -> ExpertWeights:

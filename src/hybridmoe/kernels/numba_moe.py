@@ -293,7 +293,9 @@ def _touch_pool(out):
 
 
 @functools.cache  # once per process
-def _start_pool() -> None:
+def start_pool() -> None:
+    """Start numba's thread pool as described above; every parallel numba kernel of the
+    package calls it before its first launch (the first launch starts the pool)."""
     with env.default_set("OMP_WAIT_POLICY", "PASSIVE"):
         _touch_pool(np.zeros(max_threads(), np.int64))
 
@@ -308,7 +310,7 @@ def run_fused_moe(fmt: str, threads: int | None, *args) -> int:
     count is per calling thread in numba, so it is set on every call."""
     kernel = FUSED_MOE[fmt]
     with _LAUNCH_LOCK:
-        _start_pool()
+        start_pool()
         numba.set_num_threads(threads or max_threads())
         # work items handed out one at a time: a thread the OS preempts (another process on
         # the core) delays the call by one item, not by half the layer

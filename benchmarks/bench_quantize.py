@@ -73,8 +73,8 @@ def bench_quantisers(args: argparse.Namespace) -> None:
             rates = {label: weights / statistics.median(ts) / 1e9 for label, ts in times.items()}
             print(
                 f"{name} from {str(dtype).removeprefix('torch.'):8}: numba "
-                f"{rates['numba']:5.2f} G weights/s, torch reference "
-                f"{rates['torch reference']:5.2f} G weights/s, ratio "
+                f"{rates['numba']:6.3f} G weights/s, torch reference "
+                f"{rates['torch reference']:6.3f} G weights/s, ratio "
                 f"{rates['numba'] / rates['torch reference']:5.1f}x",
                 flush=True,
             )

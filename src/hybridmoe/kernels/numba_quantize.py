@@ -190,7 +190,8 @@ def quantize(name: str, w: torch.Tensor) -> torch.Tensor:
     bad = np.full((items, 2), -1, np.int64)
     if out.shape[0]:
         start_pool()
-        kernel(xf, xb, out.numpy(), bad)
+        with numba.parallel_chunksize(1):  # items one at a time: a preempted thread delays one
+            kernel(xf, xb, out.numpy(), bad)
     _raise_first_bad(name, bad, n // 32)
     return out.reshape(*w.shape[:-1], n // 32 * block_bytes)
 

@@ -2,7 +2,7 @@
 format, against the memory's read bandwidth and the torch per-expert loop, measured side by side.
 
     python benchmarks/bench_cpu_moe.py [--shapes qwen3-30b-a3b mixtral] [--formats bf16 q8_0 q4_0]
-        [--reps 15] [--threads N]
+        [--reps 15] [--threads N] [--separate]
 
 Shapes: qwen3-30b-a3b (H=2048, I=768, E=128, K=8) and mixtral (H=4096, I=14336, E=8, K=2). The
 banks hold random bytes in each format (valid fp16 scales); the math does not care. Before
@@ -66,11 +66,19 @@ def random_stored(fmt_name: str, shape: tuple[int, ...], g: torch.Generator) -> 
     return out
 
 
-def make_bank(shape: Shape, fmt_name: str) -> ExpertBank:
+def make_bank(shape: Shape, fmt_name: str, separate: bool = False) -> ExpertBank:
+    """Random experts, gate and up stacked in one gate_up, or when `separate` in two tensors
+    (as a GGUF file's ffn_gate_exps / ffn_up_exps)."""
     g = torch.Generator().manual_seed(0)
-    gate_up = random_stored(fmt_name, (shape.experts, 2 * shape.inter, shape.hidden), g)
+    fmt = weight_format(fmt_name)
     down = random_stored(fmt_name, (shape.experts, shape.hidden, shape.inter), g)
-    return ExpertBank(gate_up, down, weight_format(fmt_name))
+    if separate:
+        gate, up = (
+            random_stored(fmt_name, (shape.experts, shape.inter, shape.hidden), g) for _ in "gu"
+        )
+        return ExpertBank(gate=gate, up=up, down=down, fmt=fmt)
+    gate_up = random_stored(fmt_name, (shape.experts, 2 * shape.inter, shape.hidden), g)
+    return ExpertBank(gate_up, down, fmt)
 
 
 class Memory:
@@ -119,9 +127,10 @@ def time_calls(fn, bank, shape, tokens, shared, reps, memory, seed=1) -> tuple[f
 
 def bench_format(name, shape, fmt_name, args, memory) -> dict[str, float]:
     start = time.perf_counter()
-    bank = make_bank(shape, fmt_name)
+    bank = make_bank(shape, fmt_name, args.separate)
+    layout = "gate, up separate" if args.separate else "gate_up stacked"
     print(
-        f"  {fmt_name}: bank of {bank.gate_up.nbytes + bank.down.nbytes >> 20} MiB built in "
+        f"  {fmt_name}: bank of {bank.nbytes >> 20} MiB ({layout}) built in "
         f"{time.perf_counter() - start:.0f} s",
         flush=True,
     )
@@ -157,6 +166,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--torch-reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="kernel threads (default all)")
+    parser.add_argument(
+        "--separate", action="store_true", help="banks holding gate and up as two tensors"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     memory = Memory()

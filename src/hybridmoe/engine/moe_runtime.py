@@ -152,8 +152,8 @@ def _build_offloaded(
     if on_accelerator and config.pin_memory:
         bar = tqdm(parts.stores, desc="pinning expert banks", unit="layer", disable=not progress)
         parts.stores = [bank.in_own_pages() for bank in bar]
-        for bank in parts.stores:
-            platform.pin(bank.gate_up), platform.pin(bank.down)
+        for tensor in (tensor for bank in parts.stores for tensor in bank.tensors()):
+            platform.pin(tensor)
     banks = parts.stores
     # On the cpu device `auto` computes prefill from the banks in place.
     prefill_mode = config.prefill if on_accelerator or config.prefill != "auto" else None
@@ -264,9 +264,16 @@ def _expert_stores(
         for experts in loaded:
             experts.align()
         return loaded
-    desc = f"experts -> {fmt.name}"
-    bar = tqdm(loaded, desc=desc, unit="layer", disable=not progress or fmt == native)
-    return [_stacked(experts, fmt) for experts in bar]
+    desc = "stacking experts" if fmt == native else f"experts -> {fmt.name}"
+    weights = [sum(w.numel() for w in e.gate + e.up + e.down) for e in loaded]  # per layer
+    stores = []
+    with tqdm(
+        total=sum(weights), desc=desc, unit="weight", unit_scale=True, disable=not progress
+    ) as bar:
+        for experts, count in zip(loaded, weights, strict=True):
+            stores.append(_stacked(experts, fmt))
+            bar.update(count)
+    return stores
 
 
 def _loaded_experts(layer: OffloadMoELayer) -> ExpertStore:
@@ -295,6 +302,6 @@ def _file_bank(bank: ExpertBank, asked: WeightFormat | None) -> ExpertBank:
 
 
 def _stacked(experts: ExpertWeights, fmt: WeightFormat) -> ExpertBank:
-    bank = ExpertBank.stack(experts)
+    bank = ExpertBank.stack(experts, fmt)  # quantised straight from the mapped matrices
     release_pages(experts.gate + experts.up + experts.down)  # the bank is now their only copy
-    return bank if fmt == bank.fmt else bank.converted(fmt)
+    return bank

@@ -185,11 +185,27 @@ BF16_ROUTE_WEIGHTS = 2  # bf16 activations and router weights: bf16 weighted out
 
 @cached_njit(inline="always", **_FLAGS)
 def _fused_moe(
-    fmt, x, ids, route_weights, gate_up, down, hidden, inter, num_experts, top_k, act_bf16, y
+    fmt,
+    x,
+    ids,
+    route_weights,
+    w_gate,
+    w_up,
+    expert_rows,
+    down,
+    hidden,
+    inter,
+    num_experts,
+    top_k,
+    act_bf16,
+    y,
 ):
     """y[t] += Σ_k route_weights[t*K+k] · down_e(silu(gate_e x_t) ⊙ up_e x_t), e = ids[t*K+k],
-    ids < 0 skipped. x f32 [T*H], ids int64 [T*K], route_weights f32 [T*K], gate_up / down
-    uint8 (the bank's bytes, [E, 2I, H] / [E, H, I] in KernelFormat `fmt`), y f32 [T*H].
+    ids < 0 skipped. x f32 [T*H], ids int64 [T*K], route_weights f32 [T*K], y f32 [T*H];
+    w_gate, w_up, down uint8, the bank's bytes in KernelFormat `fmt` (ExpertBank.byte_views):
+    expert e's I gate rows of H weights start at row e * expert_rows of `w_gate`, its up rows
+    likewise in `w_up` (a stacked bank: gate_up's bytes, up I rows in, expert_rows 2I), its H
+    down rows of I weights at row e * H of `down`.
     The accumulation contract (docs/architecture.md): every dot product in float32 from the
     exact weights; when `act_bf16` (BF16_ACTIVATIONS or BF16_ROUTE_WEIGHTS) each projection,
     silu and product is rounded to bf16 as the torch reference computes them in bf16, and with
@@ -213,10 +229,9 @@ def _fused_moe(
         i0 = chunk * ROWS_PER_ITEM
         rows = min(inter, i0 + ROWS_PER_ITEM) - i0
         gate, up = np.empty(count * rows, np.float32), np.empty(count * rows, np.float32)
-        gate_off = (experts[u] * 2 * inter + i0) * h_row_bytes
-        up_off = gate_off + inter * h_row_bytes
-        _matmul(fmt, gate_up, gate_off, h_row_bytes, hidden, rows, x, x_offs, first, count, gate)
-        _matmul(fmt, gate_up, up_off, h_row_bytes, hidden, rows, x, x_offs, first, count, up)
+        row_off = (experts[u] * expert_rows + i0) * h_row_bytes  # in w_gate and in w_up
+        _matmul(fmt, w_gate, row_off, h_row_bytes, hidden, rows, x, x_offs, first, count, gate)
+        _matmul(fmt, w_up, row_off, h_row_bytes, hidden, rows, x, x_offs, first, count, up)
         if act_bf16:
             _round_bf16(gate, count * rows)
             _round_bf16(up, count * rows)
@@ -251,9 +266,9 @@ def _fused_moe(
 def _fused_moe_entry(kernel: KernelFormat):
     """The parallel entry point of _fused_moe for one format (same arguments, less `fmt`)."""
 
-    def fused_moe(x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y):
+    def fused_moe(x, ids, weights, gate, up, rows, down, hidden, inter, experts, k, act_bf16, y):
         return _fused_moe(
-            kernel, x, ids, weights, gate_up, down, hidden, inter, experts, k, act_bf16, y
+            kernel, x, ids, weights, gate, up, rows, down, hidden, inter, experts, k, act_bf16, y
         )
 
     fused_moe.__name__ = fused_moe.__qualname__ = f"fused_moe_{kernel.name}"  # own cache files
@@ -279,7 +294,9 @@ def _touch_pool(out):
 
 
 @functools.cache  # once per process
-def _start_pool() -> None:
+def start_pool() -> None:
+    """Start numba's thread pool as described above; every parallel numba kernel of the
+    package calls it before its first launch (the first launch starts the pool)."""
     with env.default_set("OMP_WAIT_POLICY", "PASSIVE"):
         _touch_pool(np.zeros(max_threads(), np.int64))
 
@@ -294,7 +311,7 @@ def run_fused_moe(fmt: str, threads: int | None, *args) -> int:
     count is per calling thread in numba, so it is set on every call."""
     kernel = FUSED_MOE[fmt]
     with _LAUNCH_LOCK:
-        _start_pool()
+        start_pool()
         numba.set_num_threads(threads or max_threads())
         # work items handed out one at a time: a thread the OS preempts (another process on
         # the core) delays the call by one item, not by half the layer

@@ -66,8 +66,8 @@ def gathered_moe_peak_bytes(
     routes = tokens * top_k
     chunk = min(routes, routes_per_chunk(bank, act_dtype))
     hidden, inter = bank.hidden_size, bank.intermediate_size
-    weights = chunk * 2 * inter * hidden  # gate_up of one chunk
-    stored = chunk * bank.gate_up[0].nbytes  # the gathered stored rows
+    weights = chunk * 2 * inter * hidden  # gate and up of one chunk (at most)
+    stored = chunk * (bank.gate[0].nbytes + bank.up[0].nbytes)  # the gathered stored rows
     compute_bytes = bank.compute_dtype(act_dtype).itemsize
     if bank.fmt.is_quantized:
         expanded = weights * DEQUANT_BYTES_PER_WEIGHT
@@ -84,10 +84,21 @@ def _routes_mlp(x: torch.Tensor, ids: torch.Tensor, bank: ExpertBank) -> torch.T
     """x [c, H], ids [c] -> down(silu(gate x) * up x) [c, H] in x's dtype, route by route; each
     projection from the exact weights, its output rounded to x's dtype (as bank_moe)."""
     dtype = bank.compute_dtype(x.dtype)
-    gate_up = bank.gate_up_weights(ids, dtype)  # [c, 2I, H]
-    projected = torch.bmm(gate_up, x.to(dtype)[:, :, None])[..., 0].to(x.dtype)  # [c, 2I]
-    del gate_up  # before the down projection's weights are expanded: one at a time
-    gate, up = projected.chunk(2, dim=-1)  # 2 x [c, I]
+    gate, up = _gate_up_routes(x.to(dtype)[:, :, None], ids, bank, dtype)  # 2 x [c, I]
+    gate, up = gate.to(x.dtype), up.to(x.dtype)
     act = (F.silu(gate) * up).to(dtype)
     down = bank.down_weights(ids, dtype)  # [c, H, I]
     return torch.bmm(down, act[:, :, None])[..., 0].to(x.dtype)
+
+
+def _gate_up_routes(
+    x: torch.Tensor, ids: torch.Tensor, bank: ExpertBank, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [c, H, 1] in `dtype`, ids [c] -> (gate x, up x) [c, I] each in `dtype`: one batched
+    GEMV over a stacked bank's gate_up rows, else one per projection; each projection's
+    gathered weights are freed before the next are expanded."""
+    if bank.stacked:
+        gate_up = bank.gate_up_weights(ids, dtype)  # [c, 2I, H]
+        return torch.bmm(gate_up, x)[..., 0].chunk(2, dim=-1)
+    gate = torch.bmm(bank.gate_weights(ids, dtype), x)[..., 0]  # [c, I]
+    return gate, torch.bmm(bank.up_weights(ids, dtype), x)[..., 0]

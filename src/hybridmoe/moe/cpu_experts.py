@@ -1,10 +1,11 @@
 """Routed expert math on a ExpertBank, run by the CPU worker; a registry of kernels.
 
-`bank_moe` is the pure-torch reference: the same sum as `moe_reference` (layers/moe.py), one
-fused gate_up GEMM per expert, the expert's weights dequantised first when the bank is
-quantised. `fused_cpu_moe` is the fast path: for up to FUSED_MAX_TOKENS tokens one numba call
-per layer reads each weight row once for all tokens (kernels/numba_moe.py); beyond that
-(prefill) compute dominates and the dequantise-then-GEMM reference is the better kernel.
+`bank_moe` is the pure-torch reference: the same sum as `moe_reference` (layers/moe.py), per
+expert one GEMM over its stacked gate_up rows (or one each for gate and up when the bank holds
+them apart), the expert's weights dequantised first when the bank is quantised.
+`fused_cpu_moe` is the fast path: for up to FUSED_MAX_TOKENS tokens one numba call per layer
+reads each weight row once for all tokens (kernels/numba_moe.py); beyond that (prefill)
+compute dominates and the dequantise-then-GEMM reference is the better kernel.
 Kernels are registered by name in CPU_EXPERT_FNS; their factories import them lazily.
 
 Every kernel keeps the accumulation contract (docs/architecture.md): it returns the float32
@@ -80,10 +81,10 @@ def fused_cpu_moe(
     ids64 = expert_ids.to(torch.int64).contiguous().view(-1).numpy()  # [T*K]
     w32 = weights.to(torch.float32).contiguous().view(-1).numpy()  # [T*K]
     y = torch.zeros(tokens, hidden)  # [T, H] float32, accumulated by the kernel
-    gate_up, down = bank.byte_views()
+    gate, up, expert_rows, down = bank.byte_views()  # stacked or separate gate and up
     act_bf16 = _bf16_rounding(x.dtype, weights.dtype)
-    args = (x32, ids64, w32, gate_up, down, hidden, inter, num_experts, top_k, act_bf16)
-    bad_id = run_fused_moe(bank.fmt.name, threads, *args, y.view(-1).numpy())
+    args = (x32, ids64, w32, gate, up, expert_rows, down, hidden, inter, num_experts, top_k)
+    bad_id = run_fused_moe(bank.fmt.name, threads, *args, act_bf16, y.view(-1).numpy())
     if bad_id >= 0:
         raise IndexError(f"expert id {bad_id} out of range: the bank has {num_experts} experts")
     return y

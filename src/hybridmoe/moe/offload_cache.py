@@ -56,11 +56,20 @@ class OffloadMoeCache:
         # empty: a CPU route runs slot 0 with weight 0 on the accelerator side, and 0 * NaN
         # from uninitialised memory would poison the sum.
         self.platform = platform if platform is not None else CpuPlatform()
+        # laid out as layer 0's bank: a fetch copies contiguous gate_up (or gate, up) and down
         self.slot_bank = banks[0].empty_slots(num_slots, self.platform.device)
-        # [S, 2I, H] and [S, H, I] on `device`: the views the layer's accelerator math reads.
-        self.gate_up_slots, self.down_slots = self.slot_bank.gate_up, self.slot_bank.down
         self._ids_pinned: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # see _write_back
         self.reset()
+
+    @property
+    def gate_up_slots(self) -> torch.Tensor:
+        """[S, 2I, H] on the device: the slots' stacked gate and up rows (stacked banks)."""
+        return self.slot_bank.gate_up
+
+    @property
+    def down_slots(self) -> torch.Tensor:
+        """[S, H, I] on the device: the slots' down rows."""
+        return self.slot_bank.down
 
     def reset(self) -> None:
         """Forget every resident expert, every planned copy and all stats."""
@@ -113,7 +122,7 @@ class OffloadMoeCache:
     def close(self) -> None:
         """Release the slots (device memory on an accelerator) now, without waiting for the
         garbage collector; the cache cannot be used afterwards."""
-        self.slot_bank = self.gate_up_slots = self.down_slots = None
+        self.slot_bank = None
         self._pending.clear()
         self._ids_pinned.clear()
 
@@ -229,26 +238,25 @@ def _check_banks(banks: Sequence[ExpertBank]) -> None:
     if not banks:
         raise ValueError("OffloadMoeCache needs one ExpertBank per MoE layer; got none")
     first = banks[0]
-    num_experts, two_inter, _ = first.gate_up.shape
-    hidden, inter = first.hidden_size, first.intermediate_size
-    logical = ((num_experts, 2 * inter, hidden), (num_experts, hidden, inter))
+    num_experts, hidden, inter = first.num_experts, first.hidden_size, first.intermediate_size
+    logical = ((num_experts, inter, hidden), (num_experts, hidden, inter))
     stored = tuple(first.fmt.stored_shape(shape) for shape in logical)
-    if (first.gate_up.shape, first.down.shape) != stored or two_inter % 2:
+    if (first.gate.shape, first.down.shape) != stored:
         raise ValueError(
-            f"layer 0: bank gate_up {tuple(first.gate_up.shape)} [E, 2I, H] does not match "
+            f"layer 0: bank gate {tuple(first.gate.shape)} [E, I, H] does not match "
             f"down {tuple(first.down.shape)} [E, H, I]"
         )
-    shapes = (first.gate_up.shape, first.down.shape)
+    shapes = (first.gate.shape, first.down.shape)
     for layer, bank in enumerate(banks):
-        if bank.fmt != first.fmt or bank.gate_up.dtype != first.gate_up.dtype:
+        if bank.fmt != first.fmt or bank.gate.dtype != first.gate.dtype:
             raise ValueError(
-                f"layer {layer}: bank format {bank.fmt.name} ({bank.gate_up.dtype}) differs from "
-                f"layer 0's {first.fmt.name} ({first.gate_up.dtype}); all MoE layers must share "
+                f"layer {layer}: bank format {bank.fmt.name} ({bank.gate.dtype}) differs from "
+                f"layer 0's {first.fmt.name} ({first.gate.dtype}); all MoE layers must share "
                 "one expert format"
             )
-        if (bank.gate_up.shape, bank.down.shape) != shapes:
+        if (bank.gate.shape, bank.down.shape) != shapes:
             raise ValueError(
-                f"layer {layer}: bank shapes gate_up {tuple(bank.gate_up.shape)}, down "
+                f"layer {layer}: bank shapes gate {tuple(bank.gate.shape)}, down "
                 f"{tuple(bank.down.shape)} differ from layer 0's {tuple(shapes[0])}, "
                 f"{tuple(shapes[1])}; all MoE layers must share expert shapes"
             )

@@ -58,8 +58,7 @@ class LayerStreamer:
     def _start(self, layer_idx: int) -> None:
         buffer, bank = layer_idx % 2, self.banks[layer_idx]
         target = self.buffers[buffer]
-        copies = [(bank.gate_up, target.gate_up), (bank.down, target.down)]
-        self._copies[buffer] = self.platform.start_copies(copies)
+        self._copies[buffer] = self.platform.start_copies(bank.copies_into(target))
         self._layer_in[buffer] = layer_idx
         self.layers_copied += 1
 

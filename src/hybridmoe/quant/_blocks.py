@@ -34,16 +34,23 @@ def row_length_error(what: str, n: int, fmt: str, block_size: int) -> ValueError
     )
 
 
-def quantize_blocks(
-    w: torch.Tensor, fmt: str, block_bytes: int, quantize_chunk: QuantizeChunk
-) -> torch.Tensor:
-    """Quantises float w [..., n] to uint8 [..., n // 32 * block_bytes], chunk by chunk."""
+def check_quantize_input(w: torch.Tensor, fmt: str) -> None:
+    """TypeError unless w is a float tensor, ValueError unless its rows are whole blocks."""
     what = f"quantize_{fmt}"
     if not w.is_floating_point():
         raise TypeError(f"{what}: expects a float tensor, got {w.dtype}")
     n = w.shape[-1] if w.dim() else 0
     if w.dim() == 0 or n % BLOCK_SIZE:
         raise row_length_error(what, n, fmt, BLOCK_SIZE)
+
+
+def quantize_blocks(
+    w: torch.Tensor, fmt: str, block_bytes: int, quantize_chunk: QuantizeChunk
+) -> torch.Tensor:
+    """Quantises float w [..., n] to uint8 [..., n // 32 * block_bytes], chunk by chunk: the
+    torch reference of a format's quantiser (any device)."""
+    check_quantize_input(w, fmt)
+    what, n = f"quantize_{fmt}", w.shape[-1]
     blocks = w.reshape(-1, BLOCK_SIZE)  # [B, 32], a view when w is contiguous
     out = torch.empty(blocks.shape[0], block_bytes, dtype=torch.uint8, device=w.device)
     for start in range(0, blocks.shape[0], CHUNK_BLOCKS):

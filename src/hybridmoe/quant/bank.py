@@ -1,19 +1,19 @@
-"""ExpertBank: one MoE layer's routed experts stacked [E, ...] in one weight format, wherever they
-live (host memory, or the accelerator: its cache slots and prefill buffers are banks too, in
-the same format as the host banks they copy from); and ExpertWeights, the checkpoint's
-per-expert matrices before they are stacked.
+"""ExpertBank: one MoE layer's routed experts [E, ...] in one weight format, wherever they live
+(host memory, a memory-mapped file, or the accelerator: its cache slots and prefill buffers
+are banks too, in the same format and layout as the host banks they copy from); and
+ExpertWeights, the checkpoint's per-expert matrices before they are stacked.
 
-A bank is the single home of a layer's expert weights: it is filled from the checkpoint one
-layer at a time and the mapped file pages are then released, so no second full copy stays
-resident. A bank in a quantised format holds GGUF blocks: each row of n weights is n / 32
-blocks of bytes, so `gate_up` is uint8 [E, 2I, row_bytes(H)].
+A bank is the single home of a layer's expert weights: stacked from a checkpoint one layer at
+a time (the mapped file pages then released), or a file's merged expert tensors themselves,
+so no second full copy stays resident. A bank in a quantised format holds GGUF blocks: each
+row of n weights is n / 32 blocks of bytes, so gate is uint8 [E, I, row_bytes(H)].
 """
 
 from __future__ import annotations
 
 import mmap
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -71,20 +71,73 @@ class ExpertWeights:
         return F.linear(act, self.down[expert])
 
 
-@dataclass(eq=False)
 class ExpertBank:
-    gate_up: torch.Tensor  # [E, 2I, H] in `fmt` (gate rows, then up rows)
-    down: torch.Tensor  # [E, H, I] in `fmt`
-    fmt: WeightFormat = field(default=None)  # None: the dense format of gate_up's dtype
-    _byte_views: tuple | None = field(default=None, repr=False)
+    """One layer's routed experts: gate and up [E, I, H] and down [E, H, I], each in `fmt`.
 
-    def __post_init__(self) -> None:
-        if self.fmt is None:
-            self.fmt = dense_format(self.gate_up.dtype)
+    Built from one stacked gate_up [E, 2I, H] (gate rows, then up rows: `ExpertBank(gate_up,
+    down, fmt)`, what stacking a checkpoint makes) or from two separate tensors
+    (`ExpertBank(gate=..., up=..., down=..., fmt=...)`, e.g. a GGUF file's merged
+    ffn_gate_exps / ffn_up_exps, memory-mapped, which become the bank without a copy). A
+    stacked bank's gate and up are views of its gate_up: it fetches an expert's gate and up
+    rows in one copy and computes them in one GEMM. Every value either kind computes is the
+    same dot product of the same stored row, so both give the same results.
+    """
+
+    def __init__(
+        self,
+        gate_up: torch.Tensor | None = None,
+        down: torch.Tensor | None = None,
+        fmt: WeightFormat | None = None,
+        *,
+        gate: torch.Tensor | None = None,
+        up: torch.Tensor | None = None,
+    ) -> None:
+        """`fmt` None: the dense format of the tensors' dtype. TypeError unless given exactly
+        one of gate_up or (gate, up), and down; ValueError for shapes that do not pair."""
+        if down is None or (gate_up is None) == (gate is None or up is None):
+            raise TypeError("ExpertBank takes down and either gate_up, or both gate and up")
+        if gate_up is not None:
+            if gate is not None or up is not None or gate_up.dim() != 3 or gate_up.shape[1] % 2:
+                raise ValueError(
+                    f"ExpertBank: gate_up {tuple(gate_up.shape)} is not [E, 2I, H], "
+                    "or gate/up were given too"
+                )
+            inter = gate_up.shape[1] // 2
+            gate, up = gate_up[:, :inter], gate_up[:, inter:]  # [E, I, H] views each
+        if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
+            raise ValueError(
+                f"ExpertBank: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
+                f"{up.dtype} must have one shape, dtype and device"
+            )
+        self.gate, self.up, self.down = gate, up, down
+        self._gate_up = gate_up
+        self.fmt = fmt if fmt is not None else dense_format(gate.dtype)
+        self._byte_views: tuple | None = None
+
+    def __repr__(self) -> str:
+        layout = "stacked" if self.stacked else "separate"
+        shape = (self.num_experts, self.hidden_size, self.intermediate_size)
+        return f"ExpertBank({self.fmt.name}, E, H, I = {shape}, {layout} gate/up, {self.device})"
+
+    @property
+    def stacked(self) -> bool:
+        """Whether gate and up are the two halves of one gate_up tensor."""
+        return self._gate_up is not None
+
+    @property
+    def gate_up(self) -> torch.Tensor:
+        """The stacked [E, 2I, H] gate and up rows; ValueError for a bank holding them apart."""
+        if self._gate_up is None:
+            raise ValueError("this ExpertBank holds gate and up in separate tensors: no gate_up")
+        return self._gate_up
+
+    @property
+    def device(self) -> torch.device:
+        return self.down.device
 
     @property
     def num_experts(self) -> int:
-        return self.gate_up.shape[0]
+        return self.gate.shape[0]
 
     @property
     def hidden_size(self) -> int:
@@ -92,12 +145,21 @@ class ExpertBank:
 
     @property
     def intermediate_size(self) -> int:
-        return self.gate_up.shape[1] // 2
+        return self.gate.shape[1]
 
     @property
     def expert_nbytes(self) -> int:
         """Bytes one expert occupies (what fetching it copies)."""
-        return self.gate_up[0].nbytes + self.down[0].nbytes
+        return self.gate[0].nbytes + self.up[0].nbytes + self.down[0].nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors holding the bank's bytes, each once: [gate_up, down] when stacked, else
+        [gate, up, down] (what page-locking and copying a whole bank go through)."""
+        return [self._gate_up, self.down] if self.stacked else [self.gate, self.up, self.down]
 
     def compute_dtype(self, act_dtype: torch.dtype) -> torch.dtype:
         """The dtype the experts' projections are computed in for activations of `act_dtype`:
@@ -109,21 +171,39 @@ class ExpertBank:
         return torch.float32
 
     def expert_mlp(self, h: torch.Tensor, expert: int) -> torch.Tensor:
-        """h [n, H] -> down(silu(gate h) * up h) [n, H] in h's dtype, gate and up in one GEMM;
-        each projection from the exact weights, its output rounded to h's dtype."""
-        if not self.fmt.is_quantized and self.gate_up.dtype == h.dtype:  # no casts to make
-            gate, up = F.linear(h, self.gate_up[expert]).chunk(2, dim=-1)  # 2 x [n, I]
+        """h [n, H] -> down(silu(gate h) * up h) [n, H] in h's dtype; each projection from
+        the exact weights, its output rounded to h's dtype."""
+        if not self.fmt.is_quantized and self.gate.dtype == h.dtype:  # no casts to make
+            gate, up = self._gate_up_linear(h, expert, h.dtype)  # 2 x [n, I]
             return F.linear(F.silu(gate) * up, self.down[expert])
         dtype = self.compute_dtype(h.dtype)  # float32: every stored value expands exactly
-        gate_up = F.linear(h.to(dtype), self.gate_up_weights(expert, dtype)).to(h.dtype)
-        gate, up = gate_up.chunk(2, dim=-1)  # 2 x [n, I]
+        gate, up = (p.to(h.dtype) for p in self._gate_up_linear(h.to(dtype), expert, dtype))
         act = (F.silu(gate) * up).to(dtype)
         return F.linear(act, self.down_weights(expert, dtype)).to(h.dtype)
 
+    def _gate_up_linear(
+        self, h: torch.Tensor, expert: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate h, up h) [n, I] each in `dtype` (h's): one GEMM over the stacked rows, else one
+        per projection, expanding one projection at a time."""
+        if self.stacked:
+            return F.linear(h, self.gate_up_weights(expert, dtype)).chunk(2, dim=-1)
+        gate = F.linear(h, self.gate_weights(expert, dtype))
+        return gate, F.linear(h, self.up_weights(expert, dtype))
+
     def gate_up_weights(self, expert: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Expert `expert`'s gate_up [2I, H] as `dtype` (a view when already so stored); for
-        a tensor of n expert indices (on the bank's device), their gate_up [n, 2I, H]."""
+        """A stacked bank's gate_up [2I, H] of expert `expert` as `dtype` (a view when already
+        so stored); for a tensor of n expert indices (on the bank's device), [n, 2I, H]."""
         return _as_float(self.fmt, self.gate_up[expert], dtype)
+
+    def gate_weights(self, expert: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `expert`'s gate [I, H] as `dtype` (a view when already so stored); for a
+        tensor of n expert indices, their gate [n, I, H]."""
+        return _as_float(self.fmt, self.gate[expert], dtype)
+
+    def up_weights(self, expert: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """As gate_weights, for up [I, H]."""
+        return _as_float(self.fmt, self.up[expert], dtype)
 
     def down_weights(self, expert: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Expert `expert`'s down [H, I] as `dtype` (a view when already so stored); for a
@@ -131,63 +211,96 @@ class ExpertBank:
         return _as_float(self.fmt, self.down[expert], dtype)
 
     def byte_views(self) -> tuple:
-        """(gate_up, down) as flat uint8 numpy arrays over the same memory (host banks only)."""
+        """(gate, up, expert_rows, down) for the fused CPU kernel (host banks only): flat
+        uint8 numpy arrays over the bank's memory, expert e's gate rows starting at row
+        e * expert_rows of `gate` (rows of row_bytes(H)), its up rows likewise in `up`, its
+        down rows at row e * H of `down`. A stacked bank's gate and up are one array's bytes
+        (up starting I rows in) with expert_rows 2I; a bank holding them apart has
+        expert_rows I."""
         if self._byte_views is None:
-            self._byte_views = tuple(
-                t.view(torch.uint8).reshape(-1).numpy() for t in (self.gate_up, self.down)
-            )
+            flat = [_flat_bytes(t) for t in self.tensors()]
+            inter, down = self.intermediate_size, flat[-1]
+            if self.stacked:
+                row_bytes = self._gate_up.shape[2] * self._gate_up.element_size()
+                gate, up = flat[0], flat[0][inter * row_bytes :]
+                self._byte_views = (gate, up, 2 * inter, down)
+            else:
+                self._byte_views = (flat[0], flat[1], inter, down)
         return self._byte_views
 
     def converted(self, fmt: WeightFormat) -> ExpertBank:
-        """A new bank holding these experts in `fmt`, converted one expert at a time (peak
-        extra memory: one expert in float32). ValueError if H or I is not a whole number of
-        fmt's blocks."""
+        """A new bank holding these experts in `fmt`, laid out as this one, converted one
+        expert at a time: a dense bank's rows go to fmt.quantize as stored (the quantisers
+        read bf16 and f32 directly), a quantised bank's are expanded to float32 one expert
+        at a time first. ValueError if H or I is not a whole number of fmt's blocks."""
         fmt.check_row_length(self.hidden_size, "hidden_size (gate/up rows)")
         fmt.check_row_length(self.intermediate_size, "moe_intermediate_size (down rows)")
-        num, hidden, inter, device = (
-            self.num_experts,
-            self.hidden_size,
-            self.intermediate_size,
-            self.gate_up.device,
-        )
-        gate_up = self.empty_like_tensor(fmt, (num, 2 * inter, hidden), device)
+        out = self._empty_like(fmt, self.num_experts, self.device)
+        for source, target in zip(self.tensors(), out.tensors(), strict=True):
+            for expert in range(self.num_experts):
+                target[expert] = fmt.quantize(self._float_rows(source[expert]))
+        return out
+
+    def _float_rows(self, stored: torch.Tensor) -> torch.Tensor:
+        """Stored rows [..., row_bytes] as a float tensor a quantiser reads: themselves when
+        dense, else expanded to float32."""
+        return stored if not self.fmt.is_quantized else self.fmt.dequantize(stored, torch.float32)
+
+    def _empty_like(self, fmt: WeightFormat, num: int, device) -> ExpertBank:
+        """Uninitialised storage for `num` experts of this bank's shapes in `fmt`, laid out as
+        this bank (stacked or not), on `device`."""
+        hidden, inter = self.hidden_size, self.intermediate_size
         down = self.empty_like_tensor(fmt, (num, hidden, inter), device)
-        for expert in range(num):
-            gate_up[expert] = fmt.quantize(self.gate_up_weights(expert, torch.float32))
-            down[expert] = fmt.quantize(self.down_weights(expert, torch.float32))
-        return ExpertBank(gate_up, down, fmt)
+        if self.stacked:
+            return ExpertBank(
+                self.empty_like_tensor(fmt, (num, 2 * inter, hidden), device), down, fmt
+            )
+        gate, up = (self.empty_like_tensor(fmt, (num, inter, hidden), device) for _ in range(2))
+        return ExpertBank(gate=gate, up=up, down=down, fmt=fmt)
 
     def empty_slots(self, num_slots: int, device: torch.device | str) -> ExpertBank:
-        """A zero-filled bank of `num_slots` experts in this bank's format, on `device`."""
-        shape_gu = (num_slots, *self.gate_up.shape[1:])
-        shape_dn = (num_slots, *self.down.shape[1:])
-        dtype = self.gate_up.dtype
-        gate_up = torch.zeros(shape_gu, dtype=dtype, device=device)
-        down = torch.zeros(shape_dn, dtype=dtype, device=device)
-        return ExpertBank(gate_up, down, self.fmt)
+        """A zero-filled bank of `num_slots` experts in this bank's format and layout, on
+        `device`."""
+        slots = self._empty_like(self.fmt, num_slots, device)
+        for tensor in slots.tensors():
+            tensor.zero_()
+        return slots
 
     def expert_copies(
         self, expert: int, slots: ExpertBank, slot: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(source, destination) pairs that copy expert `expert`'s stored bytes into slot `slot`
-        of `slots` (same format), for Platform.start_copies."""
-        return [(self.gate_up[expert], slots.gate_up[slot]), (self.down[expert], slots.down[slot])]
+        of `slots` (same format), for Platform.start_copies: each pair contiguous."""
+        return [(src[expert], dst[slot]) for src, dst in self._pairs(slots)]
+
+    def copies_into(self, target: ExpertBank) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(source, destination) pairs that copy the whole bank into `target` (same format and
+        shapes), for Platform.start_copies; contiguous pairs when both share a layout."""
+        return self._pairs(target)
+
+    def _pairs(self, other: ExpertBank) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.stacked and other.stacked:
+            return list(zip(self.tensors(), other.tensors(), strict=True))
+        return [(self.gate, other.gate), (self.up, other.up), (self.down, other.down)]
 
     def in_own_pages(self) -> ExpertBank:
         """This bank copied into memory pages no other allocation shares (each tensor starts a
         page and its size is rounded up to whole pages): page-locking registers whole pages,
         and a second registration that touches an already locked page is refused."""
-        return ExpertBank(_in_own_pages(self.gate_up), _in_own_pages(self.down), self.fmt)
+        return self._with(_in_own_pages)
 
     def to(self, device: torch.device | str) -> ExpertBank:
         """This bank on `device` (itself when already there)."""
-        if self.gate_up.device == torch.device(device):
+        if self.device == torch.device(device):
             return self
-        return ExpertBank(self.gate_up.to(device), self.down.to(device), self.fmt)
+        return self._with(lambda tensor: tensor.to(device))
 
-    @property
-    def nbytes(self) -> int:
-        return self.gate_up.nbytes + self.down.nbytes
+    def _with(self, place) -> ExpertBank:
+        """A bank of the same layout and format holding place(tensor) for each tensor."""
+        placed = [place(tensor) for tensor in self.tensors()]
+        if self.stacked:
+            return ExpertBank(*placed, self.fmt)
+        return ExpertBank(gate=placed[0], up=placed[1], down=placed[2], fmt=self.fmt)
 
     @staticmethod
     def empty_like_tensor(fmt: WeightFormat, shape: Sequence[int], device) -> torch.Tensor:
@@ -195,19 +308,32 @@ class ExpertBank:
         return torch.empty(fmt.stored_shape(tuple(shape)), dtype=fmt.storage_dtype, device=device)
 
     @classmethod
-    def stack(cls, experts: ExpertWeights) -> ExpertBank:
-        """A bank holding a copy of the experts' gate/up [I, H] and down [H, I] matrices, in
-        their dtype."""
-        pairs = zip(experts.gate, experts.up, strict=True)
-        gate_up = torch.stack([torch.cat(pair) for pair in pairs])
-        return cls(gate_up, torch.stack(experts.down))
+    def stack(cls, experts: ExpertWeights, fmt: WeightFormat | None = None) -> ExpertBank:
+        """A stacked bank holding the experts' gate/up [I, H] and down [H, I] matrices in
+        `fmt` (None: their dtype's dense format); each matrix is read once and written straight
+        into place (quantised when `fmt` is, from the matrix as stored: no float32 copy)."""
+        num, (inter, hidden) = experts.num_experts, experts.gate[0].shape
+        fmt = fmt if fmt is not None else dense_format(experts.gate[0].dtype)
+        fmt.check_row_length(hidden, "hidden_size (gate/up rows)")
+        fmt.check_row_length(inter, "moe_intermediate_size (down rows)")
+        gate_up = cls.empty_like_tensor(fmt, (num, 2 * inter, hidden), "cpu")  # [E, 2I, H]
+        down = cls.empty_like_tensor(fmt, (num, hidden, inter), "cpu")  # [E, H, I]
+        for e in range(num):
+            gate_up[e, :inter] = fmt.quantize(experts.gate[e])
+            gate_up[e, inter:] = fmt.quantize(experts.up[e])
+            down[e] = fmt.quantize(experts.down[e])
+        return cls(gate_up, down, fmt)
 
     def views(self) -> ExpertWeights:
         """Per-expert views of this (dense) bank's matrices."""
-        inter = self.intermediate_size
-        return ExpertWeights(
-            list(self.gate_up[:, :inter]), list(self.gate_up[:, inter:]), list(self.down)
-        )
+        return ExpertWeights(list(self.gate), list(self.up), list(self.down))
+
+
+def _flat_bytes(tensor: torch.Tensor):
+    """A contiguous tensor's bytes as a flat uint8 numpy array over the same memory."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"ExpertBank: a {tuple(tensor.shape)} tensor is not contiguous")
+    return tensor.view(torch.uint8).reshape(-1).numpy()
 
 
 def _in_own_pages(tensor: torch.Tensor) -> torch.Tensor:

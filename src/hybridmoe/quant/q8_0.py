@@ -12,19 +12,39 @@ import torch
 from hybridmoe.quant._blocks import (
     BLOCK_SIZE,
     block_scales,
+    check_quantize_input,
     dequantize_blocks,
     quantize_blocks,
 )
 from hybridmoe.quant.formats import KernelFormat, WeightFormat, register_format
 
-__all__ = ["BLOCK_BYTES", "BLOCK_SIZE", "Q8_0", "dequantize_q8_0", "quantize_q8_0"]
+__all__ = [
+    "BLOCK_BYTES",
+    "BLOCK_SIZE",
+    "Q8_0",
+    "dequantize_q8_0",
+    "quantize_q8_0",
+    "quantize_q8_0_reference",
+]
 
 BLOCK_BYTES = 34  # fp16 d + 32 x int8
 
 
 def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
     """Float w [..., n] (any float dtype, n a multiple of 32, all finite) -> new contiguous
-    uint8 [..., n // 32 * 34]. Does not modify w. ValueError for a bad n or non-finite w."""
+    uint8 [..., n // 32 * 34]. Does not modify w. ValueError for a bad n or non-finite w.
+    A host tensor is quantised by the numba kernel (kernels/numba_quantize.py: the same bytes,
+    several times faster), any other by the torch reference."""
+    check_quantize_input(w, "q8_0")
+    if w.device.type != "cpu":
+        return quantize_q8_0_reference(w)
+    from hybridmoe.kernels.numba_quantize import quantize
+
+    return quantize("q8_0", w)
+
+
+def quantize_q8_0_reference(w: torch.Tensor) -> torch.Tensor:
+    """The torch reference of quantize_q8_0, in chunks (any device)."""
     return quantize_blocks(w, "q8_0", BLOCK_BYTES, _quantize_chunk)
 
 

@@ -100,9 +100,12 @@ def test_chat_logprobs(client, server):
         if c.choices and c.choices[0].logprobs
         for e in c.choices[0].logprobs.content
     ]
-    assert [(e.token, e.logprob) for e in streamed_entries] == [
-        (e.token, e.logprob) for e in entries
-    ]
+    # The same request again: its prompt now comes from the prefix cache, whose prefill of the
+    # last token rounds float32 logits in the last bits unlike the whole prompt's (README).
+    assert [e.token for e in streamed_entries] == [e.token for e in entries]
+    assert [e.logprob for e in streamed_entries] == pytest.approx(
+        [e.logprob for e in entries], abs=1e-5
+    )
 
 
 def test_chat_without_logprobs_has_none(client, server):

@@ -49,8 +49,16 @@ class GenerationStats:
 
     def since(self, earlier: GenerationStats) -> GenerationStats:
         """What was counted between `earlier`, a snapshot of the same counters, and this one;
-        the requests running and waiting, `experts` and `prefix_cache`, as in this snapshot."""
+        the requests running and waiting and `experts` as in this snapshot; `prefix_cache`'s
+        blocks as in this snapshot, its hit and queried tokens counted since `earlier`."""
         counts = {name: getattr(self, name) - getattr(earlier, name) for name in _COUNTERS}
+        prefix, before = self.prefix_cache, earlier.prefix_cache
+        if prefix is not None and before is not None:
+            counts["prefix_cache"] = replace(
+                prefix,
+                hit_tokens=prefix.hit_tokens - before.hit_tokens,
+                queried_tokens=prefix.queried_tokens - before.queried_tokens,
+            )
         return replace(self, **counts)
 
     def summary(self) -> str:

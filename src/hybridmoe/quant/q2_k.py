@@ -21,8 +21,8 @@ def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
     scale = fp16_at(blocks, 80) * (packed & 0x0F).to(torch.float32)[:, :, None]  # [b, 16, 1]
     low = fp16_at(blocks, 82) * (packed >> 4).to(torch.float32)[:, :, None]  # [b, 16, 1]
     v = shifted(blocks[:, 16:80].reshape(-1, 2, 32), [0, 2, 4, 6], 3)  # [b, 2, 4, 32]
-    v = v.reshape(-1, 16, 16).to(torch.float32)
-    return (scale * v - low).reshape(-1, 256)
+    v = v.reshape(-1, 16, 16).to(torch.float32)  # [b, 16, 16]; in place below: few temporaries
+    return v.mul_(scale).sub_(low).reshape(-1, 256)
 
 
 def _superblock_ir(builder, block):

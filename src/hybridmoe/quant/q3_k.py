@@ -34,7 +34,7 @@ def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
     v = low.reshape(-1, PIECES, 32).view(torch.int8) - (
         (high.reshape(-1, PIECES, 32) ^ 1) << 2
     ).view(torch.int8)
-    return (scale * v.reshape(-1, 16, 16).to(torch.float32)).reshape(-1, 256)
+    return v.reshape(-1, 16, 16).to(torch.float32).mul_(scale).reshape(-1, 256)
 
 
 def _superblock_ir(builder, block):

@@ -49,7 +49,7 @@ def _quantize_chunk(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
     qs = blocks[:, 4:]  # [b, 16]
     v = torch.cat([qs & 0x0F, qs >> 4], dim=1).to(torch.float32)  # [b, 32]
-    return v * block_scales(blocks) + block_scales(blocks, offset=2)  # [b, 32]
+    return v.mul_(block_scales(blocks)).add_(block_scales(blocks, offset=2))  # [b, 32]
 
 
 def _dequantize_block_ir(builder, block):

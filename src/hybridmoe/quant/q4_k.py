@@ -38,7 +38,7 @@ def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
     scale, low = sub_block_scales(blocks)  # [b, 8, 1] each
     qs = blocks[:, 16:].reshape(-1, 4, 32)  # [b, 4, 32]
     v = shifted(qs, [0, 4], 0x0F).reshape(-1, PIECES, 32).to(torch.float32)  # [b, 8, 32]
-    return (scale * v - low).reshape(-1, 256)
+    return v.mul_(scale).sub_(low).reshape(-1, 256)  # in place: few temporaries
 
 
 def scale_min_ir(builder, block):

@@ -37,7 +37,7 @@ def _quantize_chunk(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
     v = unpack_5_bits(blocks[:, 4:]).to(torch.float32)  # [b, 32]
-    return block_scales(blocks) * v + block_scales(blocks, offset=2)  # [b, 32]
+    return v.mul_(block_scales(blocks)).add_(block_scales(blocks, offset=2))  # [b, 32]
 
 
 def _dequantize_block_ir(builder, block):

@@ -22,7 +22,7 @@ def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
     qs = blocks[:, 48:].reshape(-1, 4, 32)  # [b, 4, 32]
     v = shifted(qs, [0, 4], 0x0F).reshape(-1, PIECES, 32)  # [b, 8, 32]
     v = v | (shifted(qh, list(range(8)), 1).reshape(-1, PIECES, 32) << 4)
-    return (scale * v.to(torch.float32) - low).reshape(-1, 256)
+    return v.to(torch.float32).mul_(scale).sub_(low).reshape(-1, 256)  # in place
 
 
 def _superblock_ir(builder, block):

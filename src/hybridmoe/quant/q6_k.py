@@ -23,7 +23,7 @@ def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
     qh = shifted(blocks[:, 128:192].reshape(-1, 2, 32), [0, 2, 4, 6], 3)  # [b, 2, 4, 32]
     v = ql.reshape(-1, PIECES, 32) | (qh.reshape(-1, PIECES, 32) << 4)  # [b, 8, 32]
     v = (v.view(torch.int8) - 32).reshape(-1, 16, 16).to(torch.float32)
-    return (scale * v).reshape(-1, 256)
+    return v.mul_(scale).reshape(-1, 256)
 
 
 def _superblock_ir(builder, block):

@@ -4,10 +4,10 @@ Names are GGUF's type names in lower case. A format packs each row of n weights 
 n // block_size blocks of block_bytes bytes, held in a tensor of `storage_dtype`; f32, bf16
 and f16 are the degenerate case of one weight a block, the k-quants (q2_k ... q6_k) pack
 super-blocks of 256 weights. Each format is one module (dense.py: f32, bf16 and f16; q8_0.py;
-q4_0.py; ...; k_quants.py) that defines its `WeightFormat`, torch reference and kernel IR,
-and registers it with `register_format`. The package (quant/__init__.py) imports those modules,
-in the order CLI choices list them, so the registry is complete once anything of
-`hybridmoe.quant` is imported, this module included.
+q4_0.py; ...; q6_k.py, the k-quants sharing _kquants.py) that defines its `WeightFormat`,
+torch reference and kernel IR, and registers it with `register_format`. The package
+(quant/__init__.py) imports those modules, in the order CLI choices list them, so the
+registry is complete once anything of `hybridmoe.quant` is imported, this module included.
 """
 
 from __future__ import annotations

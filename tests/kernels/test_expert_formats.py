@@ -61,7 +61,7 @@ def test_every_target_agrees_within_a_format(demo_checkpoint: Path, fmt: str) ->
 def wide_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3-MoE whose hidden and expert widths are 256: one k-quant super-block."""
     config = transformers.Qwen3MoeConfig(
-        vocab_size=96, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, num_experts=6, num_experts_per_tok=2,
         moe_intermediate_size=256, intermediate_size=128, max_position_embeddings=256,
         bos_token_id=1, eos_token_id=2, pad_token_id=None,

@@ -4,6 +4,9 @@ format, against the memory's read bandwidth and the torch per-expert loop, measu
     python benchmarks/bench_cpu_moe.py [--shapes qwen3-30b-a3b mixtral] [--formats bf16 q8_0 q4_0]
         [--reps 15] [--threads N] [--separate]
 
+--formats takes any registered weight format (quant/formats.py), the k-quants included
+(q2_k q3_k q4_k q5_k q6_k).
+
 Shapes: qwen3-30b-a3b (H=2048, I=768, E=128, K=8) and mixtral (H=4096, I=14336, E=8, K=2). The
 banks hold random bytes in each format (valid fp16 scales); the math does not care. Before
 every timed call a 512 MiB buffer is read, so the experts come from DRAM, as they do in a real
@@ -32,7 +35,7 @@ import torch
 
 from hybridmoe.moe.cpu_experts import bank_moe, fused_cpu_moe
 from hybridmoe.quant.bank import ExpertBank
-from hybridmoe.quant.formats import weight_format
+from hybridmoe.quant.formats import WEIGHT_FORMATS, weight_format
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,9 @@ def random_stored(fmt_name: str, shape: tuple[int, ...], g: torch.Generator) -> 
             continue
         out[e] = torch.randint(0, 256, out.shape[1:], dtype=torch.uint8, generator=g)
         blocks = out[e].view(shape[1], -1, fmt.block_bytes)
-        blocks[..., 0] = SCALE_FP16_BITS & 0xFF
-        blocks[..., 1] = SCALE_FP16_BITS >> 8
+        for at in fmt.scale_offsets:  # d (and m / dmin): finite, so no nan/inf arithmetic
+            blocks[..., at] = SCALE_FP16_BITS & 0xFF
+            blocks[..., at + 1] = SCALE_FP16_BITS >> 8
     return out
 
 
@@ -162,7 +166,9 @@ def bench_format(name, shape, fmt_name, args, memory) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
-    parser.add_argument("--formats", nargs="+", default=["bf16", "q8_0", "q4_0"])
+    parser.add_argument(
+        "--formats", nargs="+", choices=WEIGHT_FORMATS, default=["bf16", "q8_0", "q4_0"]
+    )
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--torch-reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="kernel threads (default all)")

@@ -20,7 +20,7 @@ from .decoding import decode_logits
 PROMPTS = [PROMPT_IDS, SHORT_PROMPT_IDS]
 N_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=N_TOKENS, ignore_eos=True)
-FORMATS = ["f32", "q8_0", "q4_0"]
+FORMATS = ["f32", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]  # blocks of 32: the tiny model's widths
 # fp32 with TF32 off: the device and the cpu reference run the same math from the same stored
 # weights, in a different summation order and with different kernels.
 LOGITS_TOL = dict(atol=2e-4, rtol=1e-4)

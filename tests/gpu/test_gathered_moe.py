@@ -12,10 +12,12 @@ from hybridmoe.kernels.torch_moe import gathered_moe
 from hybridmoe.moe.cpu_experts import bank_moe
 from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.formats import WEIGHT_FORMATS, weight_format
+from random_weights import random_bank
 
 from .device_helpers import sync_debug_mode
 
-E, H, INTER = 8, 128, 64
+E, H, INTER = 8, 128, 64  # the k-quants (no quantiser): random blocks of K_SIZE x K_SIZE
+K_SIZE = 256
 FORMATS = sorted(WEIGHT_FORMATS)
 # Max |difference| relative to max |reference|. Both sides dequantise the same stored weights to
 # x's dtype and differ in summation order; in bf16 also in the rounding of intermediates.
@@ -23,6 +25,8 @@ REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
 def make_bank(fmt: str, seed: int = 0) -> ExpertBank:
+    if not weight_format(fmt).can_quantize:
+        return random_bank(fmt, E, K_SIZE, K_SIZE, seed)
     gen = torch.Generator().manual_seed(seed)
     gate_up = torch.randn(E, 2 * INTER, H, generator=gen) / H**0.5
     dense = ExpertBank(gate_up, torch.randn(E, H, INTER, generator=gen) / INTER**0.5)
@@ -51,13 +55,14 @@ def on_device(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor
 @pytest.mark.parametrize(("tokens", "top_k"), [(1, 1), (1, 8), (3, 2), (16, 4)])
 def test_matches_the_cpu_reference(device, fmt, dtype, tokens, top_k) -> None:
     bank = make_bank(fmt)
+    hidden = bank.hidden_size
     ids, weights = make_routes(tokens, top_k, seed=tokens * 10 + top_k)
-    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens)).to(dtype)
     weights = weights.to(dtype)
     x_dev, ids_dev, weights_dev = on_device(device, x, ids, weights)
     out = gathered_moe(x_dev, ids_dev, weights_dev, bank.to(device))
     # the float32 partial of the accumulation contract: the layer rounds it once
-    assert out.shape == (tokens, H) and out.dtype == torch.float32 and out.device == device
+    assert out.shape == (tokens, hidden) and out.dtype == torch.float32 and out.device == device
     expected = bank_moe(x, ids, weights, bank)
     assert_close(out, expected, dtype, f"{fmt} {dtype} T={tokens} K={top_k}")
 
@@ -79,7 +84,8 @@ def test_never_synchronises_with_the_host(device, fmt) -> None:
     """CUDA's sync debug mode raises on any op that makes the host wait for the device."""
     bank_dev = make_bank(fmt).to(device)
     ids, weights = make_routes(4, 4, seed=3)
-    x_dev, ids_dev, weights_dev = on_device(device, torch.randn(4, H), ids, weights)
+    x = torch.randn(4, bank_dev.hidden_size)
+    x_dev, ids_dev, weights_dev = on_device(device, x, ids, weights)
     gathered_moe(x_dev, ids_dev, weights_dev, bank_dev)  # first call: lazy initialisation
     torch.cuda.synchronize(device)
     with sync_debug_mode("error"):

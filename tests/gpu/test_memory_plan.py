@@ -132,7 +132,7 @@ def test_what_does_not_fit_is_refused(tiny_checkpoint: Path, device, sizes, case
 
 
 @pytest.mark.cuda_only
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "f16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunks", ["one", "several"])
 def test_gathered_moe_stays_within_its_planned_peak(device, monkeypatch, fmt, dtype, chunks):

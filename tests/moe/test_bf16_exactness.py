@@ -44,8 +44,8 @@ from hybridmoe.moe.config import OffloadConfig
 from moe.test_decode_targets import offload_configs
 
 # One variant per family, each with k >= 2 routes (a sum to round) and hidden and expert
-# sizes multiples of 32 (q8_0/q4_0 blocks). qwen3_moe/mlp_only_tied: mlp_only_layers and tied
-# embeddings, the Qwen3-MoE; olmoe: top-3.
+# sizes multiples of 32 (q8_0/q4_0/q4_1/q5_0/q5_1 blocks). qwen3_moe/mlp_only_tied:
+# mlp_only_layers and tied embeddings, the Qwen3-MoE; olmoe: top-3.
 CASES = [
     ("qwen3_moe", "mlp_only_tied"),
     ("qwen2_moe", "gqa_sparse_step_tied"),
@@ -55,7 +55,7 @@ CASES = [
 # Against transformers also two variants whose tokens a bf16 accumulation changes.
 HF_CASES = [*CASES, ("qwen3_moe", "mqa_sparse_step"), ("mixtral", "gqa")]
 HF_EXPERTS_IMPLEMENTATIONS = ["batched_mm", "grouped_mm"]  # see the module docstring
-QUANTISED_FORMATS = ["q8_0", "q4_0"]
+QUANTISED_FORMATS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "f16"]  # widths: blocks of 32
 N_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=N_TOKENS, ignore_eos=True)
 PROMPTS = [PROMPT_IDS, SHORT_PROMPT_IDS]  # 12 and 7 tokens: a batch of different lengths

@@ -8,15 +8,23 @@ import torch
 from hybridmoe.quant import q4_0, q8_0
 from hybridmoe.quant.formats import WEIGHT_FORMATS, dense_format, weight_format
 
-SIZES = {"f32": (1, 4), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}
+# ggml's (weights, bytes) per block (gguf.constants.GGML_QUANT_SIZES)
+SIZES = {
+    "f32": (1, 4), "bf16": (1, 2), "f16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18),
+    "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q2_k": (256, 84),
+    "q3_k": (256, 110), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
+}  # fmt: skip
+K_QUANTS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+BLOCKS_OF_32 = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]  # the quantisers
 
 
-def test_registry_holds_the_four_formats() -> None:
-    assert list(WEIGHT_FORMATS) == ["f32", "bf16", "q8_0", "q4_0"]
+def test_registry_holds_the_formats() -> None:
+    assert list(WEIGHT_FORMATS) == list(SIZES)
     for name, (block_size, block_bytes) in SIZES.items():
         fmt = weight_format(name)
         assert (fmt.name, fmt.block_size, fmt.block_bytes) == (name, block_size, block_bytes)
         assert fmt.is_quantized == (block_size > 1)
+        assert fmt.can_quantize == (name not in K_QUANTS)
     assert (q8_0.BLOCK_SIZE, q8_0.BLOCK_BYTES, q4_0.BLOCK_SIZE, q4_0.BLOCK_BYTES) == (
         32,
         34,
@@ -41,7 +49,23 @@ def test_stored_shape_and_row_bytes(name: str, stored: tuple[int, ...], row_byte
     assert back.shape == (3, 4, 64) and back.dtype == torch.bfloat16 and back.is_contiguous()
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("name", K_QUANTS)
+def test_k_quants_have_no_quantiser(name: str) -> None:
+    with pytest.raises(ValueError, match=rf"{name}: no quantiser .* one of f32, bf16, f16, q8_0"):
+        weight_format(name).quantize(torch.randn(2, 256))
+
+
+@pytest.mark.parametrize("name", K_QUANTS)
+def test_k_quant_shapes(name: str) -> None:
+    fmt = weight_format(name)
+    assert fmt.stored_shape((3, 4, 512)) == (3, 4, 2 * fmt.block_bytes)
+    with pytest.raises(ValueError, match=rf"row length 96 is not a multiple of the {name} block"):
+        fmt.stored_shape((2, 96))
+    back = fmt.dequantize(torch.zeros(3, 2 * fmt.block_bytes, dtype=torch.uint8), torch.bfloat16)
+    assert back.shape == (3, 512) and back.dtype == torch.bfloat16 and not back.any()
+
+
+@pytest.mark.parametrize("name", BLOCKS_OF_32)
 def test_non_contiguous_input_and_empty_rows(name: str) -> None:
     fmt = weight_format(name)
     w = torch.randn(64, 5)
@@ -53,11 +77,12 @@ def test_quantize_does_not_modify_its_input() -> None:
     w = torch.randn(4, 64)
     before = w.clone()
     for fmt in WEIGHT_FORMATS.values():
-        fmt.quantize(w)
+        if fmt.can_quantize:
+            fmt.quantize(w)
     assert torch.equal(w, before)
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("name", BLOCKS_OF_32)
 def test_chunks_do_not_change_the_result(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     fmt = weight_format(name)
     w = torch.randn(10, 96)
@@ -67,7 +92,16 @@ def test_chunks_do_not_change_the_result(name: str, monkeypatch: pytest.MonkeyPa
     assert torch.equal(fmt.dequantize(whole), back_whole)
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("name", K_QUANTS)
+def test_k_quant_chunks_do_not_change_the_result(name: str, monkeypatch) -> None:
+    fmt = weight_format(name)
+    raw = torch.randint(0, 256, (5, 3 * fmt.block_bytes), dtype=torch.uint8)  # 15 blocks
+    whole = fmt.dequantize(raw)
+    monkeypatch.setattr("hybridmoe.quant._blocks.CHUNK_BLOCKS", 7 * 8)  # 7 super-blocks
+    torch.testing.assert_close(fmt.dequantize(raw), whole, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", BLOCKS_OF_32)
 @pytest.mark.parametrize("n", [31, 48, 100])
 def test_row_length_not_a_multiple_of_the_block(name: str, n: int) -> None:
     fmt = weight_format(name)
@@ -81,7 +115,7 @@ def test_row_length_not_a_multiple_of_the_block(name: str, n: int) -> None:
         fmt.dequantize(torch.zeros(2, fmt.block_bytes + 1, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("name", BLOCKS_OF_32)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("position", [0, 17, 31])
 def test_non_finite_input(name: str, bad: float, position: int) -> None:
@@ -91,7 +125,7 @@ def test_non_finite_input(name: str, bad: float, position: int) -> None:
         weight_format(name).quantize(w)
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("name", BLOCKS_OF_32)
 def test_scale_beyond_fp16(name: str) -> None:
     w = torch.zeros(2, 32)
     w[1, 0] = 1e9
@@ -107,9 +141,10 @@ def test_wrong_dtypes() -> None:
 
 
 def test_unknown_names_and_dtypes() -> None:
-    with pytest.raises(ValueError, match=r"unknown weight format 'q5_k'.*f32, bf16, q8_0, q4_0"):
-        weight_format("q5_k")
+    with pytest.raises(ValueError, match=r"unknown weight format 'q7_k'.*f32, bf16, f16, q8_0"):
+        weight_format("q7_k")
     assert dense_format(torch.float32).name == "f32"
     assert dense_format(torch.bfloat16).name == "bf16"
-    with pytest.raises(ValueError, match="float16"):
-        dense_format(torch.float16)
+    assert dense_format(torch.float16).name == "f16"
+    with pytest.raises(ValueError, match="float64"):
+        dense_format(torch.float64)

@@ -1,9 +1,12 @@
-"""Bit-exact layout against the `gguf` package's own (de)quantisation.
+"""Bit-exact layout against the `gguf` package's own (de)quantisation, for every registered
+format (their names are gguf's type names in lower case).
 
 gguf's numpy code follows ggml's C reference (`quantize_row_q8_0_ref`, `quantize_row_q4_0_ref`
 in ggml-quants.c) to the bit, rounding included: Q8_0 uses `np_roundf`, half away from zero
 like C's roundf, and Q4_0 truncates x * id + 8.5 like C's (int8_t) cast. So exact .5 ties need
-no avoiding here; `test_ties_follow_c` pins them to C's values independently of gguf.
+no avoiding here; `test_ties_follow_c` pins them to C's values independently of gguf. The
+k-quants have no quantiser (here or in gguf's numpy): their dequantisation is checked on random
+bytes, with finite scales and with any bytes at all.
 """
 
 from __future__ import annotations
@@ -12,14 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from hybridmoe.quant.formats import weight_format
+from hybridmoe.quant.formats import WEIGHT_FORMATS, weight_format
+from random_weights import random_stored
 
 gguf = pytest.importorskip("gguf")
-QTYPES = {
-    "q8_0": gguf.GGMLQuantizationType.Q8_0,
-    "q4_0": gguf.GGMLQuantizationType.Q4_0,
-    "bf16": gguf.GGMLQuantizationType.BF16,
-}
+QTYPES = {name: gguf.GGMLQuantizationType[name.upper()] for name in WEIGHT_FORMATS}
+QUANTISERS = [name for name, fmt in WEIGHT_FORMATS.items() if fmt.can_quantize]
+BLOCK_FORMATS = [name for name, fmt in WEIGHT_FORMATS.items() if fmt.is_quantized]
+BLOCKS_OF_32 = [name for name in QUANTISERS if weight_format(name).is_quantized]
 
 
 def _weights(seed: int, rows: int = 24, n: int = 256) -> torch.Tensor:
@@ -41,7 +44,7 @@ def _weights(seed: int, rows: int = 24, n: int = 256) -> torch.Tensor:
     return w
 
 
-@pytest.mark.parametrize("name", QTYPES)
+@pytest.mark.parametrize("name", QUANTISERS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_quantize_bytes_equal_gguf(name: str, seed: int) -> None:
     w = _weights(seed)
@@ -50,7 +53,7 @@ def test_quantize_bytes_equal_gguf(name: str, seed: int) -> None:
     np.testing.assert_array_equal(ours.view(torch.uint8).numpy(), theirs.view(np.uint8))
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("name", BLOCKS_OF_32)
 def test_quantize_bf16_input_equals_gguf_of_its_fp32(name: str) -> None:
     w = _weights(3).to(torch.bfloat16)
     ours = weight_format(name).quantize(w)
@@ -58,7 +61,7 @@ def test_quantize_bf16_input_equals_gguf_of_its_fp32(name: str) -> None:
     np.testing.assert_array_equal(ours.numpy(), theirs)
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("name", BLOCKS_OF_32)
 def test_dequantize_gguf_bytes_equals_gguf(name: str) -> None:
     theirs = gguf.quants.quantize(_weights(4).numpy(), QTYPES[name])
     ours = weight_format(name).dequantize(torch.from_numpy(theirs))
@@ -66,13 +69,31 @@ def test_dequantize_gguf_bytes_equals_gguf(name: str) -> None:
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf's numpy meets nan scales
-@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
-def test_dequantize_random_bytes_equals_gguf(name: str) -> None:
+@pytest.mark.parametrize("name", [*BLOCK_FORMATS, "f16"])
+@pytest.mark.parametrize("seed", [5, 6])
+def test_dequantize_random_bytes_equals_gguf(name: str, seed: int) -> None:
     """Any bytes at all (scales nan, inf, subnormal included) decode as gguf decodes them."""
     fmt = weight_format(name)
-    raw = np.random.default_rng(5).integers(0, 256, (7, 8 * fmt.block_bytes), dtype=np.uint8)
-    ours = fmt.dequantize(torch.from_numpy(raw))
+    row_bytes = fmt.row_bytes(4 * max(fmt.block_size, 32))  # 4 blocks, or 128 f16 weights
+    raw = np.random.default_rng(seed).integers(0, 256, (7, row_bytes), dtype=np.uint8)
+    stored = torch.from_numpy(raw).view(fmt.storage_dtype)
+    ours = fmt.dequantize(stored)
     np.testing.assert_array_equal(ours.numpy(), gguf.quants.dequantize(raw, QTYPES[name]))
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dequantize_random_blocks_with_finite_scales_equals_gguf(name: str, seed: int) -> None:
+    """The weights tests and benchmarks make: random payloads, finite fp16 scales; all finite
+    and equal to gguf's, in every output dtype."""
+    fmt = weight_format(name)
+    stored = random_stored(fmt, (6, 2 * fmt.block_size * 4), torch.Generator().manual_seed(seed))
+    theirs = gguf.quants.dequantize(stored.numpy(), QTYPES[name])
+    ours = fmt.dequantize(stored)
+    assert np.isfinite(theirs).all() and np.abs(theirs).max() > 0.1
+    np.testing.assert_array_equal(ours.numpy(), theirs)
+    bf16 = fmt.dequantize(stored, torch.bfloat16)
+    assert torch.equal(bf16, torch.from_numpy(theirs).to(torch.bfloat16))
 
 
 def test_ties_follow_c() -> None:

@@ -21,6 +21,7 @@ from hybridmoe.quant.formats import (
 )
 
 FORMATS = list(WEIGHT_FORMATS)
+QUANTISERS = [name for name, fmt in WEIGHT_FORMATS.items() if fmt.can_quantize]
 FORMAT_MODULES = sorted({f.kernel.dequantize_block_ir.__module__ for f in WEIGHT_FORMATS.values()})
 
 
@@ -32,7 +33,7 @@ def test_a_second_format_of_a_name_is_refused() -> None:
     assert WEIGHT_FORMATS == before and WEIGHT_FORMATS["q8_0"] is before["q8_0"]
 
 
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name", QUANTISERS)
 def test_every_format_round_trips_through_its_reference(name: str) -> None:
     fmt = weight_format(name)
     g = torch.Generator().manual_seed(0)
@@ -55,10 +56,12 @@ def test_every_format_round_trips_through_its_reference(name: str) -> None:
 def test_the_kernel_descriptor_agrees_with_the_stored_shape(name: str) -> None:
     fmt = weight_format(name)
     kernel = fmt.kernel
-    stored_row = fmt.stored_shape((3, 2 * KERNEL_BLOCK))[-1] * fmt.storage_dtype.itemsize
+    n = 2 * kernel.block_weights
+    stored_row = fmt.stored_shape((3, n))[-1] * fmt.storage_dtype.itemsize
     assert kernel.name == name
-    assert kernel.block_bytes * 2 == stored_row == fmt.row_bytes(2 * KERNEL_BLOCK)
+    assert kernel.block_bytes * 2 == stored_row == fmt.row_bytes(n)
     assert kernel.partial_blocks == (not fmt.is_quantized)  # dense rows may have any length
+    assert kernel.block_weights == max(KERNEL_BLOCK, fmt.block_size)  # super-blocks: 256
     assert callable(kernel.dequantize_block_ir)
 
 
@@ -73,11 +76,19 @@ def test_an_inconsistent_kernel_descriptor_is_refused() -> None:
         dataclasses.replace(weight_format("bf16"), kernel=KernelFormat("bf16", 64, ir))
     with pytest.raises(ValueError, match="needs load_weight_ir"):
         dataclasses.replace(q8_0, kernel=KernelFormat("q8_0", 34, ir, load_weight_ir=ir))
+    with pytest.raises(ValueError, match="blocks of 48 weights do not tile .* of 256"):
+        dataclasses.replace(q8_0, kernel=KernelFormat("q8_0", 34, ir, pieces=8), block_size=48)
+    q4_k = weight_format("q4_k")
+    with pytest.raises(ValueError, match="blocks of 256 weights do not tile .* of 32"):
+        dataclasses.replace(q4_k, kernel=KernelFormat("q4_k", 18, ir))
+    with pytest.raises(ValueError, match="only single pieces may end a row"):
+        KernelFormat("q4_k", 144, ir, load_weight_ir=ir, pieces=8)
     assert isinstance(q8_0, WeightFormat)
 
 
 def test_choices_come_from_the_registry() -> None:
-    assert EXPERT_FORMATS == tuple(WEIGHT_FORMATS)  # test_formats.py pins the names
+    assert EXPERT_FORMATS == tuple(QUANTISERS)  # test_formats.py pins the names
+    assert "q4_k" in WEIGHT_FORMATS and "q4_k" not in EXPERT_FORMATS
 
 
 @pytest.mark.parametrize("first", ["hybridmoe.quant.formats", *FORMAT_MODULES])

@@ -2,7 +2,8 @@
 dequantisers (`KernelFormat.dequantize_block_ir` in quant/), which import this module lazily,
 when numba compiles a kernel, so that `import hybridmoe.quant` needs no llvmlite.
 
-A 32-weight block dequantises into one <32 x float> register (`V32F`).
+A 32-weight block dequantises into one <32 x float> register (`V32F`); a k-quant super-block
+into eight of them, one per 32-weight piece.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 F32, I8, I16, I32, I64 = ir.FloatType(), *(ir.IntType(n) for n in (8, 16, 32, 64))
+HALF = ir.HalfType()
 V32F = ir.VectorType(F32, 32)
 
 
@@ -34,13 +36,56 @@ def load(builder: ir.IRBuilder, ptr: ir.Value, ty: ir.Type, align: int = 1) -> i
     return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=align)
 
 
-def splat(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
-    """The float `value` in all 32 lanes of a <32 x float>."""
-    one = builder.insert_element(ir.Constant(V32F, ir.Undefined), value, ir.Constant(I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(V32F, ir.Undefined), const_vec(I32, [0] * 32))
+def splat(builder: ir.IRBuilder, value: ir.Value, count: int = 32) -> ir.Value:
+    """The float `value` in all `count` lanes of a <count x float> (default <32 x float>)."""
+    vec = ir.Constant(ir.VectorType(value.type, count), ir.Undefined)
+    one = builder.insert_element(vec, value, ir.Constant(I32, 0))
+    return builder.shuffle_vector(one, vec, const_vec(I32, [0] * count))
 
 
 def fp16_scale(builder: ir.IRBuilder, ptr: ir.Value) -> ir.Value:
     """The little-endian fp16 at byte pointer `ptr`, as a float (GGUF's block scales)."""
     bits = load(builder, ptr, I16)
-    return builder.fpext(builder.bitcast(bits, ir.HalfType()), F32)
+    return builder.fpext(builder.bitcast(bits, HALF), F32)
+
+
+def lanes(builder: ir.IRBuilder, vec: ir.Value, indices: list[int]) -> ir.Value:
+    """A vector of vec's lanes `indices` (a lane may repeat: a splat of one sub-block's scale
+    over its weights)."""
+    return builder.shuffle_vector(vec, vec, const_vec(I32, indices))
+
+
+def bits(
+    builder: ir.IRBuilder, vec: ir.Value, shift: int | list[int], mask: int | list[int]
+) -> ir.Value:
+    """(vec >> shift) & mask, lane by lane, unsigned: a bit field of each packed byte; `shift`
+    and `mask` one value for all lanes or one per lane."""
+    count, elem = vec.type.count, vec.type.element
+    shifts = shift if isinstance(shift, list) else [shift] * count
+    masks = mask if isinstance(mask, list) else [mask] * count
+    shifted = builder.lshr(vec, const_vec(elem, shifts)) if any(shifts) else vec
+    return builder.and_(shifted, const_vec(elem, masks))
+
+
+def shl(builder: ir.IRBuilder, vec: ir.Value, shift: int) -> ir.Value:
+    """vec << shift, every lane."""
+    return builder.shl(vec, const_vec(vec.type.element, [shift] * vec.type.count))
+
+
+def offset(builder: ir.IRBuilder, ptr: ir.Value, nbytes: int) -> ir.Value:
+    """The byte pointer `nbytes` past `ptr`."""
+    return builder.gep(ptr, [i64(nbytes)]) if nbytes else ptr
+
+
+def sub_block_scale(builder: ir.IRBuilder, scales: ir.Value, piece: int) -> ir.Value:
+    """<32 x float> of a 32-weight piece from per-sub-block `scales`: <8 x float> (sub-blocks
+    of 32: scale `piece` in every lane) or <16 x float> (sub-blocks of 16: scale 2 piece in
+    lanes 0..15, 2 piece + 1 in lanes 16..31)."""
+    if scales.type.count == 8:
+        return lanes(builder, scales, [piece] * 32)
+    return lanes(builder, scales, [2 * piece] * 16 + [2 * piece + 1] * 16)
+
+
+def scaled(builder: ir.IRBuilder, values: ir.Value, scale: ir.Value) -> ir.Value:
+    """Float scale * values (ints, signed), a vector of the scale's width."""
+    return builder.fmul(builder.sitofp(values, scale.type), scale)

@@ -216,8 +216,9 @@ def _fused_moe(
     bad_id, experts, starts, routes = _group_routes(ids, num_experts)
     if bad_id >= 0:
         return bad_id
-    # a row of n weights takes n * block_bytes / 32 bytes: whole blocks when quantised
-    h_row_bytes, i_row_bytes = hidden * fmt.block_bytes // 32, inter * fmt.block_bytes // 32
+    # a row of n weights takes n * block_bytes / block_weights bytes: whole blocks when quantised
+    h_row_bytes = hidden * fmt.block_bytes // fmt.block_weights
+    i_row_bytes = inter * fmt.block_bytes // fmt.block_weights
     num_routes = starts[-1]
     x_offs = (routes // top_k) * hidden  # [R] start of each route's token in x
     act_offs = np.arange(routes.shape[0]) * inter  # [R] start of each route's act row

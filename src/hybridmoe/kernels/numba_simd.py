@@ -12,6 +12,8 @@ float32 array. What a format's bytes are is its `KernelFormat` (quant/formats.py
 intrinsics take as their first argument: its numba type `KernelFormatType` holds the
 descriptor, so the format is a compile-time constant and each format compiles its own loop,
 with its block size and its own IR dequantiser (`dequantize_block_ir`, in the format's module).
+A k-quant's block is a super-block of `pieces` 32-weight pieces: the loop then steps one
+super-block at a time, decodes its scales once and dequantises each piece into a register.
 """
 
 from __future__ import annotations
@@ -61,11 +63,15 @@ def _lower_kernel_format(context, builder, ty, kernel):
 
 @infer_getattr
 class _KernelFormatAttributes(AttributeTemplate):
-    """fmt.block_bytes and fmt.partial_blocks in jitted code: constants, lowered in place."""
+    """fmt.block_bytes, fmt.block_weights and fmt.partial_blocks in jitted code: constants,
+    lowered in place."""
 
     key = KernelFormatType
 
     def resolve_block_bytes(self, fmt: KernelFormatType) -> types.Type:
+        return types.intp
+
+    def resolve_block_weights(self, fmt: KernelFormatType) -> types.Type:
         return types.intp
 
     def resolve_partial_blocks(self, fmt: KernelFormatType) -> types.Type:
@@ -75,6 +81,11 @@ class _KernelFormatAttributes(AttributeTemplate):
 @lower_getattr(KernelFormatType, "block_bytes")
 def _lower_block_bytes(context, builder, ty, value):
     return context.get_constant(types.intp, ty.kernel.block_bytes)
+
+
+@lower_getattr(KernelFormatType, "block_weights")
+def _lower_block_weights(context, builder, ty, value):
+    return context.get_constant(types.intp, ty.kernel.block_weights)
 
 
 @lower_getattr(KernelFormatType, "partial_blocks")
@@ -123,15 +134,20 @@ def _tile_dot_codegen(kernel: KernelFormat, wrows: int, xrows: int):
             [[cgutils.alloca_once_value(builder, zero) for _ in x_rows] for _ in w_rows]
             for _ in range(sets)
         ]
-        step = _block_step(builder, kernel, w_rows, x_rows)
-        main_iters = builder.udiv(nblocks, i64(sets))
-        with cgutils.for_range(builder, main_iters) as loop:
-            first_block = builder.mul(loop.index, i64(sets))
-            for s, acc_set in enumerate(accs):
-                step(builder.add(first_block, i64(s)), acc_set)
-        done = builder.mul(main_iters, i64(sets))
-        with cgutils.for_range(builder, builder.sub(nblocks, done)) as loop:
-            step(builder.add(done, loop.index), accs[0])
+        if kernel.pieces > 1:  # whole super-blocks, each piece on the next accumulator set
+            step = _superblock_step(builder, kernel, w_rows, x_rows)
+            with cgutils.for_range(builder, builder.udiv(nblocks, i64(kernel.pieces))) as loop:
+                step(loop.index, accs)
+        else:
+            step = _block_step(builder, kernel, w_rows, x_rows)
+            main_iters = builder.udiv(nblocks, i64(sets))
+            with cgutils.for_range(builder, main_iters) as loop:
+                first_block = builder.mul(loop.index, i64(sets))
+                for s, acc_set in enumerate(accs):
+                    step(builder.add(first_block, i64(s)), acc_set)
+            done = builder.mul(main_iters, i64(sets))
+            with cgutils.for_range(builder, builder.sub(nblocks, done)) as loop:
+                step(builder.add(done, loop.index), accs[0])
         out_data = context.make_array(out_ty)(context, builder, out).data
         for r in range(wrows):
             for c in range(xrows):
@@ -170,6 +186,38 @@ def _block_step(
     return step
 
 
+def _superblock_step(
+    builder: ir.IRBuilder, kernel: KernelFormat, w_rows: list[ir.Value], x_rows: list[ir.Value]
+):
+    """step(superblock_index, accs[set][wrow][xrow]): per weight row, prefetch the super-block
+    `PREFETCH_BYTES` ahead (each of its cache lines) and decode its scales once (the format's
+    DequantizeSuperBlockIR); then piece by piece, the activations' 32 values loaded once and
+    each row's piece dequantised and FMAed into accumulator set `piece % sets`."""
+    fma = _declare(builder, "llvm.fma.v32f32", V32F, [V32F] * 3)
+    prefetch = _declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
+    read, high_locality, data_cache = (ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1))
+    lines = [*range(0, kernel.block_bytes, 64), kernel.block_bytes - 1]  # every line it spans
+
+    def step(index: ir.Value, accs: list[list[list[ir.Value]]]) -> None:
+        pieces = []
+        for w_row in w_rows:
+            block = builder.gep(w_row, [builder.mul(index, i64(kernel.block_bytes))])
+            for line in lines:
+                ahead = builder.gep(block, [i64(PREFETCH_BYTES + line)])
+                builder.call(prefetch, [ahead, read, high_locality, data_cache])
+            pieces.append(kernel.dequantize_block_ir(builder, block))
+        first_weight = builder.mul(index, i64(kernel.block_weights))
+        for p in range(kernel.pieces):
+            at = builder.add(first_weight, i64(p * KERNEL_BLOCK))
+            xs = [load(builder, builder.gep(x_row, [at]), V32F, align=4) for x_row in x_rows]
+            for piece, row_accs in zip(pieces, accs[p % len(accs)], strict=True):
+                w = piece(p)
+                for acc, xv in zip(row_accs, xs, strict=True):
+                    builder.store(builder.call(fma, [w, xv, builder.load(acc)]), acc)
+
+    return step
+
+
 @intrinsic
 def tile_dot(
     typingctx,
@@ -189,7 +237,8 @@ def tile_dot(
 ):
     """out[out_off + c * out_stride + r] = Σ_b dequant(block b of weight row r) ·
     x[x_offs[first + c] + 32 b : ... + 32] for r < wrows, c < xrows, over `nblocks` 32-weight
-    blocks; weight row r starts at byte w_off + r * row_bytes of `weights`.
+    blocks (for a super-block format, a multiple of its pieces); weight row r starts at byte
+    w_off + r * row_bytes of `weights`.
 
     `fmt` (a KernelFormat), `wrows` and `xrows` are compile-time constants; TILES lists the
     (wrows, xrows) pairs that fit the vector registers."""

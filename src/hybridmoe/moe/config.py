@@ -11,7 +11,9 @@ from hybridmoe.quant.formats import WEIGHT_FORMATS
 AUTO_TARGET = "auto"  # resolved when the device is known: engine/placement.py auto_decode_target
 DECODE_TARGETS = (AUTO_TARGET, *_TARGETS, *TARGET_ALIASES)  # every name --decode-target accepts
 CPU_KERNEL_CHOICES = ("numba", "torch")
-EXPERT_FORMATS = tuple(WEIGHT_FORMATS)  # GGUF's names, as registered in quant/formats.py
+# GGUF's names, as registered in quant/formats.py: those a checkpoint's floats can be converted
+# to (a k-quant bank comes only from a GGUF file's bytes)
+EXPERT_FORMATS = tuple(name for name, fmt in WEIGHT_FORMATS.items() if fmt.can_quantize)
 PREFILL_CHOICES = ("auto", "stream", "cpu")  # see moe/prefill.py
 DEFAULT_CACHE_RATIO = 0.25
 MAX_FETCH_AUTO = "auto"  # max_fetch chosen per layer call (moe/fetch_policy.py AutoFetch)
@@ -88,6 +90,11 @@ class OffloadConfig:
             )
         if self.prefill_cpu_tokens < 0:
             raise ValueError(f"prefill_cpu_tokens must be >= 0, got {self.prefill_cpu_tokens}")
+        if self.expert_format in WEIGHT_FORMATS and self.expert_format not in EXPERT_FORMATS:
+            raise ValueError(
+                f"expert_format {self.expert_format!r} has no quantiser: its experts come only "
+                f"from a GGUF file; convert to one of {', '.join(EXPERT_FORMATS)}"
+            )
         if self.expert_format is not None and self.expert_format not in EXPERT_FORMATS:
             raise ValueError(
                 f"expert_format must be one of {', '.join(EXPERT_FORMATS)}, "

@@ -1,5 +1,6 @@
-"""The unquantised formats f32 and bf16: one weight a block, stored as the float itself;
-quantising is a cast (round to nearest even for bf16) and dequantising is exact. In the CPU
+"""The unquantised formats f32, bf16 and f16: one weight a block, stored as the float itself;
+quantising is a cast (round to nearest even for bf16 and f16, as ggml's and gguf's
+conversions) and dequantising is exact. In the CPU
 kernels a row may end in part of a 32-weight block: that tail is read weight by weight.
 """
 
@@ -18,7 +19,7 @@ from hybridmoe.quant.formats import (
     register_format,
 )
 
-__all__ = ["BF16", "F32"]
+__all__ = ["BF16", "F16", "F32"]
 
 
 def _cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -52,6 +53,19 @@ def _bf16_weight_ir(builder, ptr):
     return builder.bitcast(builder.shl(wide, ll.i32(16)), ll.F32)
 
 
+def _f16_block_ir(builder, block):
+    """fp16 widens exactly to fp32 (vcvtph2ps)."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    return builder.fpext(ll.load(builder, block, ll.vector(ll.HALF, 32)), ll.V32F)
+
+
+def _f16_weight_ir(builder, ptr):
+    from hybridmoe.kernels import llvm_ir as ll
+
+    return ll.fp16_scale(builder, ptr)
+
+
 def _dense(
     name: str, dtype: torch.dtype, block_ir: DequantizeBlockIR, weight_ir: LoadWeightIR
 ) -> WeightFormat:
@@ -62,3 +76,4 @@ def _dense(
 
 F32 = register_format(_dense("f32", torch.float32, _f32_block_ir, _f32_weight_ir))
 BF16 = register_format(_dense("bf16", torch.bfloat16, _bf16_block_ir, _bf16_weight_ir))
+F16 = register_format(_dense("f16", torch.float16, _f16_block_ir, _f16_weight_ir))

@@ -1,12 +1,13 @@
 """The registry of weight formats an expert matrix can be stored in.
 
 Names are GGUF's type names in lower case. A format packs each row of n weights into
-n // block_size blocks of block_bytes bytes, held in a tensor of `storage_dtype`; f32 and bf16
-are the degenerate case of one weight a block. Each format is one module (dense.py: f32 and
-bf16; q8_0.py; q4_0.py) that defines its `WeightFormat`, torch reference and kernel IR, and
-registers it with `register_format`. The package (quant/__init__.py) imports those modules,
-in the order CLI choices list them, so the registry is complete once anything of
-`hybridmoe.quant` is imported, this module included.
+n // block_size blocks of block_bytes bytes, held in a tensor of `storage_dtype`; f32, bf16
+and f16 are the degenerate case of one weight a block, the k-quants (q2_k ... q6_k) pack
+super-blocks of 256 weights. Each format is one module (dense.py: f32, bf16 and f16; q8_0.py;
+q4_0.py; ...; q6_k.py, the k-quants sharing _kquants.py) that defines its `WeightFormat`,
+torch reference and kernel IR, and registers it with `register_format`. The package
+(quant/__init__.py) imports those modules, in the order CLI choices list them, so the
+registry is complete once anything of `hybridmoe.quant` is imported, this module included.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ KERNEL_BLOCK = 32  # weights of a row the CPU kernels dequantise at once: one <3
 # LLVM IR builders (llvmlite objects; see kernels/llvm_ir.py):
 # (builder, byte pointer to a block) -> <32 x float>, the KERNEL_BLOCK weights of that block
 DequantizeBlockIR = Callable[[Any, Any], Any]
+# A super-block's: (builder, byte pointer to a super-block) -> piece, where piece(p), p a
+# Python int < pieces, emits the super-block's weights 32p .. 32p + 31 as <32 x float>. What
+# the pieces share (the decoded sub-block scales) is emitted once, before `piece` is returned.
+DequantizeSuperBlockIR = Callable[[Any, Any], Callable[[int], Any]]
 # (builder, byte pointer to one weight) -> float
 LoadWeightIR = Callable[[Any, Any], Any]
 
@@ -32,17 +37,34 @@ LoadWeightIR = Callable[[Any, Any], Any]
 @dataclass(frozen=True)
 class KernelFormat:
     """What the fused CPU kernel (kernels/numba_moe.py) compiles for a format: it reads a row
-    as `block_bytes` bytes per KERNEL_BLOCK weights and emits `dequantize_block_ir` for each
-    block. A format whose rows may end in part of a block (dense ones, of any length) also
+    as `block_bytes` bytes per `block_weights` weights and emits `dequantize_block_ir` for each
+    block. A block is one KERNEL_BLOCK of 32 weights (pieces = 1: the IR builder is a
+    DequantizeBlockIR) or a super-block of `pieces` of them (the k-quants: 8 pieces of 32, a
+    DequantizeSuperBlockIR, so that the super-block's scales are decoded once for all its
+    pieces). A format whose rows may end in part of a block (dense ones, of any length) also
     gives `load_weight_ir`, which reads the tail weight by weight. The IR builders run when
     numba compiles (they import kernels/llvm_ir.py, and so llvmlite, then); the source of the
     module that defines them, with llvm_ir.py's, is part of the hash naming the kernels'
     on-disk cache, so they belong in the format's own module, with helpers from llvm_ir.py."""
 
     name: str
-    block_bytes: int  # bytes of KERNEL_BLOCK consecutive weights of a row
-    dequantize_block_ir: DequantizeBlockIR = field(repr=False)
+    block_bytes: int  # bytes of block_weights consecutive weights of a row
+    dequantize_block_ir: DequantizeBlockIR | DequantizeSuperBlockIR = field(repr=False)
     load_weight_ir: LoadWeightIR | None = field(default=None, repr=False)
+    pieces: int = 1  # KERNEL_BLOCKs a block holds: 1, or 8 for a 256-weight super-block
+
+    def __post_init__(self) -> None:
+        if self.pieces < 1 or (self.pieces > 1 and self.load_weight_ir is not None):
+            raise ValueError(
+                f"{self.name}: a kernel block is 1 or more pieces of {KERNEL_BLOCK} weights, "
+                f"and only single pieces may end a row part way, got pieces={self.pieces}"
+            )
+
+    @property
+    def block_weights(self) -> int:
+        """Weights of one block: a row of n weights takes n * block_bytes // block_weights
+        bytes (whole blocks, or for a dense format any n)."""
+        return self.pieces * KERNEL_BLOCK
 
     @property
     def partial_blocks(self) -> bool:
@@ -56,15 +78,21 @@ class WeightFormat:
     contiguous tensor of `stored_shape` and `storage_dtype`, without modifying its input (for
     f32/bf16 it is a cast, and returns the input itself when already so stored); `dequantize`
     turns that back into float [..., n], exactly the values the stored tensor represents.
-    `kernel` is how the fused CPU kernel reads the same bytes."""
+    `kernel` is how the fused CPU kernel reads the same bytes. A format without a quantiser
+    (`quantize_fn` None: the k-quants, whose ggml quantisers search scales and are not
+    reproduced here) is still stored, loaded and computed with (a GGUF file brings its
+    bytes); `can_quantize` says which, and `--expert-format` offers only those."""
 
     name: str
     block_size: int  # weights per block along a row
     block_bytes: int  # bytes per block
     storage_dtype: torch.dtype
-    quantize_fn: Callable[[torch.Tensor], torch.Tensor] = field(repr=False)
+    quantize_fn: Callable[[torch.Tensor], torch.Tensor] | None = field(repr=False)
     dequantize_fn: Callable[..., torch.Tensor] = field(repr=False)  # (q, dtype) -> float
     kernel: KernelFormat = field(repr=False)
+    # byte offsets in a block of its fp16 scales (d, and m or dmin where it has one): any
+    # bytes with finite values there are valid weights (what tests and benchmarks fill)
+    scale_offsets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_bytes % self.storage_dtype.itemsize:
@@ -73,12 +101,13 @@ class WeightFormat:
 
     def _check_kernel(self) -> None:
         """ValueError unless `kernel` reads the rows this format stores."""
-        if KERNEL_BLOCK % self.block_size:
+        kernel_weights = self.kernel.block_weights
+        if kernel_weights % self.block_size:
             raise ValueError(
                 f"{self.name}: blocks of {self.block_size} weights do not tile "
-                f"the kernels' block of {KERNEL_BLOCK}"
+                f"the kernel's blocks of {kernel_weights}"
             )
-        kernel_bytes = KERNEL_BLOCK // self.block_size * self.block_bytes
+        kernel_bytes = kernel_weights // self.block_size * self.block_bytes
         if (self.kernel.name, self.kernel.block_bytes) != (self.name, kernel_bytes):
             raise ValueError(
                 f"{self.name}: {self.kernel} should be named {self.name!r} and "
@@ -93,6 +122,11 @@ class WeightFormat:
     @property
     def is_quantized(self) -> bool:
         return self.block_size > 1
+
+    @property
+    def can_quantize(self) -> bool:
+        """Whether float weights can be converted to this format (`quantize`)."""
+        return self.quantize_fn is not None
 
     def row_bytes(self, n: int) -> int:
         """Bytes of a row of n weights."""
@@ -111,6 +145,12 @@ class WeightFormat:
 
     def quantize(self, w: torch.Tensor) -> torch.Tensor:
         """Float w [..., n] -> the stored tensor, contiguous, of `stored_shape(w.shape)`."""
+        if self.quantize_fn is None:
+            quantisable = ", ".join(f.name for f in WEIGHT_FORMATS.values() if f.can_quantize)
+            raise ValueError(
+                f"{self.name}: no quantiser (weights in {self.name} come from GGUF files); "
+                f"convert to one of {quantisable}"
+            )
         if not w.is_floating_point():
             raise TypeError(f"{self.name}: quantize expects a float tensor, got {w.dtype}")
         return self.quantize_fn(w)
@@ -142,8 +182,9 @@ def weight_format(name: str) -> WeightFormat:
 
 
 def dense_format(dtype: torch.dtype) -> WeightFormat:
-    """The unquantised format of dtype: float32 -> f32, bfloat16 -> bf16; ValueError otherwise."""
+    """The unquantised format of dtype: float32 -> f32, bfloat16 -> bf16, float16 -> f16;
+    ValueError otherwise."""
     for fmt in WEIGHT_FORMATS.values():
         if not fmt.is_quantized and fmt.storage_dtype == dtype:
             return fmt
-    raise ValueError(f"no dense weight format stores {dtype}; use float32 or bfloat16")
+    raise ValueError(f"no dense weight format stores {dtype}; use float32, bfloat16 or float16")

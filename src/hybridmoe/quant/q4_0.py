@@ -17,6 +17,7 @@ from hybridmoe.quant._blocks import (
     check_quantize_input,
     dequantize_blocks,
     quantize_blocks,
+    signed_absmax,
 )
 from hybridmoe.quant.formats import KernelFormat, WeightFormat, register_format
 
@@ -58,25 +59,11 @@ def dequantize_q4_0(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
 
 
 def _quantize_chunk(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    d = _signed_absmax(x) / -8  # [b, 1]; nan/inf propagate to d
+    d = signed_absmax(x) / -8  # [b, 1]; nan/inf propagate to d
     inv_d = torch.where(d == 0, 0.0, 1.0 / d)  # ggml: id = d ? 1.0f/d : 0.0f
     # x * inv_d + 8.5 lies in [0.49, 16.5], so the uint8 cast truncates as C's (int8_t) does.
     v = (x * inv_d).add_(8.5).to(torch.uint8).clamp_(max=15)  # [b, 32]
     return d, v[:, :_HALF] | (v[:, _HALF:] << 4)  # [b, 16]
-
-
-def _signed_absmax(x: torch.Tensor) -> torch.Tensor:
-    """ggml's max of x [b, 32]: the value of largest |x| with its sign, the first one when both
-    +a and -a occur (ggml's strict `<`), +0.0 for a block of zeros -> [b, 1]. Built from amax and
-    amin, which are several times faster than argmax; the rare tied blocks take argmax."""
-    hi, lo = x.amax(dim=1, keepdim=True), x.amin(dim=1, keepdim=True)  # [b, 1] each
-    m = torch.where(hi >= -lo, hi, lo)
-    m = torch.where(m == 0, 0.0, m)  # ggml's max starts at +0.0: an all-zero block has d = -0.0
-    tied = ((hi == -lo) & (hi > 0)).flatten().nonzero().flatten()  # [t] block indices
-    if tied.numel():
-        x_tied = x[tied]  # [t, 32]
-        m[tied] = x_tied.gather(1, x_tied.abs().argmax(dim=1, keepdim=True))  # the first wins
-    return m
 
 
 def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
@@ -107,5 +94,6 @@ Q4_0 = register_format(
         quantize_q4_0,
         dequantize_q4_0,
         KernelFormat("q4_0", BLOCK_BYTES, _dequantize_block_ir),
+        scale_offsets=(0,),
     )
 )

@@ -94,5 +94,6 @@ Q8_0 = register_format(
         quantize_q8_0,
         dequantize_q8_0,
         KernelFormat("q8_0", BLOCK_BYTES, _dequantize_block_ir),
+        scale_offsets=(0,),
     )
 )

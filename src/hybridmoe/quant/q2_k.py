@@ -1,0 +1,54 @@
+"""GGUF/ggml Q2_K: super-blocks of 256 weights in 84 bytes: 16 bytes of 4-bit scale / minimum
+pairs (low nibble sc, high nibble m; one per sub-block of 16 weights), 64 bytes of 2-bit
+values, fp16 d, fp16 dmin. Half h of 128 weights reads qs[32 h:][:32]; its piece j takes bits
+2 j, 2 j + 1 of each byte. Weight = (d * sc) * v - (dmin * m), one rounding. No quantiser (see
+_kquants.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridmoe.quant._kquants import fp16_at, register_k_quant, shifted
+
+__all__ = ["BLOCK_BYTES", "Q2_K"]
+
+BLOCK_BYTES = 84  # 16 bytes of scales, 64 of 2-bit values, fp16 d, fp16 dmin
+
+
+def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
+    packed = blocks[:, :16]  # [b, 16]
+    scale = fp16_at(blocks, 80) * (packed & 0x0F).to(torch.float32)[:, :, None]  # [b, 16, 1]
+    low = fp16_at(blocks, 82) * (packed >> 4).to(torch.float32)[:, :, None]  # [b, 16, 1]
+    v = shifted(blocks[:, 16:80].reshape(-1, 2, 32), [0, 2, 4, 6], 3)  # [b, 2, 4, 32]
+    v = v.reshape(-1, 16, 16).to(torch.float32)  # [b, 16, 16]; in place below: few temporaries
+    return v.mul_(scale).sub_(low).reshape(-1, 256)
+
+
+def _superblock_ir(builder, block):
+    """LLVM IR: piece(p) -> <32 x float>, the weights (d sc) v - dmin m of piece p."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    packed = ll.load(builder, block, ll.vector(ll.I8, 16))
+    v16f = ll.vector(ll.F32, 16)
+    d, dmin = (
+        ll.splat(builder, ll.fp16_scale(builder, ll.offset(builder, block, at)), 16)
+        for at in (80, 82)
+    )
+    scales = builder.fmul(d, builder.uitofp(ll.bits(builder, packed, 0, 0x0F), v16f))
+    lows = builder.fmul(dmin, builder.uitofp(ll.bits(builder, packed, 4, 0x0F), v16f))
+    halves = [
+        ll.load(builder, ll.offset(builder, block, 16 + 32 * h), ll.vector(ll.I8, 32))
+        for h in range(2)
+    ]
+
+    def piece(p: int):
+        half, j = divmod(p, 4)
+        v = builder.uitofp(ll.bits(builder, halves[half], 2 * j, 3), ll.V32F)
+        w = builder.fmul(v, ll.sub_block_scale(builder, scales, p))
+        return builder.fsub(w, ll.sub_block_scale(builder, lows, p))
+
+    return piece
+
+
+Q2_K = register_k_quant("q2_k", BLOCK_BYTES, _dequantize_chunk, _superblock_ir, (80, 82))

@@ -1,0 +1,65 @@
+"""GGUF/ggml Q3_K: super-blocks of 256 weights in 110 bytes: 32 bytes hmask (bit p of byte l:
+the high bit of weight l of piece p), 64 bytes of 2-bit low parts, 12 bytes of sixteen 6-bit
+scales (one per sub-block of 16 weights), fp16 d. Half h of 128 weights reads qs[32 h:][:32];
+its piece j (p = 4 h + j) takes bits 2 j, 2 j + 1 of each byte. v = low - (4 if the high bit is
+clear else 0), in [-4, 3]; weight = (d * (scale - 32)) * v, exact in fp32. Scale s: low 4 bits
+in the low (s < 8) or high nibble of byte s % 8, top 2 bits at bit 2 (s // 4) of byte 8 + s % 4.
+No quantiser (see _kquants.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridmoe.quant._kquants import PIECES, fp16_at, register_k_quant, shifted
+
+__all__ = ["BLOCK_BYTES", "Q3_K"]
+
+BLOCK_BYTES = 110  # 32 bytes hmask, 64 of 2-bit values, 12 of scales, fp16 d
+_LOW_SHIFTS = [0] * 8 + [4] * 8  # scale s's low 4 bits: nibble s // 8 of byte s % 8
+_TOP_SHIFTS = [0] * 4 + [2] * 4 + [4] * 4 + [6] * 4  # its top 2: bits 2 (s // 4) of byte 8 + s % 4
+
+
+def _scales(packed: torch.Tensor) -> torch.Tensor:
+    """The 12 scale bytes [b, 12] uint8 -> the 16 signed scales [b, 16] fp32, in [-32, 31]."""
+    low = shifted(packed[:, None, :8], [0, 4], 0x0F).reshape(-1, 16)  # [b, 16]
+    top = shifted(packed[:, None, 8:], [0, 2, 4, 6], 3).reshape(-1, 16)  # [b, 16]
+    return ((low | (top << 4)).view(torch.int8) - 32).to(torch.float32)
+
+
+def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
+    scale = (fp16_at(blocks, 108)[:, 0] * _scales(blocks[:, 96:108]))[:, :, None]  # [b, 16, 1]
+    low = shifted(blocks[:, 32:96].reshape(-1, 2, 32), [0, 2, 4, 6], 3)  # [b, 2, 4, 32]
+    high = shifted(blocks[:, None, :32], list(range(8)), 1)  # [b, 1, 8, 32]
+    v = low.reshape(-1, PIECES, 32).view(torch.int8) - (
+        (high.reshape(-1, PIECES, 32) ^ 1) << 2
+    ).view(torch.int8)
+    return v.reshape(-1, 16, 16).to(torch.float32).mul_(scale).reshape(-1, 256)
+
+
+def _superblock_ir(builder, block):
+    """LLVM IR: piece(p) -> <32 x float>, the weights (d (scale - 32)) v of piece p."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    packed = ll.load(builder, ll.offset(builder, block, 96), ll.vector(ll.I8, 12))
+    low = ll.bits(builder, ll.lanes(builder, packed, [*range(8), *range(8)]), _LOW_SHIFTS, 0x0F)
+    top = ll.bits(builder, ll.lanes(builder, packed, [8, 9, 10, 11] * 4), _TOP_SHIFTS, 3)
+    signed = builder.sub(builder.or_(low, ll.shl(builder, top, 4)), ll.const_vec(ll.I8, [32] * 16))
+    d = ll.splat(builder, ll.fp16_scale(builder, ll.offset(builder, block, 108)), 16)
+    scales = builder.fmul(d, builder.sitofp(signed, ll.vector(ll.F32, 16)))
+    hmask = ll.load(builder, block, ll.vector(ll.I8, 32))
+    halves = [
+        ll.load(builder, ll.offset(builder, block, 32 + 32 * h), ll.vector(ll.I8, 32))
+        for h in range(2)
+    ]
+
+    def piece(p: int):
+        half, j = divmod(p, 4)
+        clear = builder.xor(ll.bits(builder, hmask, p, 1), ll.const_vec(ll.I8, [1] * 32))
+        v = builder.sub(ll.bits(builder, halves[half], 2 * j, 3), ll.shl(builder, clear, 2))
+        return ll.scaled(builder, v, ll.sub_block_scale(builder, scales, p))
+
+    return piece
+
+
+Q3_K = register_k_quant("q3_k", BLOCK_BYTES, _dequantize_chunk, _superblock_ir, (108,))

@@ -1,0 +1,49 @@
+"""GGUF/ggml Q5_K: super-blocks of 256 weights in 176 bytes: fp16 d, fp16 dmin, Q4_K's 12 bytes
+of eight 6-bit scales and minimums, 32 bytes qh (bit j of byte l: bit 4 of weight l of
+sub-block j), then Q4_K's 128 bytes of low nibbles. Weight = (d * sc_j) * v - (dmin * m_j), one
+rounding. No quantiser (see _kquants.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridmoe.quant._kquants import PIECES, register_k_quant, shifted
+from hybridmoe.quant.q4_k import scale_min_ir, sub_block_scales
+
+__all__ = ["BLOCK_BYTES", "Q5_K"]
+
+BLOCK_BYTES = 176  # d, dmin, 12 bytes of scales, 32 of high bits, 128 of nibbles
+
+
+def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
+    scale, low = sub_block_scales(blocks)  # [b, 8, 1] each
+    qh = blocks[:, 16:48].reshape(-1, 1, 32)  # [b, 1, 32]
+    qs = blocks[:, 48:].reshape(-1, 4, 32)  # [b, 4, 32]
+    v = shifted(qs, [0, 4], 0x0F).reshape(-1, PIECES, 32)  # [b, 8, 32]
+    v = v | (shifted(qh, list(range(8)), 1).reshape(-1, PIECES, 32) << 4)
+    return v.to(torch.float32).mul_(scale).sub_(low).reshape(-1, 256)  # in place
+
+
+def _superblock_ir(builder, block):
+    """LLVM IR: piece(p) -> <32 x float>, sub-block p's weights (d sc_p) v - dmin m_p."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    scales, lows = scale_min_ir(builder, block)
+    qh = ll.load(builder, ll.offset(builder, block, 16), ll.vector(ll.I8, 32))
+    packed = {}
+
+    def piece(p: int):
+        group = p // 2
+        if group not in packed:
+            ptr = ll.offset(builder, block, 48 + 32 * group)
+            packed[group] = ll.load(builder, ptr, ll.vector(ll.I8, 32))
+        low = ll.bits(builder, packed[group], 4 * (p % 2), 0x0F)
+        v = builder.or_(low, ll.shl(builder, ll.bits(builder, qh, p, 1), 4))
+        w = builder.fmul(builder.uitofp(v, ll.V32F), ll.sub_block_scale(builder, scales, p))
+        return builder.fsub(w, ll.sub_block_scale(builder, lows, p))
+
+    return piece
+
+
+Q5_K = register_k_quant("q5_k", BLOCK_BYTES, _dequantize_chunk, _superblock_ir, (0, 2))

@@ -47,8 +47,8 @@ def test_cli_generates_from_gguf_what_safetensors_gives(demo_checkpoint, demo_gg
     assert _generate(demo_gguf.parent, *flags, "--gguf-file", "Q8_0") == expected
 
 
-def test_down_projections_are_views_of_the_file(demo_gguf: Path) -> None:
-    """bank.down lies inside a mapping of the GGUF file (no copy); gate_up is the one copy."""
+def test_expert_banks_are_views_of_the_file(demo_gguf: Path) -> None:
+    """bank.gate, .up and .down lie inside a mapping of the GGUF file: no copy of the experts."""
     if not Path("/proc/self/maps").exists():
         pytest.skip("needs /proc/self/maps")
     model = load_model(demo_gguf)
@@ -64,5 +64,5 @@ def test_down_projections_are_views_of_the_file(demo_gguf: Path) -> None:
 
     for layer in model.moe_layers:
         bank = layer.experts.store
-        assert mapped(bank.down.data_ptr())
-        assert not mapped(bank.gate_up.data_ptr())
+        assert not bank.stacked  # gate and up as the file holds them
+        assert all(mapped(t.data_ptr()) for t in (bank.gate, bank.up, bank.down))

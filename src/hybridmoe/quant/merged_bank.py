@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from hybridmoe.errors import CheckpointError
-from hybridmoe.loader.weights import MergedExperts, WeightSource, aligned, release_pages
+from hybridmoe.loader.weights import MergedExperts, WeightSource, aligned
 from hybridmoe.quant.bank import ExpertBank, ExpertWeights
 from hybridmoe.quant.formats import WEIGHT_FORMATS, WeightFormat
 
@@ -68,9 +68,10 @@ def _stored_as(
 def _bank_of(
     gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fmt: WeightFormat
 ) -> ExpertBank:
-    """The one place a file's bank is assembled from its three merged tensors. gate_up is one
-    copy (the bank holds gate and up concatenated; the file pages behind them are released),
-    down stays a view of the mapping (copied only if not 64-byte aligned)."""
-    gate_up = torch.cat([gate, up], dim=1)  # [E, 2I, row(H)]
-    release_pages([gate, up])
-    return ExpertBank(gate_up, aligned(down), fmt)
+    """The one place a file's bank is assembled from its three merged tensors: views of the
+    mapping, no copy. A dense (f32/bf16/f16) tensor not 64-byte aligned in the file is copied
+    (`aligned`: torch's GEMMs may round by address); block formats are read by kernels whose
+    result does not depend on where a row starts, so they stay views wherever they lie."""
+    if not fmt.is_quantized:
+        gate, up, down = aligned(gate), aligned(up), aligned(down)
+    return ExpertBank(gate=gate, up=up, down=down, fmt=fmt)

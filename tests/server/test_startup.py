@@ -27,6 +27,7 @@ with Engine.from_pretrained(sys.argv[1], config) as engine:
     before = overloads()
     warm_up(engine)
     warm = overloads()
+    assert engine._grammars is not None  # structured output's first request builds nothing
     engine.generate(["def f(x):", "hello"], SamplingParams(max_tokens=4, ignore_eos=True))
     print(before, warm, overloads())
 """

@@ -16,9 +16,11 @@ def warm_up(engine: Engine) -> GenerationStats:
     Scheduler.run) and return the scheduler's counters after it, the baseline the server's
     stats and metrics count from, so the warm-up is not counted as a request served. The
     expert-cache counters restart; the tokenizer's longest token (limits.check_prompt_chars)
-    is looked up. Raises SchedulerClosed if the scheduler closes meanwhile."""
+    is looked up and the grammar compiler of structured output built. Raises SchedulerClosed
+    if the scheduler closes meanwhile."""
     engine.generate_ids([WARM_UP_PROMPT_IDS], WARM_UP_PARAMS)
     if engine.tokenizer is not None:
         _ = engine.tokenizer.longest_token_chars  # computed once, here, not by a first request
+        _ = engine.grammars  # the grammar library's vocabulary setup: seconds on a 152k one
     engine.moe_runtime.reset_stats()
     return engine.scheduler.stats()

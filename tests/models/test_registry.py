@@ -23,19 +23,35 @@ from hybridmoe.moe.routing import ROUTERS
 
 QWEN_WEIGHTS = WeightNames("mlp", ("gate_proj", "up_proj", "down_proj"))
 MIXTRAL_WEIGHTS = WeightNames("block_sparse_moe", ("w1", "w3", "w2"))
-# architecture -> (weight names, router kind, shared-expert kind, attention kind)
+HYBRID_WEIGHTS = WeightNames(ignored_prefixes=("mtp.",))
+VL_IGNORED = ("mtp.", "model.visual.")
+# architecture -> (weight names, router kind, shared-expert kind, attention kind, linear
+# attention kind, norm kind)
 PARTS = {
-    "Qwen3MoeForCausalLM": (QWEN_WEIGHTS, "softmax_topk", None, "gqa"),
-    "Qwen2MoeForCausalLM": (QWEN_WEIGHTS, "softmax_topk", "sigmoid_gated", "gqa"),
-    "MixtralForCausalLM": (MIXTRAL_WEIGHTS, "softmax_topk", None, "gqa"),
-    "OlmoeForCausalLM": (QWEN_WEIGHTS, "softmax_topk", None, "gqa"),
-}
+    "Qwen3MoeForCausalLM": (QWEN_WEIGHTS, "softmax_topk", None, "gqa", None, "rms"),
+    "Qwen2MoeForCausalLM": (QWEN_WEIGHTS, "softmax_topk", "sigmoid_gated", "gqa", None, "rms"),
+    "MixtralForCausalLM": (MIXTRAL_WEIGHTS, "softmax_topk", None, "gqa", None, "rms"),
+    "OlmoeForCausalLM": (QWEN_WEIGHTS, "softmax_topk", None, "gqa", None, "rms"),
+    "Qwen3NextForCausalLM": (
+        HYBRID_WEIGHTS, "softmax_topk", "sigmoid_gated", "gated_gqa", "gated_deltanet_qkvz",
+        "offset_rms",
+    ),
+    "Qwen3_5MoeForCausalLM": (
+        WeightNames(ignored_prefixes=VL_IGNORED), "softmax_topk", "sigmoid_gated", "gated_gqa",
+        "gated_deltanet", "offset_rms",
+    ),
+    "Qwen3_5MoeForConditionalGeneration": (
+        WeightNames(model_prefix="model.language_model", ignored_prefixes=VL_IGNORED),
+        "softmax_topk", "sigmoid_gated", "gated_gqa", "gated_deltanet", "offset_rms",
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("architecture", PARTS)
 def test_family_names_its_parts(architecture):
     family = MODEL_REGISTRY[architecture]
     parts = (family.weights, family.router, family.shared_expert, family.attention)
+    parts += (family.linear_attention, family.norm)
     assert parts == PARTS[architecture]
     assert family.build is MoeCausalLM
     assert family.router in ROUTERS and family.attention in ATTENTIONS
@@ -52,6 +68,8 @@ def test_every_registered_family_is_listed():
         ("router", {"router": "sigmoid_group_topk"}),
         ("shared expert", {"shared_expert": "ungated"}),
         ("attention", {"attention": "linear_hybrid"}),
+        ("linear attention", {"linear_attention": "mamba2"}),
+        ("norm", {"norm": "layer_norm"}),
     ],
 )
 def test_unknown_kind_is_refused_when_the_family_is_made(role, change):

@@ -7,7 +7,7 @@ model registry reads `config.json` directly.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from hybridmoe.errors import UnsupportedConfigError
@@ -29,6 +29,44 @@ class RopeConfig:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn
+    partial_rotary_factor: float = 1.0  # rotary on the first int(head_dim * this) dims only
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5): each key head serves
+    num_value_heads // num_key_heads consecutive value heads."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int  # the depthwise causal conv1d's width over q, k and v
+
+    def __post_init__(self) -> None:
+        sizes = (self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim)
+        if min(sizes) < 1 or self.num_value_heads % self.num_key_heads:
+            raise UnsupportedConfigError(
+                f"linear_num_value_heads ({self.num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.num_key_heads}), and every linear size >= 1"
+            )
+        if self.conv_kernel < 2:
+            raise UnsupportedConfigError(
+                f"linear_conv_kernel_dim ({self.conv_kernel}) must be >= 2"
+            )
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)
@@ -61,6 +99,9 @@ class ModelConfig:
     # softmax values); False: they are rounded to the activation dtype, as the Qwen3-MoE,
     # Qwen2-MoE and OLMoE TopKRouters do (`router_top_value.to(router_logits.dtype)`).
     router_weights_fp32: bool = False
+    # Per layer: linear attention (True) or full attention (False); () = full attention only.
+    linear_layers: tuple[bool, ...] = ()
+    linear_attention: LinearAttentionConfig | None = None  # set when any layer is linear
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -78,10 +119,25 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.linear_layers and len(self.linear_layers) != self.num_layers:
+            raise UnsupportedConfigError(
+                f"layer_types has {len(self.linear_layers)} entries, "
+                f"num_hidden_layers is {self.num_layers}"
+            )
+        if any(self.linear_layers) and self.linear_attention is None:
+            raise UnsupportedConfigError("linear attention layers need their sizes")
         if not 1 <= self.top_k <= self.num_experts:
             raise UnsupportedConfigError(
                 f"num_experts_per_tok ({self.top_k}) must be in [1, {self.num_experts}]"
             )
+
+    def is_linear(self, layer_idx: int) -> bool:
+        """Layer `layer_idx` is a linear-attention layer (recurrent state, no KV)."""
+        return bool(self.linear_layers) and self.linear_layers[layer_idx]
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        return any(self.linear_layers)
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
@@ -184,9 +240,11 @@ class HfConfigReader:
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
-def read_rope(reader: HfConfigReader) -> RopeConfig:
+def read_rope(reader: HfConfigReader, partial_default: float | None = None) -> RopeConfig:
     """RoPE settings from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`;
-    like transformers, a `rope_scaling` that is present wins over `rope_parameters`."""
+    like transformers, a `rope_scaling` that is present wins over `rope_parameters`.
+    `partial_default`: the family's `partial_rotary_factor` when absent; None: the family
+    rotates whole heads and refuses any other factor."""
     field = "rope_scaling" if reader.raw.get("rope_scaling") else "rope_parameters"
     params = reader.section(field)
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -195,8 +253,10 @@ def read_rope(reader: HfConfigReader) -> RopeConfig:
             f"{reader.source}: field '{field}.rope_type' = {rope_type!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
-    partial = params.get("partial_rotary_factor", reader.raw.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    absent = 1.0 if partial_default is None else partial_default
+    partial = params.get("partial_rotary_factor", reader.raw.get("partial_rotary_factor", absent))
+    numeric = isinstance(partial, (int, float)) and not isinstance(partial, bool)
+    if not numeric or (partial_default is None and partial != 1.0) or not 0 < partial <= 1:
         raise UnsupportedConfigError(
             f"{reader.source}: field 'partial_rotary_factor' = {partial!r} is not supported"
         )
@@ -205,7 +265,9 @@ def read_rope(reader: HfConfigReader) -> RopeConfig:
     if rope_type != "default" and params.get("factor") is None:
         raise UnsupportedConfigError(f"{reader.source}: field '{field}.factor' is missing")
     try:
-        return _rope_config(params, rope_type, theta, max_pos)
+        return replace(
+            _rope_config(params, rope_type, theta, max_pos), partial_rotary_factor=float(partial)
+        )
     except (TypeError, ValueError) as e:
         raise UnsupportedConfigError(
             f"{reader.source}: a value in field '{field}' or 'rope_theta' is not a number ({e})"

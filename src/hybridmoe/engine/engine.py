@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,6 +26,8 @@ from hybridmoe.models.loading import load_checkpoint
 from hybridmoe.models.transformer import MoeCausalLM
 from hybridmoe.platform.base import Platform, create_platform
 
+log = logging.getLogger(__name__)
+
 
 class Engine:
     """A loaded checkpoint and its one Scheduler, over a KV cache of max_batch rows x
@@ -39,6 +43,7 @@ class Engine:
         runtime = None
         try:  # a failure (e.g. out of memory in model.to) closes what was created
             config = resolve_decode_target(model, config, platform)  # `auto` -> a target
+            config = _prefix_cache_for(model, config)
             memory = plan_device_memory(model, config, platform)
             runtime = create_moe_runtime(model, config.offload, platform, config.progress, memory)
             model.to(platform.device)
@@ -193,6 +198,22 @@ class Engine:
             for request in requests:
                 request.cancel()
             self.stats = self.scheduler.stats().since(before)
+
+
+def _prefix_cache_for(model: MoeCausalLM, config: EngineConfig) -> EngineConfig:
+    """`config`, with the prefix cache off for a model with linear-attention layers: their
+    recurrent state after a prefix cannot be restored from cached KV blocks. Asking for one
+    (--prefix-cache-tokens > 0) is refused; the default turns it off with a notice."""
+    if not model.cfg.has_recurrent_state or config.prefix_cache_tokens == 0:
+        return config
+    if config.prefix_cache_tokens is not None:
+        raise ValueError(
+            f"--prefix-cache-tokens {config.prefix_cache_tokens}: {model.cfg.architecture} "
+            "keeps a recurrent state per sequence (linear attention), which cached KV blocks "
+            "cannot restore; use --prefix-cache-tokens 0"
+        )
+    log.info("prefix cache off: %s has linear-attention layers", model.cfg.architecture)
+    return replace(config, prefix_cache_tokens=0)
 
 
 def _close_after_failure(runtime: MoeRuntime | None, platform: Platform) -> None:

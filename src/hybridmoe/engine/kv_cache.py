@@ -1,6 +1,9 @@
-"""KVCache: per-layer key/value tensors, one row per sequence, preallocated for a run."""
+"""KVCache: per-layer key/value tensors (and linear layers' recurrent state), one row per
+sequence, preallocated for a run."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -10,6 +13,10 @@ from hybridmoe.platform.base import to_device_no_sync
 
 
 class KVCache:
+    """Keys and values of every full-attention layer and, for a model with linear-attention
+    layers, their recurrent state (RecurrentStore): the same rows, one per sequence. A row's
+    state needs no reset: a prefill from position 0 starts from zeros and overwrites it."""
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -18,16 +25,28 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ):
-        shape = (rows, cfg.num_kv_heads, max_len, cfg.head_dim)
         self.max_len = max_len
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.k, self.v = [], []
+        self.conv_state: dict[int, torch.Tensor] = {}  # layer -> [rows, conv_dim, kernel - 1]
+        self.delta_state: dict[int, torch.Tensor] = {}  # layer -> [rows, Hv, dk, dv] float32
+        for layer in range(cfg.num_layers):
+            positions = 0 if cfg.is_linear(layer) else max_len  # linear layers keep no KV
+            shape = (rows, cfg.num_kv_heads, positions, cfg.head_dim)
+            self.k.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.v.append(torch.zeros(shape, dtype=dtype, device=device))
+            if cfg.is_linear(layer):
+                conv_shape, delta_shape = recurrent_state_shapes(cfg, rows)
+                self.conv_state[layer] = torch.zeros(conv_shape, dtype=dtype, device=device)
+                self.delta_state[layer] = torch.zeros(delta_shape, device=device)
 
     @staticmethod
     def nbytes(cfg: ModelConfig, rows: int, max_len: int, dtype: torch.dtype) -> int:
         """Bytes a cache of `rows` x `max_len` positions takes (for memory planning)."""
-        per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-        return rows * max_len * per_position
+        return rows * (max_len * kv_bytes_per_position(cfg, dtype) + state_bytes(cfg, dtype))
+
+    def recurrent_state(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RecurrentStore: the conv and delta-rule state of linear layer `layer_idx`."""
+        return self.conv_state[layer_idx], self.delta_state[layer_idx]
 
     def update(
         self, layer_idx: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
@@ -42,6 +61,29 @@ class KVCache:
             return k_cache[:b, :, : batch.kv_len], v_cache[:b, :, : batch.kv_len]
         rows = batch.row_index
         return k_cache[rows, :, : batch.kv_len], v_cache[rows, :, : batch.kv_len]
+
+
+def kv_bytes_per_position(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Key and value bytes of one position over the full-attention layers."""
+    attention_layers = sum(not cfg.is_linear(i) for i in range(cfg.num_layers))
+    return 2 * attention_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+def recurrent_state_shapes(cfg: ModelConfig, rows: int) -> tuple[tuple[int, ...], ...]:
+    """(conv state, delta-rule state) shapes of one linear layer for `rows` sequences."""
+    s = cfg.linear_attention
+    conv = (rows, s.conv_dim, s.conv_kernel - 1)
+    return conv, (rows, s.num_value_heads, s.key_head_dim, s.value_head_dim)
+
+
+def state_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Recurrent-state bytes of one sequence over the linear layers (conv state in `dtype`,
+    delta-rule state in float32); 0 without linear layers."""
+    if not cfg.has_recurrent_state:
+        return 0
+    conv, delta = recurrent_state_shapes(cfg, 1)
+    per_layer = math.prod(conv) * dtype.itemsize + math.prod(delta) * 4
+    return sum(cfg.linear_layers) * per_layer
 
 
 class KVBlockPool:
@@ -65,7 +107,7 @@ class KVBlockPool:
     @staticmethod
     def nbytes(cfg: ModelConfig, num_blocks: int, block_tokens: int, dtype: torch.dtype) -> int:
         """Bytes a pool of `num_blocks` blocks takes (for memory planning)."""
-        return KVCache.nbytes(cfg, num_blocks, block_tokens, dtype)
+        return num_blocks * block_tokens * kv_bytes_per_position(cfg, dtype)
 
     def load_row(self, cache: KVCache, row: int, blocks: list[int]) -> None:
         """Copy `blocks` into `row` of `cache` as its positions [0, len(blocks) * block_tokens)."""

@@ -1,11 +1,13 @@
 """Scheduler: continuous batching over one persistent KV cache.
 
-Each of `max_batch` KV-cache rows holds at most one request. Between decode steps, requests
-that finished or were cancelled give their row back and waiting requests are prefilled into
-free rows (the part of the prompt the prefix cache does not hold); then one decode step
-advances every running request by one token together. A thread inside `run()` (or `start()`'s
-background thread) takes these steps (`serve`), or `step()` is driven by hand: Engine.generate
-and stream step their engine's scheduler until their requests finish.
+Each of `max_batch` KV-cache rows holds at most one request (and, for a model with
+linear-attention layers, its recurrent state: the same row, overwritten by its prefill).
+Between decode steps, requests that finished or were cancelled give their row back and
+waiting requests are prefilled into free rows (the part of the prompt the prefix cache does
+not hold); then one decode step advances every running request by one token together. A
+thread inside `run()` (or `start()`'s background thread) takes these steps (`serve`), or
+`step()` is driven by hand: Engine.generate and stream step their engine's scheduler until
+their requests finish.
 """
 
 from __future__ import annotations
@@ -88,6 +90,11 @@ class Scheduler:
             raise ValueError(
                 f"max_seq_len must be in [2, {context}] (the model's context window), "
                 f"got {max_seq_len}"
+            )
+        if prefix_cache_blocks and model.cfg.has_recurrent_state:
+            raise ValueError(
+                f"{model.cfg.architecture} keeps a recurrent state per sequence (linear "
+                "attention) that a prefix cache of KV blocks cannot restore: use none"
             )
         self.model, self.moe_runtime = model, moe_runtime
         self.max_batch, self.max_seq_len = max_batch, max_seq_len

@@ -50,6 +50,29 @@ def create_attention(
     return ATTENTIONS[kind](cfg, layer_idx, source, prefix)
 
 
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, layer_idx: int
+) -> torch.Tensor:
+    """Rotary on q [B, T, heads, D] and k [B, T, kv_heads, D], then SDPA over this step's
+    keys and values (v [B, T, kv_heads, D]) and those `batch.kv` holds for layer `layer_idx`
+    -> [B, T, heads, D]."""
+    q = apply_rotary(q, batch.cos, batch.sin)
+    k = apply_rotary(k, batch.cos, batch.sin)
+    if batch.kv is None:
+        k_all, v_all = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, T, D]
+    else:
+        k_all, v_all = batch.kv.update(layer_idx, batch, k, v)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),  # [B, heads, T, D]
+        k_all,
+        v_all,
+        attn_mask=batch.attn_mask,
+        is_causal=batch.is_causal,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )  # [B, heads, T, D]
+    return out.transpose(1, 2)
+
+
 @register_attention("gqa")
 class GroupedQueryAttention:
     """Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE: q/k/v/o projections (biases, q/k norms per head
@@ -79,21 +102,8 @@ class GroupedQueryAttention:
         if cfg.qk_norm == "per_head":
             q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-        q = apply_rotary(q, batch.cos, batch.sin)
-        k = apply_rotary(k, batch.cos, batch.sin)
-        if batch.kv is None:
-            k_all, v_all = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, T, D]
-        else:
-            k_all, v_all = batch.kv.update(self.layer_idx, batch, k, v)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),  # [B, heads, T, D]
-            k_all,
-            v_all,
-            attn_mask=batch.attn_mask,
-            is_causal=batch.is_causal,
-            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-        )  # [B, heads, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, cfg.q_size))
+        out = attend(q, k, v, batch, self.layer_idx)  # [B, T, heads, D]
+        return self.o_proj(out.reshape(B, T, cfg.q_size))
 
     def to(self, device: torch.device) -> None:
         for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):

@@ -17,6 +17,15 @@ class KVStore(Protocol):
         ...
 
 
+class RecurrentStore(Protocol):
+    def recurrent_state(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Linear-attention layer `layer_idx`'s state, one row per KV-cache row: the conv's
+        last inputs [rows, conv_dim, conv_kernel - 1] in the model's dtype and the delta-rule
+        matrices [rows, value_heads, key_head_dim, value_head_dim] in float32. The layer reads
+        and writes its batch's rows in place."""
+        ...
+
+
 @dataclass
 class ForwardBatch:
     positions: torch.Tensor  # [B, T] int64 on the model's device, each token's position
@@ -27,7 +36,9 @@ class ForwardBatch:
     is_causal: bool  # only with attn_mask None: the step is one sequence from position 0
     cos: torch.Tensor  # [B, T, D]
     sin: torch.Tensor  # [B, T, D]
-    kv: KVStore | None  # None: no cache, keys are this step's own
+    # None: no cache, keys are this step's own. A model with linear-attention layers needs a
+    # store that is a RecurrentStore too (engine/kv_cache.KVCache is both).
+    kv: KVStore | None
     is_decode: bool = False  # one new token per sequence: MoE layers use their decode target
 
 

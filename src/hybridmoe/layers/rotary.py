@@ -77,13 +77,14 @@ _ROPE_TYPES = {
 
 class RotaryEmbedding:
     def __init__(self, rope: RopeConfig, head_dim: int):
-        self.inv_freq, self.attention_factor = _ROPE_TYPES[rope.rope_type](rope, head_dim)
+        rotary_dim = int(head_dim * rope.partial_rotary_factor)  # as transformers rounds it
+        self.inv_freq, self.attention_factor = _ROPE_TYPES[rope.rope_type](rope, rotary_dim)
 
     def to(self, device: torch.device) -> None:
         self.inv_freq = self.inv_freq.to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """positions [B, T] int -> cos, sin [B, T, D] in dtype."""
+        """positions [B, T] int -> cos, sin [B, T, R] in dtype (R: the rotary dims)."""
         freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
         cos, sin = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
@@ -91,7 +92,11 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, heads, D]; cos/sin [B, T, D]."""
+    """x [B, T, heads, D]; cos/sin [B, T, R], R <= D: the first R dims rotate, the rest pass."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        rotated = apply_rotary(x[..., :rotary_dim], cos, sin)
+        return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -3,6 +3,7 @@ tensors (models/loading.py builds the model)."""
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import torch
 
 from hybridmoe.errors import CheckpointError, UnsupportedConfigError
 from hybridmoe.loader.weights import WeightSource
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,10 +50,22 @@ def refuse_quantized(raw_config: dict, config_path: Path) -> None:
     )
 
 
-def check_all_used(source: WeightSource, config_path: Path) -> None:
+def check_all_used(
+    source: WeightSource, config_path: Path, ignored_prefixes: tuple[str, ...] = ()
+) -> None:
     """CheckpointError naming the tensors the model built from config.json did not read: a
-    config that silently drops weights (a missing field, too few layers) runs a different model."""
-    unused = [name for name in source.unread_names() if not IGNORED_TENSORS.search(name)]
+    config that silently drops weights (a missing field, too few layers) runs a different model.
+    Tensors under `ignored_prefixes` (parts of the checkpoint that are not the text model: a
+    vision tower, multi-token-prediction heads) are left unread, with a one-line notice."""
+    unread = [name for name in source.unread_names() if not IGNORED_TENSORS.search(name)]
+    skipped = [name for name in unread if name.startswith(ignored_prefixes)]
+    if skipped:
+        prefixes = sorted({p for p in ignored_prefixes for name in skipped if name.startswith(p)})
+        log.info(
+            "%s: not loading %d tensors under %s (not part of the text model)",
+            config_path, len(skipped), ", ".join(f"'{p}'" for p in prefixes),
+        )  # fmt: skip
+    unused = [name for name in unread if not name.startswith(ignored_prefixes)]
     if unused:
         shown = ", ".join(unused[:SHOWN_UNUSED])
         more = f" and {len(unused) - SHOWN_UNUSED} more" if len(unused) > SHOWN_UNUSED else ""

@@ -77,7 +77,7 @@ def load_gguf_model(
 def _build(family, cfg, source, origin: Path):
     try:
         model = family.build(cfg, family, source)
-        check_all_used(source, origin)
+        check_all_used(source, origin, family.weights.ignored_prefixes)
         return model
     finally:
         source.close()

@@ -6,9 +6,14 @@ from __future__ import annotations
 from hybridmoe.config.model import HfConfigReader, ModelConfig, read_rope
 
 
-def decoder_config(r: HfConfigReader, architecture: str, **family_fields) -> ModelConfig:
+def decoder_config(
+    r: HfConfigReader,
+    architecture: str,
+    partial_rotary_default: float | None = None,
+    **family_fields,
+) -> ModelConfig:
     """The ModelConfig of a decoder-only MoE transformer whose every layer is sparse, with
-    `family_fields` on top."""
+    `family_fields` on top; `partial_rotary_default` as read_rope takes it."""
     r.refuse_if("hidden_act", r.get("hidden_act", str) != "silu", "only 'silu' experts")
     layers = r.require("num_hidden_layers")
     heads = r.require("num_attention_heads")
@@ -25,7 +30,7 @@ def decoder_config(r: HfConfigReader, architecture: str, **family_fields) -> Mod
         top_k=r.require("num_experts_per_tok"),
         sparse_layers=(True,) * layers,
         rms_norm_eps=r.get("rms_norm_eps", float),
-        rope=read_rope(r),
+        rope=read_rope(r, partial_rotary_default),
         max_position_embeddings=r.get("max_position_embeddings"),
         tie_word_embeddings=r.get("tie_word_embeddings", bool),
         eos_token_ids=r.eos_token_ids(),

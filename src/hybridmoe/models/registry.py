@@ -17,6 +17,7 @@ from hybridmoe.config.model import ConfigDefaults, HfConfigReader, ModelConfig
 from hybridmoe.errors import UnsupportedConfigError
 from hybridmoe.layers.attention import ATTENTIONS
 from hybridmoe.layers.moe import SHARED_EXPERTS
+from hybridmoe.layers.norm import NORMS
 from hybridmoe.loader.weights import WeightSource
 from hybridmoe.models.gguf_config import GgufSpec
 from hybridmoe.moe.routing import ROUTERS
@@ -34,6 +35,10 @@ class WeightNames:
 
     moe_prefix: str = "mlp"  # model.layers.{i}.<moe_prefix>.gate / .experts.{e}
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    model_prefix: str = "model"  # <model_prefix>.embed_tokens / .layers.{i} / .norm
+    # Checkpoint tensors under these prefixes are not the text model's and are not read (a
+    # vision tower, multi-token-prediction heads); loading says so in one line.
+    ignored_prefixes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,9 @@ class ModelFamily:
     router: str = "softmax_topk"  # a kind in moe.routing.ROUTERS
     shared_expert: str | None = None  # a kind in layers.moe.SHARED_EXPERTS, or none
     attention: str = "gqa"  # a kind in layers.attention.ATTENTIONS
+    # The kind of the layers ModelConfig.linear_layers marks linear (prefix `linear_attn`)
+    linear_attention: str | None = None
+    norm: str = "rms"  # a kind in layers.norm.NORMS
     gguf: GgufSpec | None = None  # how the family is stored in GGUF files, if it can be
 
     def __post_init__(self) -> None:
@@ -53,6 +61,8 @@ class ModelFamily:
             ("router", self.router, ROUTERS),
             ("shared expert", self.shared_expert, SHARED_EXPERTS),
             ("attention", self.attention, ATTENTIONS),
+            ("linear attention", self.linear_attention, ATTENTIONS),
+            ("norm", self.norm, NORMS),
         ):
             if kind is not None and kind not in kinds:
                 raise ValueError(

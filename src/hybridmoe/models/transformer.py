@@ -1,5 +1,6 @@
-"""MoeCausalLM: the decoder-only transformer the four supported families are built with (their
-ModelFamily's `build`), from the family's attention, router and shared-expert kinds."""
+"""MoeCausalLM: the decoder-only transformer the supported families are built with (their
+ModelFamily's `build`), from the family's attention (full and linear), norm, router and
+shared-expert kinds."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hybridmoe.layers.attention import create_attention
 from hybridmoe.layers.batch import ForwardBatch, KVStore, build_attention_mask
 from hybridmoe.layers.linear import GatedMLP
 from hybridmoe.layers.moe import OffloadMoELayer
-from hybridmoe.layers.norm import rms_norm
+from hybridmoe.layers.norm import NORMS
 from hybridmoe.layers.rotary import RotaryEmbedding
 from hybridmoe.loader.weights import WeightSource
 from hybridmoe.models.registry import ModelFamily
@@ -22,13 +23,19 @@ class DecoderLayer:
     def __init__(
         self, cfg: ModelConfig, family: ModelFamily, idx: int, source: WeightSource, moe_idx: int
     ):
-        prefix = f"model.layers.{idx}"
+        prefix = f"{family.weights.model_prefix}.layers.{idx}"
         hidden = cfg.hidden_size
-        self.eps = cfg.rms_norm_eps
-        self.input_norm = source.get(f"{prefix}.input_layernorm.weight", (hidden,))
+        self.eps, self.norm_kind = cfg.rms_norm_eps, NORMS[family.norm]
+        self.input_norm = self.norm_kind.prepare(
+            source.get(f"{prefix}.input_layernorm.weight", (hidden,))
+        )
         post_norm_name = f"{prefix}.post_attention_layernorm.weight"
-        self.post_attention_norm = source.get(post_norm_name, (hidden,))
-        self.attn = create_attention(family.attention, cfg, idx, source, f"{prefix}.self_attn")
+        self.post_attention_norm = self.norm_kind.prepare(source.get(post_norm_name, (hidden,)))
+        if cfg.is_linear(idx):
+            kind, attn_prefix = family.linear_attention, f"{prefix}.linear_attn"
+        else:
+            kind, attn_prefix = family.attention, f"{prefix}.self_attn"
+        self.attn = create_attention(kind, cfg, idx, source, attn_prefix)
         if cfg.sparse_layers[idx]:
             self.mlp = OffloadMoELayer.load(
                 cfg,
@@ -50,8 +57,8 @@ class DecoderLayer:
         self.mlp.to(device)
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), batch)
-        h = rms_norm(x, self.post_attention_norm, self.eps)
+        x = x + self.attn(self.norm_kind.apply(x, self.input_norm, self.eps), batch)
+        h = self.norm_kind.apply(x, self.post_attention_norm, self.eps)
         if isinstance(self.mlp, OffloadMoELayer):
             return x + self.mlp(h, batch.is_decode)
         return x + self.mlp(h)
@@ -62,12 +69,14 @@ class MoeCausalLM:
         self.cfg = cfg
         self.dtype = source.dtype
         embed_shape = (cfg.vocab_size, cfg.hidden_size)
-        self.embed = source.get("model.embed_tokens.weight", embed_shape)
+        prefix = family.weights.model_prefix
+        self.embed = source.get(f"{prefix}.embed_tokens.weight", embed_shape)
         moe_idx = [sum(cfg.sparse_layers[:i]) for i in range(cfg.num_layers)]  # MoE ordinal
         self.layers = [
             DecoderLayer(cfg, family, i, source, moe_idx[i]) for i in range(cfg.num_layers)
         ]
-        self.norm = source.get("model.norm.weight", (cfg.hidden_size,))
+        self.norm_kind = NORMS[family.norm]
+        self.norm = self.norm_kind.prepare(source.get(f"{prefix}.norm.weight", (cfg.hidden_size,)))
         self.lm_head = self._lm_head(cfg, source)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
         self.device = torch.device("cpu")
@@ -131,7 +140,7 @@ class MoeCausalLM:
             x = layer(x, batch)
         if last_only:
             x = x[:, -1]
-        logits = F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head)
+        logits = F.linear(self.norm_kind.apply(x, self.norm, self.cfg.rms_norm_eps), self.lm_head)
         return logits.float().cpu()  # waits for the step: the one sync sampling needs
 
     def logits(self, input_ids: list[int]) -> torch.Tensor:

@@ -101,11 +101,11 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
             param.copy_(_FINAL_NORM_SCALE * (1 + 0.2 * normal(param.shape)) - 1)
 
 
-def hf_model(directory: Path) -> torch.nn.Module:
-    """The checkpoint in `transformers`, float32 (its torch fallbacks: no fla/causal-conv1d)."""
+def hf_model(directory: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The checkpoint in `transformers` (its torch fallbacks: no fla/causal-conv1d)."""
     config = transformers.AutoConfig.from_pretrained(directory)
     name = config.architectures[0]
-    return getattr(transformers, name).from_pretrained(directory, dtype=torch.float32).eval()
+    return getattr(transformers, name).from_pretrained(directory, dtype=dtype).eval()
 
 
 @torch.no_grad()

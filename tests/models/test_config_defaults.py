@@ -7,6 +7,7 @@ there without a way to compare it here fails `test_every_default_can_be_compared
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 import pytest
@@ -70,7 +71,38 @@ FULL_CONFIGS: dict[str, dict[str, Any]] = {
         "clip_qkv": 2.0,
     },
 }
-ARCHITECTURE = {family: classes[1] for family, classes in FAMILIES.items()}
+_HYBRID: dict[str, Any] = {
+    **_SHAPES,
+    "num_hidden_layers": 8,
+    "num_experts": 8,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "attention_bias": True,
+    "linear_conv_kernel_dim": 3,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 24,
+    "linear_num_key_heads": 8,  # dropped, the default 16 still divides the 48 value heads
+    "linear_num_value_heads": 48,
+    "full_attention_interval": 2,
+}
+FULL_CONFIGS["qwen3_next"] = {
+    **_HYBRID,
+    "intermediate_size": 96,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 2,
+    "mlp_only_layers": [1],
+}
+FULL_CONFIGS["qwen3_5_moe"] = _HYBRID
+# family -> (config class, model class): those of the oracle checkpoints, and the hybrid
+# linear-attention families (tests/hybrid_checkpoints.py). Qwen3_5MoeForConditionalGeneration
+# reads the same table from its text_config (tests/models/test_hybrid_config.py).
+CLASSES = {
+    **FAMILIES,
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+}
+ARCHITECTURE = {family: classes[1] for family, classes in CLASSES.items()}
+MULTIMODAL = {"Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}  # -> its table
 
 
 def _hf_sparse_layers(hf) -> tuple[bool, ...]:
@@ -130,6 +162,24 @@ EFFECTIVE: dict[str, Compare] = {
     ),
     "clip_qkv": (lambda cfg: cfg.clip_qkv, lambda hf: hf.clip_qkv),
     "eos_token_id": (lambda cfg: cfg.eos_token_ids, _hf_eos),
+    "moe_intermediate_size": (
+        lambda cfg: cfg.moe_intermediate_size,
+        lambda hf: hf.moe_intermediate_size,
+    ),
+    "full_attention_interval": (
+        lambda cfg: cfg.linear_layers,
+        lambda hf: tuple(t == "linear_attention" for t in hf.layer_types),
+    ),
+    **{
+        field: (lambda cfg, ours=ours: getattr(cfg.linear_attention, ours), attrgetter(field))
+        for field, ours in (
+            ("linear_conv_kernel_dim", "conv_kernel"),
+            ("linear_key_head_dim", "key_head_dim"),
+            ("linear_value_head_dim", "value_head_dim"),
+            ("linear_num_key_heads", "num_key_heads"),
+            ("linear_num_value_heads", "num_value_heads"),
+        )
+    },
 }
 
 DEFAULTED_FIELDS = [
@@ -150,12 +200,14 @@ def ours(raw: dict[str, Any]) -> ModelConfig:
 
 def theirs(family: str, raw: dict[str, Any]):
     """The config `transformers` builds from this config.json (as from_pretrained does)."""
-    return getattr(transformers, FAMILIES[family][0]).from_dict(raw)
+    return getattr(transformers, CLASSES[family][0]).from_dict(raw)
 
 
 def test_every_family_has_a_table():
-    assert set(ARCHITECTURE.values()) == set(MODEL_REGISTRY)
+    assert set(ARCHITECTURE.values()) | set(MULTIMODAL) == set(MODEL_REGISTRY)
     assert all(MODEL_REGISTRY[a].defaults for a in ARCHITECTURE.values())
+    for multimodal, text in MULTIMODAL.items():
+        assert MODEL_REGISTRY[multimodal].defaults is MODEL_REGISTRY[text].defaults
 
 
 @pytest.mark.parametrize(("family", "field"), DEFAULTED_FIELDS)

@@ -131,10 +131,11 @@ def test_defaults_are_the_dataclasses_defaults(command):
 def test_choices_are_the_config_modules_constants():
     from hybridmoe.engine import config as engine_config
     from hybridmoe.moe import config as moe_config
+    from hybridmoe.server import config as server_config
 
     constants = [
         value
-        for module in (engine_config, moe_config)
+        for module in (engine_config, moe_config, server_config)
         for name, value in vars(module).items()
         if name.isupper() and isinstance(value, tuple)
     ]

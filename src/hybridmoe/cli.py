@@ -32,7 +32,7 @@ from hybridmoe.moe.config import (
     parse_max_fetch,
 )
 from hybridmoe.platform.base import DEVICE_HELP
-from hybridmoe.server.config import ServerConfig
+from hybridmoe.server.config import REASONING_FORMAT_CHOICES, ServerConfig
 
 COMMAND_CONFIGS: dict[str, tuple[type, ...]] = {
     "generate": (EngineConfig, OffloadConfig, SamplingParams),
@@ -62,6 +62,8 @@ _DECODE_NO_FLAG = {
     "SamplingParams.ignore_eos": "an API extension for benchmarks; the CLI stops at EOS",
     "SamplingParams.logprobs": "an API field (serve's logprobs); the CLI prints text",
     "SamplingParams.grammar": "an API field (serve's response_format and tools)",
+    "SamplingParams.stop_token_ids": "set by serve's reasoning format (harmony's end tokens)",
+    "SamplingParams.skip_special_tokens": "set by serve's reasoning format (harmony reads them)",
 }
 NOT_FLAGS: dict[str, dict[str, str]] = {
     "generate": _DECODE_NO_FLAG,
@@ -149,6 +151,11 @@ FLAG_DOCS: dict[str, FlagDoc] = {
     "read_timeout_s": FlagDoc("close a connection whose request is not fully sent within this"),
     "keep_alive_timeout_s": FlagDoc("close an idle keep-alive connection after this"),
     "max_connections": FlagDoc("open connections beyond which requests get 503"),
+    "reasoning_format": FlagDoc(
+        "how chat replies' reasoning is split into reasoning_content: harmony (gpt-oss), think "
+        "(<think>...</think>), none, or auto (by the chat template)",
+        REASONING_FORMAT_CHOICES,
+    ),
 }
 EXCLUSIVE_FLAGS = (("expert_cache_slots", "expert_cache_ratio"),)  # one cache size
 C = typing.TypeVar("C")

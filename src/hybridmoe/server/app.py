@@ -18,7 +18,13 @@ from hybridmoe.engine.stats import GenerationStats
 from hybridmoe.server import responses
 from hybridmoe.server.config import ServerConfig
 from hybridmoe.server.errors import RequestTimedOut, generation_error, install_error_handlers
-from hybridmoe.server.generation import Generation, ServedModel, start_chat, start_completion
+from hybridmoe.server.generation import (
+    Generation,
+    ServedModel,
+    served_reasoning,
+    start_chat,
+    start_completion,
+)
 from hybridmoe.server.limits import BodyLimit, RequestLimits, until_deadline
 from hybridmoe.server.metrics import CONTENT_TYPE, MeteredBridge, ServerMetrics
 from hybridmoe.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -40,10 +46,13 @@ def create_app(
     the scheduler on a background thread; without, the caller warms up (warmup.warm_up), calls
     mark_ready and runs `scheduler.run()` on a thread of its choice: until mark_ready, /health
     answers 503 "loading" and generation requests 503. The lifespan's end closes the
-    scheduler; closing the engine stays the caller's job."""
+    scheduler; closing the engine stays the caller's job. Raises CheckpointError when
+    `config.reasoning_format` does not fit the checkpoint."""
     config = config or ServerConfig()
     metrics = ServerMetrics(model_id, lambda: _stats_since_ready(app))
-    served = ServedModel(model_id, engine, int(time.time()), MeteredBridge(metrics))
+    reasoning, stop_ids = served_reasoning(engine, config.reasoning_format)
+    bridge = MeteredBridge(metrics)
+    served = ServedModel(model_id, engine, int(time.time()), bridge, reasoning, stop_ids)
     scheduler = served.scheduler
 
     @asynccontextmanager

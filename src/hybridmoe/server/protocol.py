@@ -186,6 +186,9 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    # Reaches the chat template as its `reasoning_effort` variable (gpt-oss's "Reasoning: high");
+    # left undefined there when not given, so the template's own default holds.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     # OpenAI's deprecated spelling of tools: refused, so that it is not quietly ignored.
     functions: list[Any] | None = None
     function_call: Any = None
@@ -242,6 +245,12 @@ class ChatCompletionRequest(_GenerationRequest):
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def template_variables(self) -> dict[str, Any]:
+        """The chat template's variables beyond messages and tools."""
+        effort = self.reasoning_effort
+        return {} if effort is None else {"reasoning_effort": effort}
+
 
 # --- responses ---------------------------------------------------------------------------------
 
@@ -287,6 +296,8 @@ class Completion(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # The reply's reasoning (reasoning.py), as vLLM and SGLang name it; None without any.
+    reasoning_content: str | None = None
     tool_calls: list[ResponseToolCall] | None = None
 
 
@@ -308,7 +319,8 @@ class ChatCompletion(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
-    # {"role": ...} first, then {"content": ...} or {"tool_calls": [...]}, {} with finish_reason
+    # {"role": ...} first, then {"content": ...}, {"reasoning_content": ...} or
+    # {"tool_calls": [...]}, and {} with the finish_reason
     delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None

@@ -21,6 +21,7 @@ PACKAGE = Path(hybridmoe.__file__).parent
 RANKS = {
     "cli": 7,
     "cli_planning": 7,
+    "cli_chat": 7,
     "__main__": 7,
     "server": 7,
     "engine": 6,

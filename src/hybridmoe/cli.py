@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hybridmoe import cli_planning
+from hybridmoe.cli_chat import chat_loop
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.engine.config import DEFAULT_MAX_SEQ_LEN, DTYPE_CHOICES, PREFIX_BLOCK_TOKENS
 from hybridmoe.errors import HybridMoeError
@@ -304,24 +305,7 @@ def run_generate(args: argparse.Namespace) -> None:
 def run_chat(args: argparse.Namespace) -> None:
     params = _sampling_params(args)
     with _load_engine(args) as engine:
-        _chat_loop(engine, args, params)
-
-
-def _chat_loop(engine: Engine, args: argparse.Namespace, params: SamplingParams) -> None:
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("chat: type a message, /exit or Ctrl-D to quit", file=sys.stderr)
-    while True:
-        try:
-            user = input("> ")
-        except EOFError:
-            break
-        if user.strip() in ("/exit", "/quit"):
-            break
-        messages.append({"role": "user", "content": user})
-        prompt = engine.require_tokenizer().apply_chat_template(messages)
-        # the template already holds every special token the model expects
-        reply = _stream(engine, engine.encode(prompt, add_special_tokens=False), params)
-        messages.append({"role": "assistant", "content": reply})
+        chat_loop(engine, args.system, params)
 
 
 def run_serve(args: argparse.Namespace) -> None:

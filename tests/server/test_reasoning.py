@@ -5,7 +5,8 @@ The demo model speaks neither format, so its replies are scripted: each test nam
 the engine must generate, and a constraint that allows only the script's next token (past the
 script's end, any token) makes the real engine, scheduler and detokenizer produce them. For
 harmony the demo's vocabulary gets gpt-oss's special tokens as new ids (and embedding rows),
-its template a harmony rendering that echoes `reasoning_effort`."""
+its template a harmony rendering that echoes `reasoning_effort`. `hybridmoe chat` is checked
+here too, on the same scripted engine."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hybridmoe.engine import Engine, EngineConfig
+from hybridmoe.cli_chat import chat_loop
+from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.engine.constraints import Grammar
 from hybridmoe.engine.sampling import Sampler
 from hybridmoe.server.app import create_app
@@ -288,3 +290,23 @@ def test_serve_refuses_harmony_for_a_vocabulary_without_its_tokens(demo_checkpoi
     assert result.returncode == 2, result.stderr
     assert "<|return|>" in result.stderr and "--reasoning-format" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_chat_command_prints_the_final_channel(harmony_checkpoint, monkeypatch, capsys):
+    turns = iter(["hi"])
+
+    def typed(prompt: str) -> str:
+        try:
+            return next(turns)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", typed)
+    config = EngineConfig(max_seq_len=TEST_MAX_SEQ_LEN, max_batch=1)
+    with Engine.from_pretrained(harmony_checkpoint, config) as engine:
+        scripts = Scripts(engine)
+        scripts.next_reply(HARMONY_REPLY)
+        chat_loop(engine, None, SamplingParams(max_tokens=80))
+    printed = capsys.readouterr()
+    assert printed.out == FINAL + "\n"  # the answer alone, up to <|return|>
+    assert ANALYSIS in printed.err and "<|" not in printed.err

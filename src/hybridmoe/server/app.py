@@ -18,16 +18,11 @@ from hybridmoe.engine.stats import GenerationStats
 from hybridmoe.server import responses
 from hybridmoe.server.config import ServerConfig
 from hybridmoe.server.errors import RequestTimedOut, generation_error, install_error_handlers
-from hybridmoe.server.generation import (
-    Generation,
-    ServedModel,
-    served_reasoning,
-    start_chat,
-    start_completion,
-)
+from hybridmoe.server.generation import Generation, ServedModel, start_chat, start_completion
 from hybridmoe.server.limits import BodyLimit, RequestLimits, until_deadline
 from hybridmoe.server.metrics import CONTENT_TYPE, MeteredBridge, ServerMetrics
 from hybridmoe.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from hybridmoe.server.reasoning import resolve_reasoning
 from hybridmoe.server.security import ApiKeyCheck, HostCheck, allowed_host_names
 from hybridmoe.server.warmup import warm_up
 
@@ -50,7 +45,7 @@ def create_app(
     `config.reasoning_format` does not fit the checkpoint."""
     config = config or ServerConfig()
     metrics = ServerMetrics(model_id, lambda: _stats_since_ready(app))
-    reasoning, stop_ids = served_reasoning(engine, config.reasoning_format)
+    reasoning, stop_ids = resolve_reasoning(engine.tokenizer, config.reasoning_format)
     bridge = MeteredBridge(metrics)
     served = ServedModel(model_id, engine, int(time.time()), bridge, reasoning, stop_ids)
     scheduler = served.scheduler

@@ -17,7 +17,7 @@ from hybridmoe.server.errors import ApiError, generation_error
 from hybridmoe.server.limits import check_prompt_chars
 from hybridmoe.server.logprobs import TokenText
 from hybridmoe.server.protocol import ChatCompletionRequest, CompletionRequest
-from hybridmoe.server.reasoning import ReasoningFormat, select_reasoning_format
+from hybridmoe.server.reasoning import ReasoningFormat
 from hybridmoe.server.reply import ReplyParsing
 from hybridmoe.server.structured import plan_chat
 
@@ -62,7 +62,7 @@ class OutputBridge:
 class ServedModel:
     """The one model this server serves, under the name clients ask for it by; chat replies'
     reasoning is split out in `reasoning`'s format, whose end-of-reply tokens are
-    `reasoning_stop_ids` (see served_reasoning)."""
+    `reasoning_stop_ids` (reasoning.resolve_reasoning)."""
 
     id: str
     engine: Engine
@@ -238,27 +238,6 @@ def _reasoning_params(served: ServedModel, reply: ReplyParsing | None) -> dict:
         "stop_token_ids": served.reasoning_stop_ids,
         "skip_special_tokens": not reasoning.keeps_special_tokens,
     }
-
-
-def served_reasoning(engine: Engine, choice: str) -> tuple[ReasoningFormat | None, frozenset[int]]:
-    """The reasoning format `choice` (ServerConfig.reasoning_format) selects for the engine's
-    chat template, and the ids of that format's stop tokens. CheckpointError when the
-    tokenizer lacks one of them (a format that does not fit the checkpoint)."""
-    tokenizer = engine.tokenizer
-    template = tokenizer.chat_template if tokenizer is not None else None
-    reasoning = select_reasoning_format(choice, template.source if template else "")
-    if reasoning is None:
-        return None, frozenset()
-    ids = set()
-    for token in reasoning.stop_tokens:
-        token_id = tokenizer.backend.token_to_id(token) if tokenizer is not None else None
-        if token_id is None:
-            raise CheckpointError(
-                f"reasoning format {reasoning.name!r} ends replies with the token {token!r}, "
-                "which this checkpoint's tokenizer does not have (see --reasoning-format)"
-            )
-        ids.add(token_id)
-    return reasoning, frozenset(ids)
 
 
 def _check_context(

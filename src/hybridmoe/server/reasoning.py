@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
+from hybridmoe.errors import CheckpointError
+from hybridmoe.loader.tokenizer import Tokenizer
 from hybridmoe.registry import registering
 from hybridmoe.server.tools import ToolCall, pending_prefix_len
 
@@ -74,6 +76,28 @@ def select_reasoning_format(choice: str, template_source: str) -> ReasoningForma
         names = ", ".join([AUTO, NONE, *REASONING_FORMATS])
         raise ValueError(f"reasoning_format must be one of {names}; got {choice!r}")
     return REASONING_FORMATS[choice]
+
+
+def resolve_reasoning(
+    tokenizer: Tokenizer | None, choice: str
+) -> tuple[ReasoningFormat | None, frozenset[int]]:
+    """The format `choice` selects for the tokenizer's chat template, and the ids of that
+    format's stop tokens. CheckpointError when the vocabulary lacks one of them (a format that
+    does not fit the checkpoint)."""
+    template = tokenizer.chat_template if tokenizer is not None else None
+    reasoning = select_reasoning_format(choice, template.source if template else "")
+    if reasoning is None:
+        return None, frozenset()
+    ids = set()
+    for token in reasoning.stop_tokens:
+        token_id = tokenizer.backend.token_to_id(token) if tokenizer is not None else None
+        if token_id is None:
+            raise CheckpointError(
+                f"reasoning format {reasoning.name!r} ends replies with the token {token!r}, "
+                "which this checkpoint's tokenizer does not have (see --reasoning-format)"
+            )
+        ids.add(token_id)
+    return reasoning, frozenset(ids)
 
 
 def parse_reasoning(stream: ReasoningStream, text: str) -> list[Piece]:

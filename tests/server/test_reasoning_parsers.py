@@ -13,7 +13,8 @@ from hybridmoe.server.reasoning import (
     parse_reasoning,
     select_reasoning_format,
 )
-from hybridmoe.server.tools import ToolCall
+from hybridmoe.server.reply import ReplyParsing, parse_reply
+from hybridmoe.server.tools import QwenToolCalls, ToolCall, ToolCallParsing
 
 ANALYSIS = "User greets. Answer <briefly> | kindly; é 😀."
 FINAL = "Hello! 2 < 3 and a|b."
@@ -133,3 +134,25 @@ def test_the_format_is_chosen_by_the_template_or_named():
     assert set(REASONING_FORMATS) == {"harmony", "think"}
     with pytest.raises(ValueError, match="auto, none, harmony, think"):
         select_reasoning_format("o1", "")
+
+
+QWEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+REPLIES = {  # (reasoning format, tool parsing): (text, expected)
+    (ThinkReasoning, True): (
+        f"<think>{ANALYSIS}</think>\n\nLet me look.\n{QWEN_CALL}",
+        (ANALYSIS, "Let me look.", [WEATHER]),
+    ),
+    (ThinkReasoning, False): (f"<think>{ANALYSIS}</think>{QWEN_CALL}", (ANALYSIS, QWEN_CALL, [])),
+    (None, True): (f"a {QWEN_CALL}", (None, "a", [WEATHER])),
+    (HarmonyReasoning, False): (HARMONY, (ANALYSIS, FINAL, [])),
+}
+
+
+@pytest.mark.parametrize(("reasoning", "tools"), REPLIES)
+def test_reasoning_then_tool_calls(reasoning, tools):
+    text, expected = REPLIES[reasoning, tools]
+    parsing = ReplyParsing(reasoning, "", ToolCallParsing(QwenToolCalls) if tools else None)
+    assert parse_reply(parsing, text) == expected
+    stream = parsing.stream()
+    pieces = [p for ch in text for p in stream.feed(ch)] + stream.finish()
+    assert _split(pieces) == expected

@@ -10,7 +10,6 @@ from hybridmoe.server.reasoning import (
     HarmonyReasoning,
     Reasoning,
     ThinkReasoning,
-    parse_reasoning,
     select_reasoning_format,
 )
 from hybridmoe.server.reply import ReplyParsing, parse_reply
@@ -81,7 +80,7 @@ def _streamed(fmt, prompt: str, deltas: list[str]):
 
 @pytest.mark.parametrize(("fmt", "prompt", "text", "expected"), CASES, ids=IDS)
 def test_whole_text(fmt, prompt, text, expected):
-    assert _split(parse_reasoning(fmt.stream(prompt), text)) == expected
+    assert parse_reply(ReplyParsing(fmt, prompt), text) == expected
 
 
 @pytest.mark.parametrize(("fmt", "prompt", "text", "expected"), CASES, ids=IDS)

@@ -100,20 +100,6 @@ def resolve_reasoning(
     return reasoning, frozenset(ids)
 
 
-def parse_reasoning(stream: ReasoningStream, text: str) -> list[Piece]:
-    """The pieces of a whole generated text, adjacent pieces of one kind joined."""
-    joined: list[Piece] = []
-    for piece in stream.feed(text) + stream.finish():
-        last = joined[-1] if joined else None
-        if isinstance(piece, str) and isinstance(last, str):
-            joined[-1] = last + piece
-        elif isinstance(piece, Reasoning) and isinstance(last, Reasoning):
-            joined[-1] = Reasoning(last.text + piece.text)
-        else:
-            joined.append(piece)
-    return joined
-
-
 def _held_len(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of one of `markers`."""
     return max(pending_prefix_len(text, marker) for marker in markers)

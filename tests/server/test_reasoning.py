@@ -54,7 +54,9 @@ THINK_TEMPLATE = """\
 {%- endif %}
 {{- message.content + '<|im_end|>\\n' }}
 {%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}
+{%- endif %}{%- endif %}
 """
 ANALYSIS = "The user says hi. Reply <briefly>, é 😀."
 FINAL = "Hello! 2 < 3."
@@ -259,6 +261,21 @@ def test_think_block_is_reasoning(think):
     assert (choice.message.reasoning_content, choice.message.content) == (ANALYSIS, FINAL)
     scripts.next_reply(reply)
     assert assemble(chat(client, stream=True)) == (ANALYSIS, FINAL, {}, "stop")
+
+
+def test_chat_template_kwargs_reach_the_template(think):
+    client, scripts = think
+    scripts.next_reply(f"{FINAL}<|im_end|>")
+    message = chat(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert scripts.prompts[-1].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert (message.choices[0].message.reasoning_content, message.choices[0].message.content) == (
+        None,
+        FINAL,
+    )
+    for bad in ({"messages": []}, {"eos_token": "x"}, ["enable_thinking"]):
+        with pytest.raises(openai.BadRequestError) as caught:
+            chat(client, extra_body={"chat_template_kwargs": bad})
+        assert caught.value.param == "chat_template_kwargs", caught.value.message
 
 
 def test_history_reasoning_reaches_the_template(think):

@@ -38,6 +38,7 @@ HARMONY_TEXTS = {
     ),
     "<|channel|>commentary to=functions.f<|message|>not json": (None, "not json", []),
     "<|channel|>commentary<|message|>Let me check.<|end|>": (None, "Let me check.", []),
+    "<|channel|>commentary to=browser.search<|message|>{}<|end|>": ("{}", None, []),
     f"<|channel|>analysis<|message|>{ANALYSIS}": (ANALYSIS, None, []),  # cut off by max_tokens
     "plain text, no harmony <|": (None, "plain text, no harmony <|", []),
     "": (None, None, []),

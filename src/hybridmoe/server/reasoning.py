@@ -132,8 +132,10 @@ class _Header:
         return recipient[len(FUNCTIONS) :] if recipient.startswith(FUNCTIONS) else None
 
     def piece(self, text: str) -> Piece:
-        """`final` and `commentary` (the preamble users see) are content; the rest reasoning."""
-        return text if self.channel in ("final", "commentary") else Reasoning(text)
+        """`final` and `commentary` (the preamble users see) are content; the rest (other
+        channels, messages to a built-in tool such as `to=python`) reasoning."""
+        for_user = self.recipient is None and self.channel in ("final", "commentary")
+        return text if for_user else Reasoning(text)
 
 
 class HarmonyStream:

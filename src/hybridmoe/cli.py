@@ -382,7 +382,8 @@ def run_cluster(args: argparse.Namespace) -> None:
         *flags_of(server, "serve", skip=("host", "port")),  # the front's; replicas: loopback
     ]
     serve_argv = [sys.executable, "-m", "hybridmoe", "serve", "--model", str(model_dir)]
-    run(cluster, server.host, server.port, serve_argv + replica_flags, model_dir.name)
+    argv = serve_argv + replica_flags
+    run(cluster, server.host, server.port, argv, model_dir.name, server.api_key)
 
 
 def run_trace(args: argparse.Namespace) -> None:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,8 +20,8 @@ import pytest
 
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.engine.config import PREFIX_BLOCK_TOKENS as BLOCK
-from live_cluster import LiveCluster, child_pids, start_cluster, stop_cluster
-from live_server import REQUEST_TIMEOUT_S, TEST_MAX_SEQ_LEN
+from live_cluster import STARTUP_TIMEOUT_S, LiveCluster, child_pids, start_cluster, stop_cluster
+from live_server import REQUEST_TIMEOUT_S, TEST_MAX_SEQ_LEN, free_port
 
 pytest.importorskip(
     "sglang_router", reason="the optional extra hybridmoe[cluster] (sglang-router) is missing"
@@ -148,3 +151,23 @@ def stream_while_killing(cluster, messages, victim: int, pid: int) -> list[str |
         thread.join(timeout=REQUEST_TIMEOUT_S)
         assert not thread.is_alive(), "a request in flight on the killed replica hung"
     return outcomes
+
+
+def test_a_replica_that_cannot_start_stops_the_cluster_with_an_error(demo_checkpoint):
+    # Its port is taken: restarting it would loop forever, so the cluster exits, router too.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = free_port()
+        command = [sys.executable, "-m", "hybridmoe", "cluster", "--model", str(demo_checkpoint)]
+        command += ["--replicas", "1", "--replica-base-port", str(taken.getsockname()[1])]
+        command += ["--port", str(port), "--max-seq-len", str(TEST_MAX_SEQ_LEN)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "replica 0 exited with 2 before it was ready" in done.stderr
+    with socket.socket() as front:
+        front.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+        )  # past TIME_WAIT, not a listener
+        front.bind(("127.0.0.1", port))
+        front.listen()  # the router is gone: nothing listens on its port any more

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 STOP_TIMEOUT_S = 30.0  # SIGTERM's grace (the server drains in 5 s) before SIGKILL
 
@@ -47,7 +47,7 @@ class Replica:
     restarts: int = 0
     worker_id: str | None = None
     restart_at_s: float | None = None  # time.monotonic() at which it is started again
-    started_s: float = field(default_factory=time.monotonic)
+    was_ready: bool = False  # registered once: an exit before that is a setup error
 
     @property
     def url(self) -> str:
@@ -58,7 +58,7 @@ class Replica:
         return None if self.process is None else self.process.pid
 
     def start(self) -> None:
-        self.process, self.restart_at_s, self.started_s = spawn(self.argv), None, time.monotonic()
+        self.process, self.restart_at_s = spawn(self.argv), None
 
     def exited(self) -> bool:
         return self.process is not None and self.process.poll() is not None

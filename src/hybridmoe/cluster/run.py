@@ -40,14 +40,21 @@ def _http(host: str, port: int) -> str:
 
 class Cluster:
     """The replicas of `model_id`, each `serve_argv` (a `hybridmoe serve` command line without
-    --host/--port) on a loopback port, behind the router on (host, port)."""
+    --host/--port) on a loopback port, behind the router on (host, port). `api_key`: the key
+    the replicas require (`serve --api-key`), for their /v1/stats."""
 
     def __init__(
-        self, config: ClusterConfig, host: str, port: int, serve_argv: list[str], model_id: str
+        self,
+        config: ClusterConfig,
+        host: str,
+        port: int,
+        serve_argv: list[str],
+        model_id: str,
+        api_key: str | None = None,
     ) -> None:
-        self.config, self.model_id = config, model_id
-        self.front = _http(_connect_host(host), port or free_port(host))
-        self.host, self.port = host, int(self.front.rsplit(":", 1)[1])
+        self.config, self.model_id, self.api_key = config, model_id, api_key
+        self.host, self.port = host, port or free_port(host)
+        self.front = _http(_connect_host(host), self.port)
         self.metrics_port = free_port(host)
         self.replicas = [
             Replica(i, p, [*serve_argv, "--host", "127.0.0.1", "--port", str(p)])
@@ -56,7 +63,7 @@ class Cluster:
         self.workers = RouterWorkers(self.front)
         self.router = None
         self.ready = False
-        self.stats = StatsServer(host, config.stats_port, self.snapshot)
+        self.stats = StatsServer(host, config.stats_port, self.snapshot, api_key)
 
     def _replica_ports(self) -> list[int]:
         base = self.config.replica_base_port
@@ -97,6 +104,11 @@ class Cluster:
                 _say(f"cluster ready: {len(self.replicas)} replicas routed")
 
     def _tend(self, replica: Replica, now: float) -> None:
+        if replica.exited() and not replica.was_ready:  # bad flags, a port taken, no memory
+            raise HybridMoeError(
+                f"replica {replica.index} exited with {replica.process.returncode} before it "
+                "was ready (its messages are above); not starting it again"
+            )
         if replica.exited() and replica.restart_at_s is None:
             self._unregister(replica)
             replica.restart_at_s = now + self.config.restart_delay_s
@@ -106,7 +118,10 @@ class Cluster:
             replica.restarts += 1
             replica.start()
         elif replica.state() == "starting" and is_healthy(replica.url, timeout_s=0.5):
-            replica.worker_id = self.workers.add(replica.url, self.model_id)
+            replica.worker_id, replica.was_ready = (
+                self.workers.add(replica.url, self.model_id),
+                True,
+            )
             _say(f"replica {replica.index} at {replica.url} added to the router")
 
     def _unregister(self, replica: Replica) -> None:
@@ -128,9 +143,10 @@ class Cluster:
             routed = {w["url"]: w for w in self.workers.listed()}
         except HybridMoeError:
             routed = {}
-        rows = [self._row(r.url, routed, r.state(), r.index, r.pid, r.restarts)
+        key = self.api_key
+        rows = [self._row(r.url, routed, key, r.state(), r.index, r.pid, r.restarts)
                 for r in self.replicas]  # fmt: skip
-        rows += [self._row(url, routed, "remote") for url in self.config.worker_urls]
+        rows += [self._row(url, routed, key, "remote") for url in self.config.worker_urls]
         return {
             "front": f"{self.front}/v1",
             "policy": self.config.policy,
@@ -141,10 +157,10 @@ class Cluster:
         }
 
     @staticmethod
-    def _row(url: str, routed: dict, state: str, index=None, pid=None, restarts=None) -> dict:
+    def _row(url: str, routed: dict, api_key, state: str, index=None, pid=None, restarts=None):
         router = routed.get(url)
         in_router = None if router is None else {k: router[k] for k in ("is_healthy", "load")}
-        stats = None if state == "restarting" else fetch_stats(url)
+        stats = None if state == "restarting" else fetch_stats(url, api_key)
         return {"index": index, "url": url, "state": state, "pid": pid, "restarts": restarts,
                 "router": in_router, "stats": stats}  # fmt: skip
 
@@ -159,12 +175,18 @@ def _say(message: str) -> None:
 
 
 def run_cluster(
-    config: ClusterConfig, host: str, port: int, serve_argv: list[str], model_id: str
+    config: ClusterConfig,
+    host: str,
+    port: int,
+    serve_argv: list[str],
+    model_id: str,
+    api_key: str | None = None,
 ) -> None:
     """Run the cluster until SIGINT/SIGTERM, then stop the router and every replica. Call from
-    the main thread. Raises HybridMoeError if sglang-router is missing or the router fails."""
+    the main thread. Raises HybridMoeError if sglang-router is missing, the router fails or a
+    replica exits before it was ever ready."""
     require_router()
-    cluster = Cluster(config, host, port, serve_argv, model_id)
+    cluster = Cluster(config, host, port, serve_argv, model_id, api_key)
     stopping = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in STOP_SIGNALS}
     try:

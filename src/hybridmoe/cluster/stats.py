@@ -1,9 +1,11 @@
 """GET /v1/stats of the cluster on its own port: each replica's own /v1/stats (load, tokens,
 prefix-cache hits) beside its state and restarts, and their sum. The router's front answers
-the OpenAI API only; its Prometheus metrics (per-worker requests and health) are linked."""
+the OpenAI API only; its Prometheus metrics (per-worker requests and health) are linked.
+With an API key, the replicas are asked with it and the cluster's stats require it too."""
 
 from __future__ import annotations
 
+import hmac
 import json
 import threading
 import urllib.request
@@ -18,10 +20,15 @@ SUMMED = (
 )  # fmt: skip
 
 
-def fetch_stats(url: str) -> dict | None:
+def bearer(api_key: str | None) -> dict[str, str]:
+    return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+
+
+def fetch_stats(url: str, api_key: str | None = None) -> dict | None:
     """`url`/v1/stats, or None when the replica does not answer (down, or still loading)."""
+    request = urllib.request.Request(url + "/v1/stats", headers=bearer(api_key))
     try:
-        with urllib.request.urlopen(url + "/v1/stats", timeout=_FETCH_TIMEOUT_S) as response:
+        with urllib.request.urlopen(request, timeout=_FETCH_TIMEOUT_S) as response:
             return json.loads(response.read())
     except (OSError, ValueError):
         return None
@@ -41,11 +48,14 @@ def total(replica_stats: list[dict | None]) -> dict:
 
 
 class StatsServer:
-    """Serves GET /v1/stats as `snapshot()` on (host, port) from a daemon thread; port 0 binds
-    a free one (`port` says which)."""
+    """Serves GET /v1/stats as `snapshot()` on (host, port) from a daemon thread, to requests
+    bearing `api_key` when one is given (else 401); port 0 binds a free one (`port` says which)."""
 
-    def __init__(self, host: str, port: int, snapshot: Callable[[], dict]) -> None:
-        handler = type("Handler", (_Handler,), {"snapshot": staticmethod(snapshot)})
+    def __init__(
+        self, host: str, port: int, snapshot: Callable[[], dict], api_key: str | None = None
+    ) -> None:
+        fields = {"snapshot": staticmethod(snapshot), "authorization": bearer(api_key)}
+        handler = type("Handler", (_Handler,), fields)
         self._http = ThreadingHTTPServer((host, port), handler)
         self._http.daemon_threads = True
         self.port = self._http.server_address[1]
@@ -61,8 +71,14 @@ class StatsServer:
 
 class _Handler(BaseHTTPRequestHandler):
     snapshot: Callable[[], dict]
+    authorization: dict[str, str]  # {} or {"Authorization": "Bearer KEY"}
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        expected = self.authorization.get("Authorization")
+        given = self.headers.get("Authorization") or ""
+        if expected is not None and not hmac.compare_digest(given.encode(), expected.encode()):
+            self._send(401, {"error": {"message": "missing or wrong API key"}})
+            return
         if self.path != "/v1/stats":
             self._send(404, {"error": {"message": f"no route {self.path}; try /v1/stats"}})
             return

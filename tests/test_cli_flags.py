@@ -210,7 +210,8 @@ def test_max_fetch_takes_an_integer_or_auto(capsys):
 def test_flags_of_gives_the_configs_back(command):
     # `hybridmoe cluster` starts each replica with flags_of(its configs): they must round-trip.
     argv = ["--max-seq-len", "128", "--no-overlap", "--max-fetch", "auto", "--cpu-threads", "1"]
-    argv += ["--allowed-hosts", "a", "--allowed-hosts", "b", "--api-key", "k", "--port", "9"]
+    argv += ["--max-queue", "3", "--api-key", "k", "--port", "9"]
+    argv += ["--allowed-hosts", "a", "--allowed-hosts", "b"] if command == "serve" else []
     args = cli.build_parser().parse_args([command, *argv])
     engine, server = cli._engine_config(args), cli.config_from_args(ServerConfig, args)
     flags = cli.flags_of(engine, "serve") + cli.flags_of(engine.offload, "serve")

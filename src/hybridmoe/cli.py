@@ -76,7 +76,11 @@ NOT_FLAGS: dict[str, dict[str, str]] = {
     "chat": _DECODE_NO_FLAG,
     "trace": _DECODE_NO_FLAG,
     "serve": _SERVE_NO_FLAG,
-    "cluster": _SERVE_NO_FLAG,
+    "cluster": {
+        **_SERVE_NO_FLAG,
+        "ServerConfig.allowed_hosts": "the router in front checks no Host header, and replicas "
+        "see the router's (loopback): README says to set --api-key instead",
+    },
 }
 
 

@@ -1,6 +1,7 @@
 """`hybridmoe cluster` figures: aggregate decode tokens/s of 2 replicas vs 1 under N concurrent
-streaming clients, and the time to first token of a repeated long-prefix request with
-prefix-aware routing (cache_aware) vs round_robin.
+streaming clients (and of 2 replicas with one CPU thread each, which do not oversubscribe the
+cores), and the time to first token of a repeated long-prefix request with prefix-aware routing
+(cache_aware) vs round_robin.
 
     python benchmarks/bench_cluster.py [--model DIR] [--clients 8] [--max-tokens 64]
                                        [--repeats 3] [--prefixes 6] [--prefix-words 140]
@@ -12,6 +13,7 @@ sides alike. Throughput: a round starts --clients streams of exactly --max-token
 = all tokens / wall time; medians over --repeats rounds. TTFT: each of --prefixes distinct
 system prompts of --prefix-words words is sent twice in a row; the second ("repeated") is
 timed to its first streamed token; medians, with the cached tokens the replicas report.
+Ratios are to the first cluster of each figure.
 """
 
 from __future__ import annotations
@@ -42,14 +44,16 @@ def free_port() -> int:
 
 
 class Cluster:
-    def __init__(self, model: str | None, replicas: int, policy: str, max_seq_len: int) -> None:
+    def __init__(
+        self, model: str | None, replicas: int, policy: str, max_seq_len: int, *extra: str
+    ) -> None:
         self.port, self.stats_port = free_port(), free_port()
         argv = [sys.executable, "-m", "hybridmoe", "cluster", "--replicas", str(replicas)]
         argv += ["--policy", policy, "--port", str(self.port), "--stats-port", str(self.stats_port)]
-        argv += ["--max-seq-len", str(max_seq_len)] + (["--model", model] if model else [])
+        argv += ["--max-seq-len", str(max_seq_len), *extra] + (["--model", model] if model else [])
         self.log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
-        self.name = f"{replicas} replica{'s' if replicas > 1 else ''}, {policy}"
+        self.name = f"{replicas} replica{'s' if replicas > 1 else ''}, {policy} {' '.join(extra)}"
 
     def stats(self) -> dict:
         url = f"http://127.0.0.1:{self.stats_port}/v1/stats"
@@ -114,19 +118,42 @@ def system_prompt(index: int, words: int) -> str:
     return f"Document {index}: " + " ".join(WORDS[(index * 7 + i * 3) % 10] for i in range(words))
 
 
-def ttft_pairs(cluster: Cluster, prefixes: int, words: int, tag: int) -> list[float]:
-    """TTFT of the second of two identical requests, per prefix (each unseen before)."""
-    repeated = []
-    for i in range(prefixes):
-        system = system_prompt(tag * 1000 + i, words)
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Sum up."}]
-        cluster.stream(messages, 1)
-        repeated.append(cluster.stream(messages, 1)[0])
-    return repeated
+def repeated_ttft(cluster: Cluster, index: int, words: int) -> float:
+    """TTFT of the second of two identical requests whose long system prompt is new."""
+    system = system_prompt(index, words)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Sum up."}]
+    cluster.stream(messages, 1)
+    return cluster.stream(messages, 1)[0]
 
 
 def hit_tokens(cluster: Cluster) -> int:
     return cluster.stats()["total"]["prefix_cache"]["hit_tokens"]
+
+
+def report_throughput(clusters: list[Cluster], args: argparse.Namespace) -> None:
+    rates: dict[str, list[float]] = {c.name: [] for c in clusters}
+    for _ in range(args.repeats):
+        for cluster in clusters:  # interleaved: the machine's load hits every cluster alike
+            rates[cluster.name].append(throughput_round(cluster, args.clients, args.max_tokens))
+    base = statistics.median(rates[clusters[0].name])
+    for name, rounds in rates.items():
+        median = statistics.median(rounds)
+        print(f"{args.clients} clients, {name}: {median:.1f} tok/s, {median / base:.2f}x the "
+              f"first (rounds {', '.join(f'{r:.1f}' for r in rounds)})")  # fmt: skip
+
+
+def report_ttft(clusters: list[Cluster], args: argparse.Namespace) -> None:
+    times: dict[str, list[float]] = {c.name: [] for c in clusters}
+    before = {c.name: hit_tokens(c) for c in clusters}
+    for index in range(args.prefixes):
+        for cluster in clusters:  # the same prompts, interleaved
+            times[cluster.name].append(repeated_ttft(cluster, index, args.prefix_words))
+    base = statistics.median(times[clusters[0].name])
+    for cluster in clusters:
+        median = statistics.median(times[cluster.name])
+        hits = hit_tokens(cluster) - before[cluster.name]
+        print(f"repeated long-prefix TTFT, {cluster.name}: median {median * 1e3:.1f} ms, "
+              f"{median / base:.2f}x the first; cached tokens {hits}")  # fmt: skip
 
 
 def main() -> None:
@@ -138,41 +165,21 @@ def main() -> None:
     parser.add_argument("--prefixes", type=int, default=6)
     parser.add_argument("--prefix-words", type=int, default=140)
     args = parser.parse_args()
-    one, two = (
+    throughput = [
         Cluster(args.model, 1, "round_robin", 512),
         Cluster(args.model, 2, "round_robin", 512),
-    )
-    aware, rr = (
-        Cluster(args.model, 2, "cache_aware", 512),
-        Cluster(args.model, 2, "round_robin", 512),
-    )
-    clusters = [one, two, aware, rr]
+        Cluster(args.model, 2, "round_robin", 512, "--cpu-threads", "1"),
+    ]
+    ttft = [Cluster(args.model, 2, p, 512) for p in ("cache_aware", "round_robin")]
     try:
-        for cluster in clusters:
+        for cluster in throughput + ttft:
             cluster.wait_ready()
         print(f"load average at start: {open('/proc/loadavg').read().strip()}")
-        rates: dict[str, list[float]] = {one.name: [], two.name: []}
-        for _ in range(args.repeats):
-            for cluster in (one, two):
-                rates[cluster.name].append(throughput_round(cluster, args.clients, args.max_tokens))
-        medians = {name: statistics.median(r) for name, r in rates.items()}
-        for name, median in medians.items():
-            print(f"{args.clients} clients, {name}: {median:.1f} tok/s (rounds {rates[name]})")
-        print(f"ratio 2 replicas / 1: {medians[two.name] / medians[one.name]:.2f}")
-        ttft: dict[str, list[float]] = {aware.name: [], rr.name: []}
-        hits = {}
-        for tag, cluster in enumerate((aware, rr)):
-            before = hit_tokens(cluster)
-            ttft[cluster.name] = ttft_pairs(cluster, args.prefixes, args.prefix_words, tag)
-            hits[cluster.name] = hit_tokens(cluster) - before
-        for name, times in ttft.items():
-            print(f"repeated long-prefix TTFT, {name}: median {statistics.median(times) * 1e3:.1f} "
-                  f"ms (min {min(times) * 1e3:.1f}); cached tokens {hits[name]}")  # fmt: skip
-        ratio = statistics.median(ttft[rr.name]) / statistics.median(ttft[aware.name])
-        print(f"ratio round_robin / cache_aware: {ratio:.2f}")
+        report_throughput(throughput, args)
+        report_ttft(ttft, args)
         print(f"load average at end: {open('/proc/loadavg').read().strip()}")
     finally:
-        for cluster in clusters:
+        for cluster in throughput + ttft:
             cluster.stop()
 
 

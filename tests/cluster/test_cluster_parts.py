@@ -1,16 +1,20 @@
 """The parts of `hybridmoe cluster` that need no router: its config's checks, the error that
-names the extra when sglang-router is missing, and the sum of the replicas' /v1/stats."""
+names the extra when sglang-router is missing, the sum of the replicas' /v1/stats and the
+stats server's API key."""
 
 from __future__ import annotations
 
+import json
 import sys
+import urllib.error
+import urllib.request
 
 import pytest
 
 from hybridmoe import cli
 from hybridmoe.cluster.config import ClusterConfig
 from hybridmoe.cluster.router import require_router
-from hybridmoe.cluster.stats import total
+from hybridmoe.cluster.stats import StatsServer, total
 from hybridmoe.errors import HybridMoeError
 
 
@@ -58,3 +62,26 @@ def test_the_total_sums_the_replicas_that_answer():
     assert (summed["requests_served"], summed["prompt_tokens"]) == (4, 500)
     assert summed["prefix_cache"] == {"hit_tokens": 100, "queried_tokens": 500, "hit_rate": 0.2}
     assert total([None])["prefix_cache"]["hit_rate"] == 0.0
+
+
+def get(url: str, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_the_stats_server_answers_with_the_key_only():
+    server = StatsServer("127.0.0.1", 0, lambda: {"ready": True}, api_key="k")
+    server.start()
+    try:
+        url = f"http://127.0.0.1:{server.port}"
+        assert get(f"{url}/v1/stats", {"Authorization": "Bearer k"}) == (200, {"ready": True})
+        assert get(f"{url}/v1/stats")[0] == 401
+        assert get(f"{url}/v1/stats", {"Authorization": "Bearer wrong"})[0] == 401
+        assert get(f"{url}/other", {"Authorization": "Bearer k"})[0] == 404
+    finally:
+        server.close()
+    StatsServer("127.0.0.1", 0, dict).close()  # never started: closes without waiting

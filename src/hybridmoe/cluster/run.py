@@ -118,10 +118,8 @@ class Cluster:
             replica.restarts += 1
             replica.start()
         elif replica.state() == "starting" and is_healthy(replica.url, timeout_s=0.5):
-            replica.worker_id, replica.was_ready = (
-                self.workers.add(replica.url, self.model_id),
-                True,
-            )
+            replica.worker_id = self.workers.add(replica.url, self.model_id)
+            replica.was_ready = True
             _say(f"replica {replica.index} at {replica.url} added to the router")
 
     def _unregister(self, replica: Replica) -> None:

@@ -65,7 +65,8 @@ class StatsServer:
         self._thread.start()
 
     def close(self) -> None:
-        self._http.shutdown()
+        if self._thread.is_alive():  # shutdown() waits for serve_forever, which must be running
+            self._http.shutdown()
         self._http.server_close()
 
 

@@ -1,8 +1,9 @@
 """`hybridmoe cluster` end to end, on loopback: two replicas of the demo model behind
-sglang-router, driven with the official `openai` client. Every request is answered as the
-engine alone answers it; requests sharing a long system prompt land on one replica (its
-prefix cache counts their shared tokens, the other's nothing); a replica killed mid-load fails
-its requests in flight cleanly while new ones are served, and the supervisor brings it back."""
+sglang-router, driven with the official `openai` client. Every request is answered as one
+server (a replica asked directly) and the engine alone answer it; requests sharing a long
+system prompt land on one replica (its prefix cache counts their shared tokens, the other's
+nothing); a replica killed mid-load fails its requests in flight cleanly while new ones are
+served, and the supervisor brings it back; one that cannot start stops the cluster."""
 
 from __future__ import annotations
 
@@ -83,14 +84,25 @@ def deltas(before: list[tuple[int, int]], after: list[tuple[int, int]]) -> list[
     return [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)]
 
 
-def test_every_request_is_answered_as_the_engine_alone_answers_it(cluster, engine):
+def test_every_request_is_answered_as_one_server_answers_it(cluster, engine):
     conversations = [[{"role": "user", "content": f"Tell me about item {i}."}] for i in range(8)]
     before = counts(cluster)
     with ThreadPoolExecutor(len(conversations)) as pool:  # 8 concurrent clients
         replies = list(pool.map(lambda m: chat(cluster, m), conversations))
-    for messages, reply in zip(conversations, replies, strict=True):
-        assert reply.choices[0].message.content == reference(engine, messages)
     assert sum(served for served, _ in deltas(before, counts(cluster))) == len(conversations)
+    single = one_server(cluster)  # a replica asked directly: one `hybridmoe serve`
+    for messages, reply in zip(conversations, replies, strict=True):
+        alone = single.chat.completions.create(
+            model=cluster.model_id, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body=EXACT,
+        )  # fmt: skip
+        assert reply.choices[0].message.content == alone.choices[0].message.content
+        assert reply.choices[0].message.content == reference(engine, messages)
+
+
+def one_server(cluster: LiveCluster) -> openai.OpenAI:
+    url = cluster.stats()["replicas"][0]["url"]
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
 
 
 def test_requests_sharing_a_system_prompt_land_on_one_replica(cluster):

@@ -101,7 +101,8 @@ class Cluster:
         if not self.ready and all(r.state() == "serving" for r in self.replicas):
             self.ready = self._all_routed()
             if self.ready:
-                _say(f"cluster ready: {len(self.replicas)} replicas routed")
+                remote = len(self.config.worker_urls)
+                _say(f"cluster ready: {len(self.replicas)} replicas (+{remote} remote) routed")
 
     def _tend(self, replica: Replica, now: float) -> None:
         if replica.exited() and not replica.was_ready:  # bad flags, a port taken, no memory

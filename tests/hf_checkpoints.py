@@ -153,6 +153,19 @@ def write_hf_checkpoint(
     return directory
 
 
+def write_custom_checkpoint(
+    family: str, config_kwargs: dict[str, Any], directory: Path, seed: int = 0
+) -> Path:
+    """A checkpoint of `family` with `config_kwargs` (on top of the common vocabulary and ids)
+    instead of a listed variant, weights drawn as every variant's; float32."""
+    config_name, model_name = FAMILIES[family]
+    config = getattr(transformers, config_name)(**{**_COMMON, **config_kwargs})
+    model = getattr(transformers, model_name)(config)
+    _redraw_weights(model, seed)
+    model.save_pretrained(Path(directory))
+    return Path(directory)
+
+
 @torch.no_grad()
 def _redraw_weights(model: torch.nn.Module, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)

@@ -6,11 +6,13 @@ silu(gate) * up per route, then down rows -> the output, where each work item ow
 output rows so no two threads write one value. The GIL is released throughout and numba's
 thread pool persists across calls. Arrays are flat; weights are the bank's raw bytes.
 
-The format is a compile-time constant: its `KernelFormat` (quant/formats.py) is passed down to
-the intrinsics, whose numba type holds it (numba_simd.KernelFormatType). One parallel entry
-point per registered format is made by `_fused_moe_entry`, a closure over that format's
-descriptor; numba's on-disk cache keeps such closures, with the pickled closure variables in
-the cache key (checked: a second process loads every format's kernel without compiling).
+The formats are compile-time constants: gate/up's and down's `KernelFormat` (quant/formats.py;
+a Q4_K_M file pairs Q4_K gate/up with Q6_K down) are passed down to the intrinsics, whose numba
+type holds them (numba_simd.KernelFormatType). `_fused_moe_entry` makes a parallel entry point,
+a closure over the two descriptors: one per registered format at import (FUSED_MOE), and one
+per mixed pair on its first use (fused_moe_kernel), so only the pairs a model has are compiled.
+Numba's on-disk cache keeps such closures, with the pickled closure variables in the cache key
+(checked: a second process loads every format's kernel without compiling).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import threading
 import numba
 import numpy as np
 from numba import prange
+from numba.core.dispatcher import Dispatcher
 
 from hybridmoe import env
 from hybridmoe.kernels import llvm_ir, numba_simd
@@ -186,6 +189,7 @@ BF16_ROUTE_WEIGHTS = 2  # bf16 activations and router weights: bf16 weighted out
 @cached_njit(inline="always", **_FLAGS)
 def _fused_moe(
     fmt,
+    down_fmt,
     x,
     ids,
     route_weights,
@@ -202,7 +206,8 @@ def _fused_moe(
 ):
     """y[t] += Σ_k route_weights[t*K+k] · down_e(silu(gate_e x_t) ⊙ up_e x_t), e = ids[t*K+k],
     ids < 0 skipped. x f32 [T*H], ids int64 [T*K], route_weights f32 [T*K], y f32 [T*H];
-    w_gate, w_up, down uint8, the bank's bytes in KernelFormat `fmt` (ExpertBank.byte_views):
+    w_gate, w_up, down uint8, the bank's bytes (ExpertBank.byte_views), gate and up in
+    KernelFormat `fmt`, down in `down_fmt`:
     expert e's I gate rows of H weights start at row e * expert_rows of `w_gate`, its up rows
     likewise in `w_up` (a stacked bank: gate_up's bytes, up I rows in, expert_rows 2I), its H
     down rows of I weights at row e * H of `down`.
@@ -211,14 +216,14 @@ def _fused_moe(
     silu and product is rounded to bf16 as the torch reference computes them in bf16, and with
     BF16_ROUTE_WEIGHTS also each route's weighted output (bf16 output x bf16 router weight);
     the sum over routes stays float32.
-    Returns -1, or the first expert id >= num_experts (then y is untouched). `fmt` is a
-    compile-time constant: call it through FUSED_MOE[name]."""
+    Returns -1, or the first expert id >= num_experts (then y is untouched). `fmt` and
+    `down_fmt` are compile-time constants: call it through fused_moe_kernel(names)."""
     bad_id, experts, starts, routes = _group_routes(ids, num_experts)
     if bad_id >= 0:
         return bad_id
     # a row of n weights takes n * block_bytes / block_weights bytes: whole blocks when quantised
     h_row_bytes = hidden * fmt.block_bytes // fmt.block_weights
-    i_row_bytes = inter * fmt.block_bytes // fmt.block_weights
+    i_row_bytes = inter * down_fmt.block_bytes // down_fmt.block_weights
     num_routes = starts[-1]
     x_offs = (routes // top_k) * hidden  # [R] start of each route's token in x
     act_offs = np.arange(routes.shape[0]) * inter  # [R] start of each route's act row
@@ -248,7 +253,9 @@ def _fused_moe(
         for u in range(experts.shape[0]):
             first, count = starts[u], starts[u + 1] - starts[u]
             row_off = (experts[u] * hidden + h0) * i_row_bytes
-            _matmul(fmt, down, row_off, i_row_bytes, inter, rows, act, act_offs, first, count, out)
+            _matmul(
+                down_fmt, down, row_off, i_row_bytes, inter, rows, act, act_offs, first, count, out
+            )
             if act_bf16:
                 _round_bf16(out, count * rows)
             for c in range(count):
@@ -264,19 +271,58 @@ def _fused_moe(
     return -1
 
 
-def _fused_moe_entry(kernel: KernelFormat):
-    """The parallel entry point of _fused_moe for one format (same arguments, less `fmt`)."""
+def _fused_moe_entry(kernel: KernelFormat, down_kernel: KernelFormat):
+    """The parallel entry point of _fused_moe for gate/up in `kernel`'s format and down in
+    `down_kernel`'s (same arguments, less the formats)."""
 
     def fused_moe(x, ids, weights, gate, up, rows, down, hidden, inter, experts, k, act_bf16, y):
         return _fused_moe(
-            kernel, x, ids, weights, gate, up, rows, down, hidden, inter, experts, k, act_bf16, y
+            kernel,
+            down_kernel,
+            x,
+            ids,
+            weights,
+            gate,
+            up,
+            rows,
+            down,
+            hidden,
+            inter,
+            experts,
+            k,
+            act_bf16,
+            y,
         )
 
-    fused_moe.__name__ = fused_moe.__qualname__ = f"fused_moe_{kernel.name}"  # own cache files
+    name = kernel.name if kernel == down_kernel else f"{kernel.name}_{down_kernel.name}"
+    fused_moe.__name__ = fused_moe.__qualname__ = f"fused_moe_{name}"  # own cache files
     return cached_njit(parallel=True, **_FLAGS)(fused_moe)
 
 
-FUSED_MOE = {name: _fused_moe_entry(fmt.kernel) for name, fmt in WEIGHT_FORMATS.items()}
+# One entry point a format, for banks whose projections share it (the usual case).
+FUSED_MOE = {name: _fused_moe_entry(fmt.kernel, fmt.kernel) for name, fmt in WEIGHT_FORMATS.items()}
+_CACHE_DIR = numba.config.CACHE_DIR  # the hashed directory (above); mixed pairs go there too
+_MIXED_LOCK = threading.Lock()
+_MIXED: dict[tuple[str, str], Dispatcher] = {}
+
+
+def fused_moe_kernel(gate_up_fmt: str, down_fmt: str):
+    """The entry point for gate/up in format `gate_up_fmt` and down in `down_fmt` (names):
+    FUSED_MOE[name] when they are one format, else made on first use (so only the pairs a
+    model uses are compiled and cached), in the same on-disk cache directory."""
+    if gate_up_fmt == down_fmt:
+        return FUSED_MOE[gate_up_fmt]
+    key = (gate_up_fmt, down_fmt)
+    with _MIXED_LOCK:
+        if key not in _MIXED:
+            kernels = (WEIGHT_FORMATS[name].kernel for name in key)
+            previous, numba.config.CACHE_DIR = numba.config.CACHE_DIR, _CACHE_DIR
+            try:  # numba picks the cache directory when a function is decorated
+                _MIXED[key] = _fused_moe_entry(*kernels)
+            finally:
+                numba.config.CACHE_DIR = previous
+        return _MIXED[key]
+
 
 # Numba's OpenMP layer streams ~2x faster than its portable 'workqueue' layer here, but an
 # OpenMP team spin-waits after each call by default, and those spinning threads take the
@@ -307,10 +353,11 @@ def max_threads() -> int:
     return numba.config.NUMBA_NUM_THREADS
 
 
-def run_fused_moe(fmt: str, threads: int | None, *args) -> int:
-    """FUSED_MOE[fmt](*args) on `threads` threads (None: all of numba's pool). The thread
-    count is per calling thread in numba, so it is set on every call."""
-    kernel = FUSED_MOE[fmt]
+def run_fused_moe(fmt: str | tuple[str, str], threads: int | None, *args) -> int:
+    """The entry point for `fmt` (one format's name, or the (gate/up, down) pair of names)
+    called with `args` on `threads` threads (None: all of numba's pool). The thread count is
+    per calling thread in numba, so it is set on every call."""
+    kernel = fused_moe_kernel(*((fmt, fmt) if isinstance(fmt, str) else fmt))
     with _LAUNCH_LOCK:
         start_pool()
         numba.set_num_threads(threads or max_threads())

@@ -84,7 +84,8 @@ def fused_cpu_moe(
     gate, up, expert_rows, down = bank.byte_views()  # stacked or separate gate and up
     act_bf16 = _bf16_rounding(x.dtype, weights.dtype)
     args = (x32, ids64, w32, gate, up, expert_rows, down, hidden, inter, num_experts, top_k)
-    bad_id = run_fused_moe(bank.fmt.name, threads, *args, act_bf16, y.view(-1).numpy())
+    formats = (bank.gate_up_fmt.name, bank.down_fmt.name)
+    bad_id = run_fused_moe(formats, threads, *args, act_bf16, y.view(-1).numpy())
     if bad_id >= 0:
         raise IndexError(f"expert id {bad_id} out of range: the bank has {num_experts} experts")
     return y

@@ -72,7 +72,10 @@ class ExpertWeights:
 
 
 class ExpertBank:
-    """One layer's routed experts: gate and up [E, I, H] and down [E, H, I], each in `fmt`.
+    """One layer's routed experts: gate and up [E, I, H] in `gate_up_fmt` (one format for both:
+    they are computed side by side) and down [E, H, I] in `down_fmt`, which may differ (a
+    Q4_K_M GGUF stores Q4_K gate/up beside Q6_K down). `formats` is the pair; `fmt` the one
+    format of a bank whose projections share it.
 
     Built from one stacked gate_up [E, 2I, H] (gate rows, then up rows: `ExpertBank(gate_up,
     down, fmt)`, what stacking a checkpoint makes) or from two separate tensors
@@ -91,9 +94,12 @@ class ExpertBank:
         *,
         gate: torch.Tensor | None = None,
         up: torch.Tensor | None = None,
+        down_fmt: WeightFormat | None = None,
     ) -> None:
-        """`fmt` None: the dense format of the tensors' dtype. TypeError unless given exactly
-        one of gate_up or (gate, up), and down; ValueError for shapes that do not pair."""
+        """`fmt`: gate and up's format (None: the dense format of their dtype); `down_fmt`:
+        down's (None: `fmt` when given, else the dense format of down's dtype). TypeError
+        unless given exactly one of gate_up or (gate, up), and down; ValueError for shapes
+        that do not pair."""
         if down is None or (gate_up is None) == (gate is None or up is None):
             raise TypeError("ExpertBank takes down and either gate_up, or both gate and up")
         if gate_up is not None:
@@ -111,13 +117,38 @@ class ExpertBank:
             )
         self.gate, self.up, self.down = gate, up, down
         self._gate_up = gate_up
-        self.fmt = fmt if fmt is not None else dense_format(gate.dtype)
+        self.gate_up_fmt = fmt if fmt is not None else dense_format(gate.dtype)
+        if down_fmt is None:
+            down_fmt = fmt if fmt is not None else dense_format(down.dtype)
+        self.down_fmt = down_fmt
         self._byte_views: tuple | None = None
 
     def __repr__(self) -> str:
         layout = "stacked" if self.stacked else "separate"
         shape = (self.num_experts, self.hidden_size, self.intermediate_size)
-        return f"ExpertBank({self.fmt.name}, E, H, I = {shape}, {layout} gate/up, {self.device})"
+        names = "/".join(dict.fromkeys(f.name for f in self.formats))
+        return f"ExpertBank({names}, E, H, I = {shape}, {layout} gate/up, {self.device})"
+
+    @property
+    def formats(self) -> tuple[WeightFormat, WeightFormat]:
+        """(gate_up_fmt, down_fmt)."""
+        return self.gate_up_fmt, self.down_fmt
+
+    @property
+    def fmt(self) -> WeightFormat:
+        """The format of every projection; ValueError for a bank whose down differs (read
+        gate_up_fmt and down_fmt there)."""
+        if self.gate_up_fmt != self.down_fmt:
+            raise ValueError(
+                f"this ExpertBank stores gate/up as {self.gate_up_fmt.name} and down as "
+                f"{self.down_fmt.name}: it has no one format"
+            )
+        return self.gate_up_fmt
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether any projection is stored in blocks of more than one weight."""
+        return self.gate_up_fmt.is_quantized or self.down_fmt.is_quantized
 
     @property
     def stacked(self) -> bool:
@@ -163,17 +194,19 @@ class ExpertBank:
 
     def compute_dtype(self, act_dtype: torch.dtype) -> torch.dtype:
         """The dtype the experts' projections are computed in for activations of `act_dtype`:
-        `act_dtype` when the bank stores exactly that dtype, else float32, in which every
+        `act_dtype` when every projection stores exactly that dtype, else float32, in which every
         stored format (quantised blocks, f32, bf16) expands exactly. Either way each
         projection's output is then rounded to `act_dtype` (the accumulation contract)."""
-        if not self.fmt.is_quantized and self.fmt.storage_dtype == act_dtype:
-            return act_dtype
-        return torch.float32
+        return act_dtype if self._stores_exactly(act_dtype) else torch.float32
+
+    def _stores_exactly(self, dtype: torch.dtype) -> bool:
+        """Whether every projection is stored as plain `dtype` values."""
+        return all(not f.is_quantized and f.storage_dtype == dtype for f in self.formats)
 
     def expert_mlp(self, h: torch.Tensor, expert: int) -> torch.Tensor:
         """h [n, H] -> down(silu(gate h) * up h) [n, H] in h's dtype; each projection from
         the exact weights, its output rounded to h's dtype."""
-        if not self.fmt.is_quantized and self.gate.dtype == h.dtype:  # no casts to make
+        if self._stores_exactly(h.dtype):  # no casts to make
             gate, up = self._gate_up_linear(h, expert, h.dtype)  # 2 x [n, I]
             return F.linear(F.silu(gate) * up, self.down[expert])
         dtype = self.compute_dtype(h.dtype)  # float32: every stored value expands exactly
@@ -194,21 +227,21 @@ class ExpertBank:
     def gate_up_weights(self, expert: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A stacked bank's gate_up [2I, H] of expert `expert` as `dtype` (a view when already
         so stored); for a tensor of n expert indices (on the bank's device), [n, 2I, H]."""
-        return _as_float(self.fmt, self.gate_up[expert], dtype)
+        return _as_float(self.gate_up_fmt, self.gate_up[expert], dtype)
 
     def gate_weights(self, expert: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Expert `expert`'s gate [I, H] as `dtype` (a view when already so stored); for a
         tensor of n expert indices, their gate [n, I, H]."""
-        return _as_float(self.fmt, self.gate[expert], dtype)
+        return _as_float(self.gate_up_fmt, self.gate[expert], dtype)
 
     def up_weights(self, expert: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """As gate_weights, for up [I, H]."""
-        return _as_float(self.fmt, self.up[expert], dtype)
+        return _as_float(self.gate_up_fmt, self.up[expert], dtype)
 
     def down_weights(self, expert: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Expert `expert`'s down [H, I] as `dtype` (a view when already so stored); for a
         tensor of n expert indices, their down [n, H, I]."""
-        return _as_float(self.fmt, self.down[expert], dtype)
+        return _as_float(self.down_fmt, self.down[expert], dtype)
 
     def byte_views(self) -> tuple:
         """(gate, up, expert_rows, down) for the fused CPU kernel (host banks only): flat
@@ -235,33 +268,38 @@ class ExpertBank:
         at a time first. ValueError if H or I is not a whole number of fmt's blocks."""
         fmt.check_row_length(self.hidden_size, "hidden_size (gate/up rows)")
         fmt.check_row_length(self.intermediate_size, "moe_intermediate_size (down rows)")
-        out = self._empty_like(fmt, self.num_experts, self.device)
-        for source, target in zip(self.tensors(), out.tensors(), strict=True):
+        out = self._empty_like((fmt, fmt), self.num_experts, self.device)
+        sources = zip(self.tensors(), self._tensor_formats(), out.tensors(), strict=True)
+        for source, source_fmt, target in sources:
             for expert in range(self.num_experts):
-                target[expert] = fmt.quantize(self._float_rows(source[expert]))
+                target[expert] = fmt.quantize(_float_rows(source_fmt, source[expert]))
         return out
 
-    def _float_rows(self, stored: torch.Tensor) -> torch.Tensor:
-        """Stored rows [..., row_bytes] as a float tensor a quantiser reads: themselves when
-        dense, else expanded to float32."""
-        return stored if not self.fmt.is_quantized else self.fmt.dequantize(stored, torch.float32)
+    def _tensor_formats(self) -> list[WeightFormat]:
+        """The format of each of tensors(), in its order."""
+        gate_up = [self.gate_up_fmt] * (len(self.tensors()) - 1)
+        return [*gate_up, self.down_fmt]
 
-    def _empty_like(self, fmt: WeightFormat, num: int, device) -> ExpertBank:
-        """Uninitialised storage for `num` experts of this bank's shapes in `fmt`, laid out as
-        this bank (stacked or not), on `device`."""
+    def _empty_like(
+        self, formats: tuple[WeightFormat, WeightFormat], num: int, device
+    ) -> ExpertBank:
+        """Uninitialised storage for `num` experts of this bank's shapes in `formats`
+        (gate_up's, down's), laid out as this bank (stacked or not), on `device`."""
         hidden, inter = self.hidden_size, self.intermediate_size
-        down = self.empty_like_tensor(fmt, (num, hidden, inter), device)
+        gate_up_fmt, down_fmt = formats
+        down = self.empty_like_tensor(down_fmt, (num, hidden, inter), device)
         if self.stacked:
-            return ExpertBank(
-                self.empty_like_tensor(fmt, (num, 2 * inter, hidden), device), down, fmt
-            )
-        gate, up = (self.empty_like_tensor(fmt, (num, inter, hidden), device) for _ in range(2))
-        return ExpertBank(gate=gate, up=up, down=down, fmt=fmt)
+            gate_up = self.empty_like_tensor(gate_up_fmt, (num, 2 * inter, hidden), device)
+            return ExpertBank(gate_up, down, gate_up_fmt, down_fmt=down_fmt)
+        gate, up = (
+            self.empty_like_tensor(gate_up_fmt, (num, inter, hidden), device) for _ in range(2)
+        )
+        return ExpertBank(gate=gate, up=up, down=down, fmt=gate_up_fmt, down_fmt=down_fmt)
 
     def empty_slots(self, num_slots: int, device: torch.device | str) -> ExpertBank:
-        """A zero-filled bank of `num_slots` experts in this bank's format and layout, on
+        """A zero-filled bank of `num_slots` experts in this bank's formats and layout, on
         `device`."""
-        slots = self._empty_like(self.fmt, num_slots, device)
+        slots = self._empty_like(self.formats, num_slots, device)
         for tensor in slots.tensors():
             tensor.zero_()
         return slots
@@ -279,6 +317,8 @@ class ExpertBank:
         return self._pairs(target)
 
     def _pairs(self, other: ExpertBank) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if other.formats != self.formats:
+            raise ValueError(f"cannot copy the bytes of {self} into {other}: formats differ")
         if self.stacked and other.stacked:
             return list(zip(self.tensors(), other.tensors(), strict=True))
         return [(self.gate, other.gate), (self.up, other.up), (self.down, other.down)]
@@ -298,9 +338,11 @@ class ExpertBank:
     def _with(self, place) -> ExpertBank:
         """A bank of the same layout and format holding place(tensor) for each tensor."""
         placed = [place(tensor) for tensor in self.tensors()]
+        gate_up_fmt, down_fmt = self.formats
         if self.stacked:
-            return ExpertBank(*placed, self.fmt)
-        return ExpertBank(gate=placed[0], up=placed[1], down=placed[2], fmt=self.fmt)
+            return ExpertBank(*placed, gate_up_fmt, down_fmt=down_fmt)
+        gate, up, down = placed
+        return ExpertBank(gate=gate, up=up, down=down, fmt=gate_up_fmt, down_fmt=down_fmt)
 
     @staticmethod
     def empty_like_tensor(fmt: WeightFormat, shape: Sequence[int], device) -> torch.Tensor:
@@ -344,6 +386,12 @@ def _in_own_pages(tensor: torch.Tensor) -> torch.Tensor:
     owned = raw[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
     owned.copy_(tensor)
     return owned
+
+
+def _float_rows(fmt: WeightFormat, stored: torch.Tensor) -> torch.Tensor:
+    """Stored rows [..., row_bytes] as a float tensor a quantiser reads: themselves when dense,
+    else expanded to float32."""
+    return stored if not fmt.is_quantized else fmt.dequantize(stored, torch.float32)
 
 
 def _as_float(fmt: WeightFormat, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

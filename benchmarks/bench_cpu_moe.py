@@ -51,7 +51,7 @@ SHAPES = {
     "mixtral": Shape(hidden=4096, inter=14336, experts=8, top_k=2),
 }
 FLUSH_BYTES = 512 * 2**20
-SCALE_FP16_BITS = 0x211F  # 0.01: keeps random quants' outputs finite
+SCALE = 0.01  # the blocks' scales (mxfp4: 2^-6): keep random quants' outputs finite
 
 
 def random_stored(fmt_name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
@@ -64,9 +64,9 @@ def random_stored(fmt_name: str, shape: tuple[int, ...], g: torch.Generator) -> 
             continue
         out[e] = torch.randint(0, 256, out.shape[1:], dtype=torch.uint8, generator=g)
         blocks = out[e].view(shape[1], -1, fmt.block_bytes)
+        scale = torch.tensor([SCALE]).to(fmt.scale_dtype).view(torch.uint8)  # fp16 or E8M0
         for at in fmt.scale_offsets:  # d (and m / dmin): finite, so no nan/inf arithmetic
-            blocks[..., at] = SCALE_FP16_BITS & 0xFF
-            blocks[..., at + 1] = SCALE_FP16_BITS >> 8
+            blocks[..., at : at + scale.numel()] = scale
     return out
 
 

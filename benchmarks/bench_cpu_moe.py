@@ -1,14 +1,17 @@
 """One MoE layer's routed experts on the CPU: the fused numba kernel (fused_cpu_moe) per weight
 format, against the memory's read bandwidth and the torch per-expert loop, measured side by side.
 
-    python benchmarks/bench_cpu_moe.py [--shapes qwen3-30b-a3b mixtral] [--formats bf16 q8_0 q4_0]
+    python benchmarks/bench_cpu_moe.py [--shapes qwen3-30b-a3b mixtral gpt-oss-120b]
+        [--formats bf16 q8_0 q4_0 mxfp4]
         [--reps 15] [--threads N] [--separate]
 
 --formats takes any registered weight format (quant/formats.py), the k-quants included
 (q2_k q3_k q4_k q5_k q6_k).
 
-Shapes: qwen3-30b-a3b (H=2048, I=768, E=128, K=8) and mixtral (H=4096, I=14336, E=8, K=2). The
-banks hold random bytes in each format (valid fp16 scales); the math does not care. Before
+Shapes: qwen3-30b-a3b (H=2048, I=768, E=128, K=8), mixtral (H=4096, I=14336, E=8, K=2) and
+gpt-oss-120b (H=2880, I=2880, E=128, K=4; its experts ship as mxfp4, and 2880 is no multiple of
+the k-quants' 256). The banks hold random bytes in each format (small valid scales); the math
+does not care. Before
 every timed call a 512 MiB buffer is read, so the experts come from DRAM, as they do in a real
 decode step where every other layer's weights went through the caches in between.
 
@@ -49,6 +52,7 @@ class Shape:
 SHAPES = {
     "qwen3-30b-a3b": Shape(hidden=2048, inter=768, experts=128, top_k=8),
     "mixtral": Shape(hidden=4096, inter=14336, experts=8, top_k=2),
+    "gpt-oss-120b": Shape(hidden=2880, inter=2880, experts=128, top_k=4),
 }
 FLUSH_BYTES = 512 * 2**20
 SCALE = 0.01  # the blocks' scales (mxfp4: 2^-6): keep random quants' outputs finite

@@ -14,29 +14,40 @@ from hybridmoe.kernels.numba_simd import tile_dot
 from hybridmoe.kernels.torch_moe import gathered_moe
 from hybridmoe.moe.cpu_experts import bank_moe, fused_cpu_moe
 from hybridmoe.quant.bank import ExpertBank
-from hybridmoe.quant.formats import weight_format
+from hybridmoe.quant.formats import KernelFormat, weight_format
+from hybridmoe.quant.mxfp4 import BLOCK_BYTES, dequantize_block_selects_ir
 from hybridmoe.quant.mxfp4_hf import bank_from_hf_mxfp4
 from mxfp4_layout import random_hf_experts
 
 MXFP4 = weight_format("mxfp4")
-KERNEL = MXFP4.kernel
+# the registered IR (a byte shuffle on AVX2 CPUs) and the portable one (selects), compiled apart
+KERNELS = {
+    "registered": MXFP4.kernel,
+    "selects": KernelFormat("mxfp4", BLOCK_BYTES, dequantize_block_selects_ir),
+}
 FP32_TOL = dict(rtol=1e-4, atol=1e-5)
 
 
-@numba.njit
-def _kernel_weights(blocks, out):
-    """out[b, j] = weight j of block b as the fused kernel reads it: a one-block row dotted with
-    the one-hot activation e_j (fma(w, 0, acc) and the lane sum add only exact zeros)."""
-    x = np.zeros(32, np.float32)
-    offs = np.zeros(1, np.int64)
-    for j in range(32):
-        x[:] = 0.0
-        x[j] = 1.0
-        for b in range(out.shape[0]):
-            tile_dot(KERNEL, 1, 1, blocks, b * 17, 17, 1, x, offs, 0, out[b, j:], 0, 1)
+def kernel_weights(kernel: KernelFormat):
+    """A jitted (blocks, out) -> out[b, j] = weight j of block b as `kernel` reads it: a
+    one-block row dotted with the one-hot activation e_j (fma(w, 0, acc) and the lane sum
+    add only exact zeros). The format is a closure constant, as in numba_moe."""
+
+    @numba.njit
+    def weights(blocks, out):
+        x = np.zeros(32, np.float32)
+        offs = np.zeros(1, np.int64)
+        for j in range(32):
+            x[:] = 0.0
+            x[j] = 1.0
+            for b in range(out.shape[0]):
+                tile_dot(kernel, 1, 1, blocks, b * 17, 17, 1, x, offs, 0, out[b, j:], 0, 1)
+
+    return weights
 
 
-def test_the_kernel_reads_every_exponent_and_code_as_the_reference() -> None:
+@pytest.mark.parametrize("ir", KERNELS)
+def test_the_kernel_reads_every_exponent_and_code_as_the_reference(ir: str) -> None:
     """Exponents 0..252 (2^-127 subnormal scales included) with every code byte; from 253 on
     some weights are inf, which a dot product with zeros turns into nan, so they are left
     to the reference's own test against gguf (tests/quant/test_mxfp4.py)."""
@@ -45,7 +56,7 @@ def test_the_kernel_reads_every_exponent_and_code_as_the_reference() -> None:
     blocks[:, 0] = exponents
     blocks[:, 1:] = (np.arange(exponents.size * 16).reshape(-1, 16) + exponents[:, None]) % 256
     out = np.full((exponents.size, 32), np.nan, np.float32)
-    _kernel_weights(blocks.reshape(-1), out)
+    kernel_weights(KERNELS[ir])(blocks.reshape(-1), out)
     expected = MXFP4.dequantize(torch.from_numpy(blocks)).numpy()
     np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
 

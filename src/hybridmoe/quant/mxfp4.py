@@ -108,7 +108,7 @@ def _check_finite(w: torch.Tensor, what: str) -> None:
 
 def doubled_values_ir(builder, codes):
     """LLVM IR: E2M1 codes (<32 x i8> in [0, 15]) -> their doubled values (<32 x i8>, signed),
-    doubled_values' arithmetic in selects over i8 lanes."""
+    doubled_values' arithmetic in selects over i8 lanes (any CPU)."""
     from hybridmoe.kernels import llvm_ir as ll
 
     def splat8(value: int):
@@ -123,6 +123,17 @@ def doubled_values_ir(builder, codes):
     return builder.select(negative, builder.neg(mag), mag)
 
 
+def doubled_values_pshufb_ir(builder, codes):
+    """LLVM IR: doubled_values_ir in one AVX2 byte shuffle (vpshufb) of the 16 doubled values,
+    the table in both 128-bit halves."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    v32i8 = ll.vector(ll.I8, 32)
+    table = [int(v) for v in doubled_values(torch.arange(16, dtype=torch.uint8))] * 2
+    pshufb = ll.declare(builder, "llvm.x86.avx2.pshuf.b", v32i8, [v32i8, v32i8])
+    return builder.call(pshufb, [ll.const_vec(ll.I8, table), codes])
+
+
 def e8m0_half_ir(builder, ptr):
     """LLVM IR: the float 2^(e - 128) of the exponent byte at byte pointer `ptr` (e8m0_half)."""
     from hybridmoe.kernels import llvm_ir as ll
@@ -135,16 +146,25 @@ def e8m0_half_ir(builder, ptr):
     return builder.bitcast(bits, ll.F32)
 
 
-def _dequantize_block_ir(builder, block):
+def dequantize_block_ir(builder, block, values_ir=None):
     """LLVM IR: the weights of the block at byte pointer `block`, <32 x float>: its doubled
-    E2M1 values times 2^(e - 128), the reference's exact product."""
+    E2M1 values (`values_ir`; None: the byte shuffle where the target CPU has AVX2, else the
+    selects) times 2^(e - 128), the reference's exact product."""
     from hybridmoe.kernels import llvm_ir as ll
 
+    if values_ir is None:
+        values_ir = doubled_values_pshufb_ir if ll.target_has("avx2") else doubled_values_ir
     scale = ll.splat(builder, e8m0_half_ir(builder, block))
     packed = ll.load(builder, ll.offset(builder, block, 1), ll.vector(ll.I8, 16))
-    both = builder.shuffle_vector(packed, packed, ll.const_vec(ll.I32, list(range(32))))
-    codes = ll.bits(builder, both, [0] * 16 + [4] * 16, 0xF)  # weights 0..15, then 16..31
-    return ll.scaled(builder, doubled_values_ir(builder, codes), scale)
+    low = builder.and_(packed, ll.const_vec(ll.I8, [0xF] * 16))  # weights 0..15
+    high = builder.lshr(packed, ll.const_vec(ll.I8, [4] * 16))  # weights 16..31
+    codes = builder.shuffle_vector(low, high, ll.const_vec(ll.I32, list(range(32))))
+    return ll.scaled(builder, values_ir(builder, codes), scale)
+
+
+def dequantize_block_selects_ir(builder, block):
+    """dequantize_block_ir with the portable selects whatever the CPU (what tests compare)."""
+    return dequantize_block_ir(builder, block, doubled_values_ir)
 
 
 MXFP4 = register_format(
@@ -155,7 +175,7 @@ MXFP4 = register_format(
         torch.uint8,
         quantize_mxfp4,
         dequantize_mxfp4,
-        KernelFormat("mxfp4", BLOCK_BYTES, _dequantize_block_ir),
+        KernelFormat("mxfp4", BLOCK_BYTES, dequantize_block_ir),
         scale_offsets=(0,),
         scale_dtype=torch.float8_e8m0fnu,
     )

@@ -151,12 +151,15 @@ def bench_format(name, shape, fmt_name, args, memory) -> dict[str, float]:
     ):
         bw = memory.read_gbps()
         t_ours, nbytes = time_calls(ours, bank, shape, tokens, shared, args.reps, memory)
-        t_torch, _ = time_calls(bank_moe, bank, shape, tokens, shared, args.torch_reps, memory)
+        versus = ""
+        if args.torch_reps:
+            t_torch, _ = time_calls(bank_moe, bank, shape, tokens, shared, args.torch_reps, memory)
+            versus = f"   x torch {t_torch / t_ours:5.1f}"
         gbps = nbytes / t_ours / 1e9
         results[label] = t_ours
         print(
             f"  {fmt_name:5} {label:11} {t_ours * 1e6:9.0f} µs {gbps:6.1f} GB/s "
-            f"{gbps / bw:5.0%} of {bw:4.1f} GB/s   x torch {t_torch / t_ours:5.1f}",
+            f"{gbps / bw:5.0%} of {bw:4.1f} GB/s{versus}",
             flush=True,
         )
     print(
@@ -174,7 +177,7 @@ def main() -> None:
         "--formats", nargs="+", choices=WEIGHT_FORMATS, default=["bf16", "q8_0", "q4_0"]
     )
     parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--torch-reps", type=int, default=3)
+    parser.add_argument("--torch-reps", type=int, default=3, help="0: no torch loop")
     parser.add_argument("--threads", type=int, default=None, help="kernel threads (default all)")
     parser.add_argument(
         "--separate", action="store_true", help="banks holding gate and up as two tensors"

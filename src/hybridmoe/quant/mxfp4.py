@@ -77,7 +77,14 @@ def doubled_values(codes: torch.Tensor) -> torch.Tensor:
 def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
     qs = blocks[:, 1:]  # [b, 16]
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=1)  # [b, 32]: weights 0..15 then 16..31
-    return doubled_values(codes).to(torch.float32) * e8m0_half(blocks[:, :1])  # [b, 32]
+    if codes.device.type == "cpu":  # a gather from the table: ~4x the arithmetic's speed here
+        values = _DOUBLED_CPU[codes.long()]
+    else:  # no table to copy to the device: graph capture forbids that copy
+        values = doubled_values(codes).to(torch.float32)
+    return values * e8m0_half(blocks[:, :1])  # [b, 32]
+
+
+_DOUBLED_CPU = doubled_values(torch.arange(16, dtype=torch.uint8)).to(torch.float32)  # [16]
 
 
 def _quantize_chunk(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -67,8 +67,8 @@ def e8m0_half(e: torch.Tensor) -> torch.Tensor:
 
 def doubled_values(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8 in [0, 15], any shape) -> their doubled values as int8: magnitude code
-    m in 0..3 is itself, 4 and 5 are 2 (m - 2), 6 and 7 are 4 (m - 4); bit 3 the sign. Plain
-    arithmetic, no table: nothing is copied to the device (graph capture allows that)."""
+    m in 0..3 is itself, m = 4, 5 gives 2 (m - 2), m = 6, 7 gives 4 (m - 4); bit 3 the sign.
+    Plain arithmetic, no table: nothing is copied to the device (graph capture forbids that)."""
     m = (codes & 7).to(torch.int8)
     mag = torch.where(m < 4, m, torch.where(m < 6, (m - 2) * 2, (m - 4) * 4))
     return torch.where(codes >= 8, -mag, mag)

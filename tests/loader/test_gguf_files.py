@@ -178,7 +178,7 @@ def test_name_map_agrees_with_gguf_py(family: str) -> None:
         assert ours(f"{name}.weight") == f"{theirs.get_name(name)}.weight", name
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "mxfp4"])
 def test_gguf_blocks_are_our_formats_bytes(name: str) -> None:
     """gguf-py's quantiser writes the bytes our format's quantiser writes, and each side's
     dequantiser reads the other's bytes to the same values."""

@@ -34,7 +34,7 @@ GREEDY = SamplingParams(max_tokens=N_GREEDY, temperature=0.0, ignore_eos=True)
 # GGUF types of experts: the registered formats among those gguf-py can quantise in numpy
 # (for the test's writer). Rows here are 32 or 64 weights, so 256-weight k-quant blocks need
 # another case shape; they are listed so that a registered one fails loudly until it has one.
-GGUF_EXPERT_TYPES = ("F32", "BF16", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+GGUF_EXPERT_TYPES = ("F32", "BF16", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
 EXPERT_TYPES = [t for t in GGUF_EXPERT_TYPES if t.lower() in WEIGHT_FORMATS]
 # one case per family whose expert rows (H and I) are whole 32-weight blocks
 QUANT_CASES = [

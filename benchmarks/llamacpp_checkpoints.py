@@ -1,7 +1,9 @@
 """The checkpoints bench_vs_llamacpp.py compares on: a random Qwen3-MoE of a preset shape, written
 once as safetensors (bench_decode.py's hub layout, bf16) and converted to one GGUF per expert
 format, as llama.cpp's converter names and lays it out (qwen3moe metadata, gguf-py's tensor
-names, each layer's experts merged into `blk.N.ffn_{gate,up,down}_exps`), dense tensors bf16.
+names, each layer's experts merged into `blk.N.ffn_{gate,up,down}_exps`), the other matrices
+bf16, and, as the converter keeps them, norms and routers F32 (llama.cpp's CPU ops multiply no
+f32 by a bf16 norm); their values are the checkpoint's bf16 ones either way.
 
 Quantised experts are hybridmoe's own quantiser's bytes (q8_0 / q4_0 blocks are ggml's layout,
 tests/quant/test_gguf_layout.py), so both engines read the same bytes from the same file.
@@ -101,7 +103,8 @@ def _tensor_plan(shape: Qwen3MoeShape, expert_format: str):
             experts[(prefix + ".experts", rest.split(".")[1])] = dims
             continue
         base = name.removesuffix(".weight")
-        yield f"{names.get_name(base)}.weight", dims, QType.BF16, name
+        qtype = QType.F32 if len(dims) == 1 or base.endswith("mlp.gate") else QType.BF16
+        yield f"{names.get_name(base)}.weight", dims, qtype, name
     for (prefix, proj), dims in experts.items():
         gguf_name = f"{names.get_name(f'{prefix}.{proj}')}.weight"
         source = (prefix, proj, shape.num_experts)
@@ -109,7 +112,7 @@ def _tensor_plan(shape: Qwen3MoeShape, expert_format: str):
 
 
 def _byte_dims(dims: tuple[int, ...], qtype: QType) -> tuple[int, ...]:
-    """The stored shape in bytes: rows of blocks (bf16: a block of one value, 2 bytes)."""
+    """The stored shape in bytes: rows of blocks (bf16, f32: blocks of one value)."""
     block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
     return (*dims[:-1], dims[-1] // block * type_bytes)
 
@@ -117,7 +120,9 @@ def _byte_dims(dims: tuple[int, ...], qtype: QType) -> tuple[int, ...]:
 def _stored(reader: _TensorReader, source, qtype: QType, expert_format: str) -> np.ndarray:
     """The bytes of one GGUF tensor (uint8; rows of bf16 values or of quantised blocks)."""
     if isinstance(source, str):
-        value = reader.get(source).to(torch.bfloat16)
+        value = reader.get(source)
+        if qtype == QType.F32:
+            return value.float().contiguous().view(torch.uint8).numpy()
     else:
         prefix, proj, count = source
         value = torch.stack([reader.get(f"{prefix}.{e}.{proj}.weight") for e in range(count)])

@@ -120,8 +120,15 @@ def load_llamacpp(path: Path, threads: int, args):
     return contexts[0].generate, make_batched, close
 
 
+_QUIET = {}  # the log callback, kept alive while llama.cpp holds it
+
+
 def load_llama_model(ll, path: Path):
-    """llama.cpp's model of the GGUF at `path` (memory-mapped, llama.cpp's defaults)."""
+    """llama.cpp's model of the GGUF at `path` (memory-mapped, llama.cpp's defaults); its log
+    lines go nowhere (a failure is still a RuntimeError here)."""
+    if not _QUIET:
+        _QUIET["callback"] = ll.llama_log_callback(lambda level, text, user_data: None)
+        ll.llama_log_set(_QUIET["callback"], ctypes.c_void_p(0))
     ll.llama_backend_init()
     model = ll.llama_model_load_from_file(str(path).encode(), ll.llama_model_default_params())
     if not model:

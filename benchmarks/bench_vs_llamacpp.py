@@ -63,6 +63,9 @@ def parse_args() -> argparse.Namespace:
         "--busy-cores", type=float, default=0.5, help="others' cores that make a round busy"
     )
     parser.add_argument("--json", type=Path, default=None, help="write every round here")
+    parser.add_argument(
+        "--report", type=Path, default=None, help="only print the tables of a --json file"
+    )
     parser.add_argument("--worker", choices=ENGINES, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--gguf", type=Path, default=None, help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -153,50 +156,62 @@ def _chosen(rounds: list[Round]) -> tuple[list[Round], bool]:
     return (quiet, False) if quiet else (rounds, True)
 
 
-def _row(label: str, rounds: list[Round], key: str, bytes_per_token: int | None) -> str:
+def _row(label: str, rounds: list[Round], key: str, bytes_per_token: int | None = None) -> str:
+    """A table row: both engines' medians of `key`, the median ratio, and with
+    `bytes_per_token` each engine's share of the measured bandwidth limit."""
     chosen, busy = _chosen(rounds)
     ours = _median([r.results["hybridmoe"][key] for r in chosen])
     theirs = _median([r.results["llama.cpp"][key] for r in chosen])
     ratio = _median([r.results["hybridmoe"][key] / r.results["llama.cpp"][key] for r in chosen])
-    share = ""
+    cells = [label, f"{ours:.1f} tok/s", f"{theirs:.1f} tok/s", f"{ratio:.2f}"]
     if bytes_per_token is not None:
         gbps = _median([r.dram_gbps for r in chosen]) * 1e9
         ours_pct, theirs_pct = (100 * bytes_per_token * rate / gbps for rate in (ours, theirs))
-        share = f"{ours_pct:.0f} % / {theirs_pct:.0f} %"
-    cells = [label, f"{ours:.1f} tok/s", f"{theirs:.1f} tok/s", f"{ratio:.2f}", share]
+        cells.append(f"{ours_pct:.0f} % / {theirs_pct:.0f} %")
     cells.append(f"{len(chosen)} {'BUSY' if busy else 'quiet'}")
     return "| " + " | ".join(cells) + " |"
+
+
+def _table(title: str, columns: list[str], rows: list[str]) -> None:
+    print(f"\n### {title}\n")
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    print("\n".join(rows))
 
 
 def report(rounds: list[Round], files: dict[str, Path], args: argparse.Namespace) -> None:
     groups: dict[tuple[str, int], list[Round]] = {}
     for r in rounds:
         groups.setdefault((r.fmt, r.threads), []).append(r)
-    header = "| experts, threads | hybridmoe `--decode-target cpu` | llama.cpp | ratio |"
-    print(f"\n### Decode, batch 1 ({args.tokens} tokens after {args.prompt_tokens})\n")
-    print(header + " share of the bandwidth limit (ours / llama.cpp) | rounds |")
-    print("|---|---|---|---|---|---|")
-    for (fmt, threads), group in groups.items():
-        print(_row(f"{fmt}, {threads}t", group, "decode_tok_s", bytes_read_per_token(files[fmt])))
+    labels = {key: f"{key[0]}, {key[1]}t" for key in groups}
+    engines = ["experts, threads", "hybridmoe `--decode-target cpu`", "llama.cpp", "ratio"]
+    share = "share of the bandwidth limit (ours / llama.cpp)"
+    per_token = {fmt: bytes_read_per_token(files[fmt]) for fmt in args.formats}
+    rows = [_row(labels[k], g, "decode_tok_s", per_token[k[0]]) for k, g in groups.items()]
+    title = f"Decode, batch 1 ({args.tokens} tokens after a {args.prompt_tokens}-token prompt)"
+    _table(title, [*engines, share, "rounds"], rows)
     if args.batch > 1:
-        print(f"\n### Decode, {args.batch} prompts batched (aggregate)\n")
-        print(header + " | rounds |\n|---|---|---|---|---|---|")
-        for (fmt, threads), group in groups.items():
-            print(_row(f"{fmt}, {threads}t", group, "batch_decode_tok_s", None))
-    print(f"\n### Prefill of a {args.prefill_tokens}-token prompt\n")
-    print(header + " | rounds |\n|---|---|---|---|---|---|")
-    for (fmt, threads), group in groups.items():
-        print(_row(f"{fmt}, {threads}t", group, "prefill_tok_s", None))
-    print("\n### Load to the first token, peak RSS (medians)\n")
-    print("| experts, threads | hybridmoe load | llama.cpp load | hybridmoe peak RSS | "
-          "llama.cpp peak RSS |\n|---|---|---|---|---|")  # fmt: skip
-    for (fmt, threads), group in groups.items():
-        chosen, _ = _chosen(group)
-        cells = [_median([r.results[e][key] for r in chosen]) for key in ("load_s", "peak_rss_mib")
-                 for e in ENGINES]  # fmt: skip
-        print(f"| {fmt}, {threads}t | {cells[0]:.1f} s | {cells[1]:.1f} s | "
-              f"{cells[2]:.0f} MiB | {cells[3]:.0f} MiB |")  # fmt: skip
+        rows = [_row(labels[k], g, "batch_decode_tok_s") for k, g in groups.items()]
+        _table(f"Decode, {args.batch} prompts batched (aggregate)", [*engines, "rounds"], rows)
+    rows = [_row(labels[k], g, "prefill_tok_s") for k, g in groups.items()]
+    _table(f"Prefill of a {args.prefill_tokens}-token prompt", [*engines, "rounds"], rows)
+    rows = [_load_row(labels[k], g) for k, g in groups.items()]
+    columns = ["experts, threads", "hybridmoe load", "llama.cpp load"]
+    _table("Load to the first token, peak RSS", [*columns, "hybridmoe RSS", "llama.cpp RSS"], rows)
+    read = ", ".join(f"{fmt} {n / 1e6:.1f} MB" for fmt, n in per_token.items())
+    gbps = _median([r.dram_gbps for r in _chosen(rounds)[0]])
+    print(f"\nbytes read per token: {read}; DRAM read limit {gbps:.1f} GB/s (median)")
     _report_tokens(rounds)
+
+
+def _load_row(label: str, rounds: list[Round]) -> str:
+    chosen, _ = _chosen(rounds)
+    load_s, rss_mib = (
+        [_median([r.results[e][key] for r in chosen]) for e in ENGINES]
+        for key in ("load_s", "peak_rss_mib")
+    )
+    cells = [label, *(f"{s:.1f} s" for s in load_s), *(f"{m:.0f} MiB" for m in rss_mib)]
+    return "| " + " | ".join(cells) + " |"
 
 
 def _report_tokens(rounds: list[Round]) -> None:
@@ -221,26 +236,33 @@ def first_divergence(ours: list[int], theirs: list[int]) -> int | None:
     return first
 
 
+def _require_llama_cpp() -> None:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        raise SystemExit(MISSING_LLAMA_CPP) from None
+
+
 def main() -> None:
     args = parse_args()
     if args.worker:
         threads = args.threads[0]
         print(json.dumps(measure(args.worker, args.gguf, threads, args)))
         return
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        raise SystemExit(MISSING_LLAMA_CPP) from None
+    if not args.report:
+        _require_llama_cpp()
     shape = SHAPES[args.shape]
     print(f"shape {args.shape}: {shape.total_params / 1e9:.2f} G params, "
           f"{checkpoint_bytes(shape) / 2**30:.2f} GiB bf16; {os.cpu_count()} cores")  # fmt: skip
     files = ensure_files(args.shape, args.dir, tuple(args.formats))
-    warm_up(files, args)
-    rounds = run_rounds(files, args)
-    report(rounds, files, args)
+    if args.report:
+        rounds = [Round(**row) for row in json.loads(args.report.read_text())]
+    else:
+        warm_up(files, args)
+        rounds = run_rounds(files, args)
     if args.json:
-        rows = [r.__dict__ for r in rounds]
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps([r.__dict__ for r in rounds], indent=1))
+    report(rounds, files, args)
 
 
 if __name__ == "__main__":

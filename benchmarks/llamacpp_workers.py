@@ -87,8 +87,13 @@ def load_hybridmoe(path: Path, threads: int, args):
 
     torch.set_num_threads(threads)
     offload = OffloadConfig(decode_target="cpu", cpu_threads=threads)
+    # no prefix cache: llama.cpp's KV is cleared before every request, so each prefills it all
     config = EngineConfig(
-        dtype="bfloat16", threads=threads, max_batch=max(args.batch, 1), offload=offload
+        dtype="bfloat16",
+        threads=threads,
+        max_batch=max(args.batch, 1),
+        prefix_cache_tokens=0,
+        offload=offload,
     )
     engine = Engine.from_pretrained(path, config)
 

@@ -20,7 +20,7 @@ from safetensors import safe_open
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from bench_vs_llamacpp import first_divergence  # noqa: E402
+from bench_vs_llamacpp import Round, _row, first_divergence  # noqa: E402
 from llamacpp_checkpoints import SHAPES, bytes_read_per_token, ensure_files  # noqa: E402
 from llamacpp_workers import MISSING_LLAMA_CPP, measure, prompts  # noqa: E402
 
@@ -83,6 +83,22 @@ def test_bytes_read_per_token_is_the_active_weights(files: dict[str, Path]) -> N
     assert bytes_read_per_token(files["bf16"]) == expected
     read = [bytes_read_per_token(files[fmt]) for fmt in FORMATS]
     assert read == sorted(read, reverse=True) and len(set(read)) == 3
+
+
+def _round(busy: bool, ours: float, theirs: float) -> Round:
+    results = {"hybridmoe": {"decode_tok_s": ours}, "llama.cpp": {"decode_tok_s": theirs}}
+    return Round("q4_0", 2, 0.0, 0.0, 10.0, busy, results)
+
+
+def test_rows_take_quiet_rounds_only_and_say_busy_otherwise() -> None:
+    quiet_and_busy = [_round(False, 30.0, 60.0), _round(True, 30.0, 10.0)]
+    assert _row("q4_0, 2t", quiet_and_busy, "decode_tok_s", 10**8) == (
+        "| q4_0, 2t | 30.0 tok/s | 60.0 tok/s | 0.50 | 30 % / 60 % | 1 quiet |"
+    )
+    all_busy = [_round(True, 30.0, 60.0), _round(True, 30.0, 10.0), _round(True, 30.0, 30.0)]
+    assert _row("q4_0, 2t", all_busy, "decode_tok_s") == (
+        "| q4_0, 2t | 30.0 tok/s | 30.0 tok/s | 1.00 | 3 BUSY |"
+    )
 
 
 def test_first_divergence() -> None:

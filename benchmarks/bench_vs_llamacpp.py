@@ -6,14 +6,18 @@ read bandwidth measured in the same run, load time to the first token and peak R
     python benchmarks/bench_vs_llamacpp.py --shape qwen3-30b-a3b-4l --rounds 4
 
 The checkpoint (random weights, llamacpp_checkpoints.SHAPES) is written once as safetensors and
-converted to one GGUF per expert format (experts bf16 / q8_0 / q4_0, everything else bf16);
-both engines load the same file. Each measurement runs in a fresh process (so its peak RSS is
-its own); the two engines alternate which goes first. A round is one (format, threads) pair
-of both engines; before it the bench records /proc/loadavg and, over a 1 s pause of its own,
-how many cores other processes keep busy. A round is busy when those exceed --busy-cores: the
-1-minute load average (printed beside it) cannot tell, since the bench's own previous run keeps
-it near its thread count on a quiet machine. Figures and ratios come from quiet rounds only;
-when no round was quiet, the table says BUSY and its figures are from all rounds.
+converted to one GGUF per expert format (experts bf16 / q8_0 / q4_0, the other matrices bf16,
+norms and routers F32 as llama.cpp's converter keeps them); both engines load the same file and
+decode greedily from token ids, hybridmoe without its prefix cache. llama.cpp runs through its
+C API (llama_batch, one sequence id per prompt for the batched rows). Each measurement runs in
+a fresh process (so its peak RSS is its own); the two engines alternate which goes first.
+
+A round is one (format, threads) pair of both engines; before it the bench records
+/proc/loadavg and, over a 1 s pause of its own, how many cores other processes keep busy. A
+round is busy when those exceed --busy-cores: the 1-minute load average (printed beside it)
+cannot tell, since the bench's own previous run keeps it near its thread count on a quiet
+machine. Figures and ratios come from quiet rounds only; when no round was quiet, the table
+says BUSY and its figures are from all rounds.
 """
 
 from __future__ import annotations

@@ -125,27 +125,26 @@ class ExpertBank:
         self._check_stored_shapes()
 
     def _check_stored_shapes(self) -> None:
-        """ValueError unless gate/up [E, I, row(H)] and down [E, H, row(I)] are what `fmt`
-        stores for H and I (whole blocks of it), in its storage dtype."""
+        """ValueError unless gate/up [E, I, row(H)] are what gate_up_fmt stores for H and down
+        [E, H, row(I)] what down_fmt stores for I (whole blocks of it), in its storage dtype."""
         if self.down.dim() != 3 or self.gate.dim() != 3:
             raise ValueError(
                 f"ExpertBank: gate {tuple(self.gate.shape)} and down {tuple(self.down.shape)} "
                 "are not [E, rows, stored row]"
             )
         num, hidden, inter = self.num_experts, self.hidden_size, self.intermediate_size
-        fmt = self.fmt
-        fmt.check_row_length(hidden, f"ExpertBank: hidden_size (gate/up rows) of {fmt.name}")
-        fmt.check_row_length(inter, f"ExpertBank: intermediate size (down rows) of {fmt.name}")
-        expected = (fmt.stored_shape((num, inter, hidden)), fmt.stored_shape((num, hidden, inter)))
-        if (tuple(self.gate.shape), tuple(self.down.shape)) != expected or any(
-            t.dtype != fmt.storage_dtype for t in (self.gate, self.down)
+        for name, tensor, fmt, rows, row in (
+            ("gate/up", self.gate, self.gate_up_fmt, inter, hidden),
+            ("down", self.down, self.down_fmt, hidden, inter),
         ):
-            raise ValueError(
-                f"ExpertBank: gate {tuple(self.gate.shape)} {self.gate.dtype} and down "
-                f"{tuple(self.down.shape)} {self.down.dtype} do not hold E, H, I = "
-                f"{num, hidden, inter} in {fmt.name}: expected {expected[0]} and {expected[1]} "
-                f"{fmt.storage_dtype}"
-            )
+            fmt.check_row_length(row, f"ExpertBank: {name} rows of {fmt.name}")
+            expected = fmt.stored_shape((num, rows, row))
+            if tuple(tensor.shape) != expected or tensor.dtype != fmt.storage_dtype:
+                raise ValueError(
+                    f"ExpertBank: {name} {tuple(tensor.shape)} {tensor.dtype} does not hold "
+                    f"E, H, I = {num, hidden, inter} in {fmt.name}: expected {expected} "
+                    f"{fmt.storage_dtype}"
+                )
 
     def __repr__(self) -> str:
         layout = "stacked" if self.stacked else "separate"

@@ -260,3 +260,9 @@ def _check_banks(banks: Sequence[ExpertBank]) -> None:
                 f"{tuple(bank.down.shape)} differ from layer 0's {tuple(shapes[0])}, "
                 f"{tuple(shapes[1])}; all MoE layers must share expert shapes"
             )
+        if (bank.biases is None) != (first.biases is None) or bank.activation != first.activation:
+            raise ValueError(
+                f"layer {layer}: bank experts (biases: {bank.biases is not None}, "
+                f"{bank.activation}) differ from layer 0's (biases: {first.biases is not None}, "
+                f"{first.activation}); the shared slots hold one kind of expert"
+            )

@@ -25,7 +25,9 @@ from hf_checkpoints import (
 )
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.engine.kv_cache import KVCache
+from hybridmoe.engine.placement import expert_shape_bank
 from hybridmoe.errors import UnsupportedConfigError
+from hybridmoe.layers import attention
 from hybridmoe.models.loading import load_hf_model
 from hybridmoe.moe.config import OffloadConfig
 
@@ -158,3 +160,17 @@ def test_unknown_layer_type_is_refused(reference: Reference, tmp_path) -> None:
     (tmp_path / "config.json").write_text(config)
     with pytest.raises(UnsupportedConfigError, match="layer_types.*sliding_attention"):
         load_hf_model(tmp_path)
+
+
+def test_attention_in_chunks_of_query_rows(reference: Reference, monkeypatch) -> None:
+    monkeypatch.setattr(attention, "SINK_SCORES_BYTES", 1)  # one query row per chunk
+    model = load_hf_model(reference.directory)
+    logits = model.logits(PROMPT_IDS + reference.tokens[:-1])
+    torch.testing.assert_close(logits, reference.logits, atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
+
+
+def test_memory_plan_counts_the_expert_biases(reference: Reference) -> None:
+    model = load_hf_model(reference.directory)
+    bank = model.moe_layers[0].experts.store
+    assert bank.biases is not None
+    assert expert_shape_bank(model, OffloadConfig()).expert_nbytes == bank.expert_nbytes

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
 from hybridmoe.engine.config import PREFIX_BLOCK_TOKENS, EngineConfig
 from hybridmoe.engine.kv_cache import KVBlockPool, KVCache
 from hybridmoe.errors import DeviceMemoryError, HostMemoryError
@@ -23,6 +25,7 @@ from hybridmoe.moe.config import AUTO_TARGET, OffloadConfig
 from hybridmoe.platform.base import Platform
 from hybridmoe.platform.cpu import host_available_bytes
 from hybridmoe.quant.bank import ExpertBank
+from hybridmoe.quant.expert_math import ExpertBiases
 from hybridmoe.quant.formats import WeightFormat, dense_format, weight_format
 
 GIB = 2**30
@@ -154,7 +157,13 @@ def expert_shape_bank(model: MoeCausalLM, offload: OffloadConfig) -> ExpertBank:
     inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
     gate_up = ExpertBank.empty_like_tensor(fmt, (1, 2 * inter, hidden), "meta")
     down = ExpertBank.empty_like_tensor(fmt, (1, hidden, inter), "meta")
-    return ExpertBank(gate_up, down, fmt)
+    biases = None
+    if cfg.expert_bias:  # kept in the model's dtype beside any format (quant/expert_math.py)
+        biases = ExpertBiases(
+            torch.empty((1, 2 * inter), dtype=model.dtype, device="meta"),
+            torch.empty((1, hidden), dtype=model.dtype, device="meta"),
+        )
+    return ExpertBank(gate_up, down, fmt, biases=biases)
 
 
 def resolve_decode_target(

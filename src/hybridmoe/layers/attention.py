@@ -129,6 +129,14 @@ class GroupedQueryAttention:
         return q, k, v
 
 
+SINK_SCORES_BYTES = 256 * 2**20  # SinkAttention's scores per chunk of query rows
+
+
+def _rows(mask: torch.Tensor | None, first: int, count: int) -> torch.Tensor | None:
+    """Query rows first .. first + count of a mask [..., T, S] (None stays None)."""
+    return None if mask is None else mask[..., first : first + count, :]
+
+
 @register_attention("gqa_sinks")
 class SinkAttention(GroupedQueryAttention):
     """gpt-oss: grouped-query attention whose softmax has one more logit per head, a learned
@@ -148,17 +156,32 @@ class SinkAttention(GroupedQueryAttention):
         mask: torch.Tensor | None,
         is_causal: bool,
     ) -> torch.Tensor:
-        """q [B, heads, T, D], k/v [B, kv_heads, S, D] -> [B, heads, T, D]."""
-        B, heads, T, D = q.shape
+        """q [B, heads, T, D], k/v [B, kv_heads, S, D] -> [B, heads, T, D], in chunks of
+        query rows whose float32 scores fit SINK_SCORES_BYTES (a long prefill's [T, S] scores
+        per head would not)."""
+        B, heads, T, _ = q.shape
+        S = k.shape[2]
+        if is_causal:  # the step is one sequence from position 0: T == S
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
         groups = heads // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = torch.matmul(q, k.transpose(2, 3)) * D**-0.5  # [B, heads, T, S]
-        if is_causal:
-            mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=q.device).tril()
+        rows = max(1, SINK_SCORES_BYTES // (4 * B * heads * S))
+        chunks = [
+            self._attend_rows(q[:, :, i : i + rows], k, v, _rows(mask, i, rows))
+            for i in range(0, T, rows)
+        ]
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
+
+    def _attend_rows(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q [B, heads, t, D], k/v [B, heads, S, D], mask broadcasting to [B, heads, t, S]."""
+        B, heads, t, D = q.shape
+        scores = torch.matmul(q, k.transpose(2, 3)) * D**-0.5  # [B, heads, t, S]
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        sinks = self.sinks.reshape(1, heads, 1, 1).expand(B, heads, T, 1).to(scores.dtype)
-        logits = torch.cat([scores, sinks], dim=-1)  # [B, heads, T, S + 1]
+        sinks = self.sinks.reshape(1, heads, 1, 1).expand(B, heads, t, 1).to(scores.dtype)
+        logits = torch.cat([scores, sinks], dim=-1)  # [B, heads, t, S + 1]
         logits = logits - logits.amax(dim=-1, keepdim=True)
         probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]  # the sink dropped
         return torch.matmul(probs.to(v.dtype), v)

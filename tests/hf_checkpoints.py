@@ -1,7 +1,8 @@
 """Tiny random checkpoints written by Hugging Face `transformers` itself, and its outputs.
 
 `transformers` is the oracle: it builds each model from its own config class, saves it with
-`save_pretrained` (per-expert tensor names, exactly as hub checkpoints), and computes the
+`save_pretrained` (per-expert tensor names, exactly as hub checkpoints; gpt-oss's fused
+`experts.gate_up_proj` etc., as its hub checkpoints store them), and computes the
 reference logits and greedy tokens. Nothing is downloaded.
 
 Weights are re-drawn here rather than left to `transformers`' init, for two reasons: its init

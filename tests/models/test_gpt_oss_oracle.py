@@ -178,3 +178,16 @@ def test_memory_plan_counts_the_expert_biases(reference: Reference) -> None:
     bank = model.moe_layers[0].experts.store
     assert bank.biases is not None
     assert expert_shape_bank(model, OffloadConfig()).expert_nbytes == bank.expert_nbytes
+
+
+def test_prefix_cache_reuse_with_sliding_layers(reference: Reference) -> None:
+    # a second request starts from 32 cached positions of its 40: the suffix prefill's
+    # queries see only their window of the copied keys on sliding layers
+    prompt = [3 + i % 90 for i in range(40)]
+    expected = hf_greedy(reference.directory, prompt, 8)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    config = EngineConfig(dtype="float32", prefix_cache_tokens=256)
+    with Engine.from_pretrained(reference.directory, config) as engine:
+        assert engine.generate_ids([prompt], greedy) == [expected]
+        assert engine.generate_ids([prompt], greedy) == [expected]
+        assert engine.stats.prefix_cache.hit_tokens == 32

@@ -153,7 +153,7 @@ def _build_offloaded(
     if on_accelerator and config.pin_memory:
         bar = tqdm(parts.stores, desc="pinning expert banks", unit="layer", disable=not progress)
         parts.stores = [bank.in_own_pages() for bank in bar]
-        for tensor in (tensor for bank in parts.stores for tensor in bank.tensors()):
+        for tensor in (t for bank in parts.stores for t in bank.tensors() + bank.bias_tensors()):
             platform.pin(tensor)
     banks = parts.stores
     # On the cpu device `auto` computes prefill from the banks in place.

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
 from hybridmoe.engine.config import PREFIX_BLOCK_TOKENS, EngineConfig
 from hybridmoe.engine.kv_cache import KVBlockPool, KVCache
 from hybridmoe.errors import DeviceMemoryError, HostMemoryError
@@ -23,6 +25,7 @@ from hybridmoe.moe.config import AUTO_TARGET, OffloadConfig
 from hybridmoe.platform.base import Platform
 from hybridmoe.platform.cpu import host_available_bytes
 from hybridmoe.quant.bank import ExpertBank
+from hybridmoe.quant.expert_math import ExpertBiases
 from hybridmoe.quant.formats import WeightFormat, dense_format, weight_format
 
 GIB = 2**30
@@ -151,6 +154,12 @@ def expert_shape_banks(model: MoeCausalLM, offload: OffloadConfig) -> list[Exper
     without memory."""
     cfg = model.cfg
     inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+    biases = None
+    if cfg.expert_bias:  # kept in the model's dtype beside any format (quant/expert_math.py)
+        biases = ExpertBiases(
+            torch.empty((1, 2 * inter), dtype=model.dtype, device="meta"),
+            torch.empty((1, hidden), dtype=model.dtype, device="meta"),
+        )
     banks = []
     for formats in _layer_formats(model, offload):
         gate_up_fmt, down_fmt = formats
@@ -158,7 +167,7 @@ def expert_shape_banks(model: MoeCausalLM, offload: OffloadConfig) -> list[Exper
         down_fmt.check_row_length(inter, "moe_intermediate_size (down rows)")
         gate_up = ExpertBank.empty_like_tensor(gate_up_fmt, (1, 2 * inter, hidden), "meta")
         down = ExpertBank.empty_like_tensor(down_fmt, (1, hidden, inter), "meta")
-        banks.append(ExpertBank(gate_up, down, gate_up_fmt, down_fmt=down_fmt))
+        banks.append(ExpertBank(gate_up, down, gate_up_fmt, down_fmt=down_fmt, biases=biases))
     return banks
 
 

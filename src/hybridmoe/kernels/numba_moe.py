@@ -181,6 +181,53 @@ def _swiglu(gate, up, n, act_bf16):
         _round_bf16(gate, n)
 
 
+@cached_njit(inline="always", **_FLAGS)
+def _clamped_swiglu(gate, up, n, alpha, limit, act_bf16):
+    """gate[:n] = (clamp(up, -limit, limit) + 1) * g * sigmoid(g * alpha), g = min(gate,
+    limit) (gpt-oss; quant/expert_math.py), each op rounded to bf16 when `act_bf16`; alpha and
+    limit are float32, as torch keeps a bf16 op's scalar operand."""
+    for j in range(n):
+        gate[j] = min(gate[j], limit)
+        up[j] = max(min(up[j], limit), -limit)
+    if act_bf16:
+        _round_bf16(gate, n)
+        _round_bf16(up, n)
+    glu = np.empty(n, np.float32)
+    for j in range(n):
+        glu[j] = gate[j] * alpha
+    if act_bf16:
+        _round_bf16(glu, n)
+    for j in range(n):
+        glu[j] = np.float32(1.0) / (np.float32(1.0) + np.exp(-glu[j]))
+    if act_bf16:
+        _round_bf16(glu, n)
+    for j in range(n):
+        glu[j] *= gate[j]
+        up[j] += np.float32(1.0)
+    if act_bf16:
+        _round_bf16(glu, n)
+        _round_bf16(up, n)
+    for j in range(n):
+        gate[j] = up[j] * glu[j]
+    if act_bf16:
+        _round_bf16(gate, n)
+
+
+@cached_njit(inline="always", **_FLAGS)
+def _add_bias(a, bias, bias_off, count, rows, act_bf16):
+    """a[c * rows + r] += bias[bias_off + r] for c < count, r < rows (a projection's output,
+    already in the activation dtype), rounded to bf16 when `act_bf16`."""
+    for c in range(count):
+        for r in range(rows):
+            a[c * rows + r] += bias[bias_off + r]
+    if act_bf16:
+        _round_bf16(a, count * rows)
+
+
+# activation codes (quant/expert_math.py ACTIVATION_CODES)
+SILU = 0
+CLAMPED_SWIGLU = 1
+
 # act_bf16 codes: how the kernel rounds (float32 activations: 0, no rounding)
 BF16_ACTIVATIONS = 1  # bf16 activations, float32 router weights (Mixtral): float32 products
 BF16_ROUTE_WEIGHTS = 2  # bf16 activations and router weights: bf16 weighted outputs
@@ -202,10 +249,17 @@ def _fused_moe(
     num_experts,
     top_k,
     act_bf16,
+    act,
+    gate_up_bias,
+    down_bias,
     y,
 ):
     """y[t] += Σ_k route_weights[t*K+k] · down_e(silu(gate_e x_t) ⊙ up_e x_t), e = ids[t*K+k],
-    ids < 0 skipped. x f32 [T*H], ids int64 [T*K], route_weights f32 [T*K], y f32 [T*H];
+    ids < 0 skipped; or, as `act` = (code, alpha, limit) says, another activation
+    (CLAMPED_SWIGLU); gate_up_bias f32 [E*2I] (gate's I then up's I per expert) and down_bias
+    f32 [E*H], both empty for experts without biases, added after each projection's rounding
+    (quant/expert_math.py's contract).
+    x f32 [T*H], ids int64 [T*K], route_weights f32 [T*K], y f32 [T*H];
     w_gate, w_up, down uint8, the bank's bytes (ExpertBank.byte_views), gate and up in
     KernelFormat `fmt`, down in `down_fmt`:
     expert e's I gate rows of H weights start at row e * expert_rows of `w_gate`, its up rows
@@ -227,7 +281,9 @@ def _fused_moe(
     num_routes = starts[-1]
     x_offs = (routes // top_k) * hidden  # [R] start of each route's token in x
     act_offs = np.arange(routes.shape[0]) * inter  # [R] start of each route's act row
-    act = np.empty(num_routes * inter, np.float32)  # [R, I] silu(gate) * up per route
+    code, alpha, limit = act
+    has_bias = gate_up_bias.shape[0] > 0
+    acts = np.empty(num_routes * inter, np.float32)  # [R, I] silu(gate) * up per route
     chunks = (inter + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
     for item in prange(experts.shape[0] * chunks):
         u, chunk = item // chunks, item % chunks
@@ -241,10 +297,17 @@ def _fused_moe(
         if act_bf16:
             _round_bf16(gate, count * rows)
             _round_bf16(up, count * rows)
-        _swiglu(gate, up, count * rows, act_bf16)
+        if has_bias:
+            bias_off = experts[u] * 2 * inter + i0
+            _add_bias(gate, gate_up_bias, bias_off, count, rows, act_bf16)
+            _add_bias(up, gate_up_bias, bias_off + inter, count, rows, act_bf16)
+        if code == CLAMPED_SWIGLU:
+            _clamped_swiglu(gate, up, count * rows, alpha, limit, act_bf16)
+        else:
+            _swiglu(gate, up, count * rows, act_bf16)
         for c in range(count):
             for r in range(rows):
-                act[(first + c) * inter + i0 + r] = gate[c * rows + r]
+                acts[(first + c) * inter + i0 + r] = gate[c * rows + r]
     max_count = np.max(starts[1:] - starts[:-1]) if num_routes else 0
     for chunk in prange((hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
         h0 = chunk * ROWS_PER_ITEM
@@ -254,10 +317,12 @@ def _fused_moe(
             first, count = starts[u], starts[u + 1] - starts[u]
             row_off = (experts[u] * hidden + h0) * i_row_bytes
             _matmul(
-                down_fmt, down, row_off, i_row_bytes, inter, rows, act, act_offs, first, count, out
+                down_fmt, down, row_off, i_row_bytes, inter, rows, acts, act_offs, first, count, out
             )
             if act_bf16:
                 _round_bf16(out, count * rows)
+            if has_bias:
+                _add_bias(out, down_bias, experts[u] * hidden + h0, count, rows, act_bf16)
             for c in range(count):
                 weight = route_weights[routes[first + c]]
                 for r in range(rows):
@@ -275,7 +340,9 @@ def _fused_moe_entry(kernel: KernelFormat, down_kernel: KernelFormat):
     """The parallel entry point of _fused_moe for gate/up in `kernel`'s format and down in
     `down_kernel`'s (same arguments, less the formats)."""
 
-    def fused_moe(x, ids, weights, gate, up, rows, down, hidden, inter, experts, k, act_bf16, y):
+    def fused_moe(
+        x, ids, weights, gate, up, rows, down, hidden, inter, experts, k, act_bf16, act, gub, db, y
+    ):
         return _fused_moe(
             kernel,
             down_kernel,
@@ -291,6 +358,9 @@ def _fused_moe_entry(kernel: KernelFormat, down_kernel: KernelFormat):
             experts,
             k,
             act_bf16,
+            act,
+            gub,
+            db,
             y,
         )
 

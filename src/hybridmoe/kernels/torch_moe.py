@@ -13,9 +13,9 @@ prefill keeps the grouped reference.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from hybridmoe.quant.bank import ExpertBank
+from hybridmoe.quant.expert_math import activate, add_down_bias
 from hybridmoe.quant.formats import WeightFormat
 
 # Bound on the expanded weights (all three projections) one chunk of routes gathers.
@@ -29,8 +29,9 @@ DEQUANT_BYTES_PER_WEIGHT = 14
 def gathered_moe(
     x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, bank: ExpertBank
 ) -> torch.Tensor:
-    """Σ_k w[t,k] · down_e(silu(gate_e x_t) ⊙ up_e x_t) with e = expert_ids[t,k]; ids < 0
-    contribute nothing. x [T, H], expert_ids [T, K], weights [T, K], all on the bank's device
+    """Σ_k w[t,k] · down_e(silu(gate_e x_t) ⊙ up_e x_t) with e = expert_ids[t,k] (or the bank's
+    activation and biases, gathered per route: quant/expert_math.py); ids < 0 contribute
+    nothing. x [T, H], expert_ids [T, K], weights [T, K], all on the bank's device
     -> the float32 partial [T, H] of the accumulation contract (each route's MLP in x's dtype,
     the weighted sum over k in float32). Never reads a tensor on the host."""
     tokens, top_k = expert_ids.shape
@@ -79,6 +80,8 @@ def gathered_moe_peak_bytes(
     per_route = hidden * (2 * act_bytes + 2 * 4) + 2 * inter * (
         2 * act_bytes + compute_dtype.itemsize
     )
+    if bank.biases is not None:  # each route's gathered biases, and their sums
+        per_route += 2 * (2 * inter + hidden) * max(act_bytes, bank.biases.gate_up.itemsize)
     return max(gate_up, down) + routes * per_route
 
 
@@ -95,14 +98,16 @@ def _gathered_bytes(
 
 
 def _routes_mlp(x: torch.Tensor, ids: torch.Tensor, bank: ExpertBank) -> torch.Tensor:
-    """x [c, H], ids [c] -> down(silu(gate x) * up x) [c, H] in x's dtype, route by route; each
-    projection from the exact weights, its output rounded to x's dtype (as bank_moe)."""
+    """x [c, H], ids [c] -> down(act(gate x, up x)) [c, H] in x's dtype, route by route; each
+    projection from the exact weights, its output rounded to x's dtype (as bank_moe), each
+    route's biases gathered by its id."""
     dtype = bank.compute_dtype(x.dtype)
     gate, up = _gate_up_routes(x.to(dtype)[:, :, None], ids, bank, dtype)  # 2 x [c, I]
     gate, up = gate.to(x.dtype), up.to(x.dtype)
-    act = (F.silu(gate) * up).to(dtype)
+    act = activate(gate, up, ids, bank.biases, bank.activation).to(dtype)
     down = bank.down_weights(ids, dtype)  # [c, H, I]
-    return torch.bmm(down, act[:, :, None])[..., 0].to(x.dtype)
+    out = torch.bmm(down, act[:, :, None])[..., 0].to(x.dtype)  # [c, H]
+    return add_down_bias(out, ids, bank.biases)
 
 
 def _gate_up_routes(

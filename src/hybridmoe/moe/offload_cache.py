@@ -271,3 +271,9 @@ def _check_banks(banks: Sequence[ExpertBank]) -> None:
                 f"layer {layer}: bank {bank} differs from layer 0's {first} in its shapes "
                 "or layout; all MoE layers must share expert shapes and layout"
             )
+        if (bank.biases is None) != (first.biases is None) or bank.activation != first.activation:
+            raise ValueError(
+                f"layer {layer}: bank experts (biases: {bank.biases is not None}, "
+                f"{bank.activation}) differ from layer 0's (biases: {first.biases is not None}, "
+                f"{first.activation}); the shared slots hold one kind of expert"
+            )

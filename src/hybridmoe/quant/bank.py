@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from hybridmoe.loader.weights import WeightSource, aligned
+from hybridmoe.quant.expert_math import (
+    SILU,
+    ExpertActivation,
+    ExpertBiases,
+    activate,
+    add_down_bias,
+)
 from hybridmoe.quant.formats import WeightFormat, dense_format
 
 
@@ -31,6 +38,8 @@ class ExpertWeights:
     gate: list[torch.Tensor]  # E x [I, H]
     up: list[torch.Tensor]  # E x [I, H]
     down: list[torch.Tensor]  # E x [H, I]
+    biases: ExpertBiases | None = None  # the family's expert biases, if it has them
+    activation: ExpertActivation = field(default=SILU)
 
     @property
     def num_experts(self) -> int:
@@ -66,9 +75,11 @@ class ExpertWeights:
         )
 
     def expert_mlp(self, h: torch.Tensor, expert: int) -> torch.Tensor:
-        """h [n, H] -> down(silu(gate h) * up h) [n, H] in h's dtype (the weights' dtype)."""
-        act = F.silu(F.linear(h, self.gate[expert])) * F.linear(h, self.up[expert])
-        return F.linear(act, self.down[expert])
+        """h [n, H] -> down(act(gate h, up h)) [n, H] in h's dtype (the weights' dtype), biases
+        and activation as quant/expert_math.py's contract says."""
+        gate, up = F.linear(h, self.gate[expert]), F.linear(h, self.up[expert])
+        act = activate(gate, up, expert, self.biases, self.activation)
+        return add_down_bias(F.linear(act, self.down[expert]), expert, self.biases)
 
 
 class ExpertBank:
@@ -95,11 +106,14 @@ class ExpertBank:
         gate: torch.Tensor | None = None,
         up: torch.Tensor | None = None,
         down_fmt: WeightFormat | None = None,
+        biases: ExpertBiases | None = None,
+        activation: ExpertActivation = SILU,
     ) -> None:
         """`fmt`: gate and up's format (None: the dense format of their dtype); `down_fmt`:
         down's (None: `fmt` when given, else the dense format of down's dtype). TypeError
         unless given exactly one of gate_up or (gate, up), and down; ValueError for shapes
-        that do not pair."""
+        that do not pair. `biases` and `activation`: what the experts compute besides their
+        matrices (quant/expert_math.py); they travel with the bank (slots, copies, devices)."""
         if down is None or (gate_up is None) == (gate is None or up is None):
             raise TypeError("ExpertBank takes down and either gate_up, or both gate and up")
         if gate_up is not None:
@@ -117,11 +131,18 @@ class ExpertBank:
             )
         self.gate, self.up, self.down = gate, up, down
         self._gate_up = gate_up
+        self.biases, self.activation = biases, activation
+        if biases is not None and tuple(biases.gate_up.shape) != (gate.shape[0], 2 * gate.shape[1]):
+            raise ValueError(
+                f"ExpertBank: gate_up biases {tuple(biases.gate_up.shape)} do not match "
+                f"{gate.shape[0]} experts of width {gate.shape[1]}"
+            )
         self.gate_up_fmt = fmt if fmt is not None else dense_format(gate.dtype)
         if down_fmt is None:
             down_fmt = fmt if fmt is not None else dense_format(down.dtype)
         self.down_fmt = down_fmt
         self._byte_views: tuple | None = None
+        self._flat_biases: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._check_stored_shapes()
 
     def _check_stored_shapes(self) -> None:
@@ -203,17 +224,24 @@ class ExpertBank:
 
     @property
     def expert_nbytes(self) -> int:
-        """Bytes one expert occupies (what fetching it copies)."""
-        return self.gate[0].nbytes + self.up[0].nbytes + self.down[0].nbytes
+        """Bytes one expert occupies (what fetching it copies), its biases included."""
+        bias_bytes = 0 if self.biases is None else self.biases.nbytes_per_expert
+        return self.gate[0].nbytes + self.up[0].nbytes + self.down[0].nbytes + bias_bytes
 
     @property
     def nbytes(self) -> int:
-        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+        """Bytes of the whole bank, its biases included."""
+        bias_bytes = sum(t.nbytes for t in self.bias_tensors())
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes + bias_bytes
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors holding the bank's bytes, each once: [gate_up, down] when stacked, else
         [gate, up, down] (what page-locking and copying a whole bank go through)."""
         return [self._gate_up, self.down] if self.stacked else [self.gate, self.up, self.down]
+
+    def bias_tensors(self) -> list[torch.Tensor]:
+        """The biases' tensors ([] without biases): page-locked with the bank's tensors."""
+        return [] if self.biases is None else self.biases.tensors()
 
     def compute_dtype(self, act_dtype: torch.dtype) -> torch.dtype:
         """The dtype the experts' projections are computed in for activations of `act_dtype`:
@@ -227,15 +255,19 @@ class ExpertBank:
         return all(not f.is_quantized and f.storage_dtype == dtype for f in self.formats)
 
     def expert_mlp(self, h: torch.Tensor, expert: int) -> torch.Tensor:
-        """h [n, H] -> down(silu(gate h) * up h) [n, H] in h's dtype; each projection from
-        the exact weights, its output rounded to h's dtype."""
+        """h [n, H] -> down(act(gate h, up h)) [n, H] in h's dtype; each projection from the
+        exact weights, its output rounded to h's dtype; biases and activation as
+        quant/expert_math.py's contract says."""
+        biases, activation = self.biases, self.activation
         if self._stores_exactly(h.dtype):  # no casts to make
             gate, up = self._gate_up_linear(h, expert, h.dtype)  # 2 x [n, I]
-            return F.linear(F.silu(gate) * up, self.down[expert])
+            act = activate(gate, up, expert, biases, activation)
+            return add_down_bias(F.linear(act, self.down[expert]), expert, biases)
         dtype = self.compute_dtype(h.dtype)  # float32: every stored value expands exactly
         gate, up = (p.to(h.dtype) for p in self._gate_up_linear(h.to(dtype), expert, dtype))
-        act = (F.silu(gate) * up).to(dtype)
-        return F.linear(act, self.down_weights(expert, dtype)).to(h.dtype)
+        act = activate(gate, up, expert, biases, activation).to(dtype)
+        out = F.linear(act, self.down_weights(expert, dtype)).to(h.dtype)
+        return add_down_bias(out, expert, biases)
 
     def _gate_up_linear(
         self, h: torch.Tensor, expert: int, dtype: torch.dtype
@@ -266,6 +298,17 @@ class ExpertBank:
         tensor of n expert indices, their down [n, H, I]."""
         return _as_float(self.down_fmt, self.down[expert], dtype)
 
+    def flat_float32_biases(self, act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The biases (gate_up [E*2I], down [E*H]) flat in float32 holding their values as
+        `act_dtype` holds them (cast to it, then widened exactly), for the fused CPU kernel
+        (host banks with biases only); made once per dtype."""
+        if act_dtype not in self._flat_biases:
+            self._flat_biases[act_dtype] = tuple(
+                t.to(act_dtype).to(torch.float32).contiguous().view(-1)
+                for t in self.biases.tensors()
+            )
+        return self._flat_biases[act_dtype]
+
     def byte_views(self) -> tuple:
         """(gate, up, expert_rows, down) for the fused CPU kernel (host banks only): flat
         uint8 numpy arrays over the bank's memory, expert e's gate rows starting at row
@@ -291,11 +334,12 @@ class ExpertBank:
         at a time first. ValueError if H or I is not a whole number of fmt's blocks."""
         fmt.check_row_length(self.hidden_size, "hidden_size (gate/up rows)")
         fmt.check_row_length(self.intermediate_size, "moe_intermediate_size (down rows)")
-        out = self._empty_like((fmt, fmt), self.num_experts, self.device)
+        out = self._empty_like((fmt, fmt), self.num_experts, self.device, with_biases=False)
         sources = zip(self.tensors(), self._tensor_formats(), out.tensors(), strict=True)
         for source, source_fmt, target in sources:
             for expert in range(self.num_experts):
                 target[expert] = fmt.quantize(_float_rows(source_fmt, source[expert]))
+        out.biases = self.biases  # biases are never quantised
         return out
 
     def _tensor_formats(self) -> list[WeightFormat]:
@@ -304,20 +348,31 @@ class ExpertBank:
         return [*gate_up, self.down_fmt]
 
     def _empty_like(
-        self, formats: tuple[WeightFormat, WeightFormat], num: int, device
+        self,
+        formats: tuple[WeightFormat, WeightFormat],
+        num: int,
+        device,
+        with_biases: bool = True,
     ) -> ExpertBank:
         """Uninitialised storage for `num` experts of this bank's shapes in `formats`
-        (gate_up's, down's), laid out as this bank (stacked or not), on `device`."""
+        (gate_up's, down's), laid out as this bank (stacked or not), on `device`, with this
+        bank's activation and (zero) biases when it has them and `with_biases`."""
         hidden, inter = self.hidden_size, self.intermediate_size
         gate_up_fmt, down_fmt = formats
         down = self.empty_like_tensor(down_fmt, (num, hidden, inter), device)
+        with_biases = with_biases and self.biases is not None
+        extras = dict(
+            down_fmt=down_fmt,
+            biases=self.biases.empty(num, device) if with_biases else None,
+            activation=self.activation,
+        )
         if self.stacked:
             gate_up = self.empty_like_tensor(gate_up_fmt, (num, 2 * inter, hidden), device)
-            return ExpertBank(gate_up, down, gate_up_fmt, down_fmt=down_fmt)
+            return ExpertBank(gate_up, down, gate_up_fmt, **extras)
         gate, up = (
             self.empty_like_tensor(gate_up_fmt, (num, inter, hidden), device) for _ in range(2)
         )
-        return ExpertBank(gate=gate, up=up, down=down, fmt=gate_up_fmt, down_fmt=down_fmt)
+        return ExpertBank(gate=gate, up=up, down=down, fmt=gate_up_fmt, **extras)
 
     def empty_slots(self, num_slots: int, device: torch.device | str) -> ExpertBank:
         """A zero-filled bank of `num_slots` experts in this bank's formats and layout, on
@@ -332,12 +387,18 @@ class ExpertBank:
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(source, destination) pairs that copy expert `expert`'s stored bytes into slot `slot`
         of `slots` (same format), for Platform.start_copies: each pair contiguous."""
-        return [(src[expert], dst[slot]) for src, dst in self._pairs(slots)]
+        copies = [(src[expert], dst[slot]) for src, dst in self._pairs(slots)]
+        if self.biases is not None:
+            copies += self.biases.expert_copies(expert, slots.biases, slot)
+        return copies
 
     def copies_into(self, target: ExpertBank) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(source, destination) pairs that copy the whole bank into `target` (same format and
-        shapes), for Platform.start_copies; contiguous pairs when both share a layout."""
-        return self._pairs(target)
+        """(source, destination) pairs that copy the whole bank, biases included, into
+        `target` (same format and shapes), for Platform.start_copies; contiguous pairs when
+        both share a layout."""
+        return self._pairs(target) + list(
+            zip(self.bias_tensors(), target.bias_tensors(), strict=True)
+        )
 
     def _pairs(self, other: ExpertBank) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if other.formats != self.formats:
@@ -361,11 +422,13 @@ class ExpertBank:
     def _with(self, place) -> ExpertBank:
         """A bank of the same layout and format holding place(tensor) for each tensor."""
         placed = [place(tensor) for tensor in self.tensors()]
+        biases = None if self.biases is None else self.biases.placed(place)
         gate_up_fmt, down_fmt = self.formats
+        extras = dict(down_fmt=down_fmt, biases=biases, activation=self.activation)
         if self.stacked:
-            return ExpertBank(*placed, gate_up_fmt, down_fmt=down_fmt)
+            return ExpertBank(*placed, gate_up_fmt, **extras)
         gate, up, down = placed
-        return ExpertBank(gate=gate, up=up, down=down, fmt=gate_up_fmt, down_fmt=down_fmt)
+        return ExpertBank(gate=gate, up=up, down=down, fmt=gate_up_fmt, **extras)
 
     @staticmethod
     def empty_like_tensor(fmt: WeightFormat, shape: Sequence[int], device) -> torch.Tensor:
@@ -387,11 +450,13 @@ class ExpertBank:
             gate_up[e, :inter] = fmt.quantize(experts.gate[e])
             gate_up[e, inter:] = fmt.quantize(experts.up[e])
             down[e] = fmt.quantize(experts.down[e])
-        return cls(gate_up, down, fmt)
+        return cls(gate_up, down, fmt, biases=experts.biases, activation=experts.activation)
 
     def views(self) -> ExpertWeights:
-        """Per-expert views of this (dense) bank's matrices."""
-        return ExpertWeights(list(self.gate), list(self.up), list(self.down))
+        """Per-expert views of this (dense) bank's matrices, with its biases and activation."""
+        return ExpertWeights(
+            list(self.gate), list(self.up), list(self.down), self.biases, self.activation
+        )
 
 
 def _flat_bytes(tensor: torch.Tensor):

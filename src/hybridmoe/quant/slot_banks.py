@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from hybridmoe.quant.bank import ExpertBank
+from hybridmoe.quant.expert_math import ExpertBiases
 
 SLOT_ALIGN_BYTES = 16  # each slot starts at a multiple of this in its projection's storage
 
@@ -30,7 +31,23 @@ class SlotBanks:
             torch.zeros(num_slots, nbytes, dtype=torch.uint8, device=device)
             for nbytes in self.slot_tensor_bytes(banks)
         ]
+        self.biases = self._slot_biases(banks, num_slots, device)
         self._views: dict[tuple, ExpertBank] = {}
+
+    @staticmethod
+    def _slot_biases(
+        banks: Sequence[ExpertBank], num_slots: int, device: torch.device | str
+    ) -> ExpertBiases | None:
+        """Zero biases for the slots when the banks' experts have them (every bank alike: one
+        shape and dtype), else None; every view shares them."""
+        kinds = {
+            None if b.biases is None else tuple((t.shape[1:], t.dtype) for t in b.biases.tensors())
+            for b in banks
+        }
+        if len(kinds) != 1:
+            raise ValueError("SlotBanks: the banks' experts differ in their biases")
+        first = banks[0].biases
+        return None if first is None else first.empty(num_slots, device)
 
     @staticmethod
     def slot_tensor_bytes(banks: Sequence[ExpertBank]) -> list[int]:
@@ -49,7 +66,8 @@ class SlotBanks:
 
     @property
     def nbytes(self) -> int:
-        return sum(tensor.nbytes for tensor in self.storage)
+        biases = [] if self.biases is None else self.biases.tensors()
+        return sum(tensor.nbytes for tensor in [*self.storage, *biases])
 
     def bank_for(self, bank: ExpertBank) -> ExpertBank:
         """The slots as a bank in `bank`'s formats, layout and shapes (a view, made once per
@@ -74,7 +92,8 @@ class SlotBanks:
             flat = storage[:, :nbytes].view(tensor.dtype)
             views.append(flat.view(self.num_slots, *tensor.shape[1:]))
         gate_up_fmt, down_fmt = bank.formats
+        extras = dict(down_fmt=down_fmt, biases=self.biases, activation=bank.activation)
         if self.stacked:
-            return ExpertBank(views[0], views[1], gate_up_fmt, down_fmt=down_fmt)
+            return ExpertBank(views[0], views[1], gate_up_fmt, **extras)
         gate, up, down = views
-        return ExpertBank(gate=gate, up=up, down=down, fmt=gate_up_fmt, down_fmt=down_fmt)
+        return ExpertBank(gate=gate, up=up, down=down, fmt=gate_up_fmt, **extras)

@@ -308,9 +308,14 @@ def max_threads() -> int:
 
 
 def run_fused_moe(fmt: str, threads: int | None, *args) -> int:
-    """FUSED_MOE[fmt](*args) on `threads` threads (None: all of numba's pool). The thread
-    count is per calling thread in numba, so it is set on every call."""
-    kernel = FUSED_MOE[fmt]
+    """FUSED_MOE[fmt](*args) on `threads` threads (None: all of numba's pool)."""
+    return launch(FUSED_MOE[fmt], threads, *args)
+
+
+def launch(kernel, threads: int | None, *args):
+    """kernel(*args), a parallel kernel of the package, on `threads` threads (None: all of
+    numba's pool), under the launch lock with the pool started as above. The thread count is
+    per calling thread in numba, so it is set on every call."""
     with _LAUNCH_LOCK:
         start_pool()
         numba.set_num_threads(threads or max_threads())

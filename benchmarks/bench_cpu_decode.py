@@ -9,10 +9,10 @@ on experts in the model's dtype) is the baseline of the ratios. --dense compares
 projections instead (numba experts throughout): torch's F.linear (HYBRIDMOE_DENSE_KERNEL=0,
 the baseline), the numba dense kernel, and --dense-format q8_0 / q4_0. --shape qwen3-30b-a3b
 writes a random checkpoint of Qwen3-30B-A3B's shape (hidden 2048, 32 heads of 128, 4 KV heads,
-128 experts of 768, top-8, vocab 151936) with --layers layers (in its own directory). Rows in another expert format
-quantise the experts at load; their tokens are compared with the baseline's (a quantised
-model may legitimately diverge after a few tokens, so differing tokens are reported, not
-failed).
+128 experts of 768, top-8, vocab 151936) with --layers layers (in its own directory).
+Rows in another expert format (or dense format) quantise at load; their tokens are compared
+with the baseline's (a quantised model may legitimately diverge after a few tokens, so
+differing tokens are reported, not failed).
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ from hybridmoe.kernels.numba_moe import _matmul, _round_bf16, kernel_sources, la
 from hybridmoe.quant.formats import WEIGHT_FORMATS, KernelFormat, WeightFormat
 
 ROWS_PER_ITEM = 32  # weight rows per parallel work item
+# Weights smaller than this run on one thread: waking the pool's other threads costs more than
+# they save (on a shared 2-core machine a launch on 2 threads took ms, on 1 thread ~30 µs)
+MIN_PARALLEL_BYTES = 1 << 20
 _FLAGS = dict(nogil=True, fastmath={"contract", "arcp"})
 
 # cached under a hash of every source these kernels inline (see numba_moe.py)
@@ -93,7 +96,8 @@ def dense_linear(
     """Host x [..., n] (float32 or bfloat16) -> new [..., out_features] in x's dtype: x W^T + b
     by the contract above. W is `out_features` rows of n weights stored in `fmt` as the flat
     bytes `w_bytes` (weight_bytes); `bias_f32` float32 [out_features] or None. `threads` None:
-    torch's intra-op thread count (the user's --threads), at most numba's pool."""
+    torch's intra-op thread count (the user's --threads), at most numba's pool; one thread
+    for a weight under MIN_PARALLEL_BYTES. The result does not depend on the thread count."""
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"dense kernel: activations must be float32 or bfloat16, got {x.dtype}")
     n = x.shape[-1]
@@ -109,7 +113,9 @@ def dense_linear(
     bias = _NO_BIAS if bias_f32 is None else bias_f32
     act_bf16 = x.dtype == torch.bfloat16
     if tokens:
-        threads = threads or min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+        if threads is None:
+            small = w_bytes.shape[0] < MIN_PARALLEL_BYTES
+            threads = 1 if small else min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
         args = (w_bytes, row_bytes, n, out_features, x_f32.view(-1).numpy(), tokens, bias)
         launch(DENSE[fmt.name], threads, *args, act_bf16, y.view(-1).numpy())
     return y.to(x.dtype).view(*x.shape[:-1], out_features)  # exact: already rounded

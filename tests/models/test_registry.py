@@ -15,6 +15,7 @@ import torch
 from hybridmoe.layers.attention import ATTENTIONS
 from hybridmoe.layers.moe import SHARED_EXPERTS
 from hybridmoe.models import registry
+from hybridmoe.models.gpt_oss import load_gpt_oss_experts
 from hybridmoe.models.loading import load_model
 from hybridmoe.models.qwen3_moe import QWEN3_MOE
 from hybridmoe.models.registry import MODEL_REGISTRY, ModelFamily, WeightNames, register
@@ -23,12 +24,14 @@ from hybridmoe.moe.routing import ROUTERS
 
 QWEN_WEIGHTS = WeightNames("mlp", ("gate_proj", "up_proj", "down_proj"))
 MIXTRAL_WEIGHTS = WeightNames("block_sparse_moe", ("w1", "w3", "w2"))
+GPT_OSS_WEIGHTS = WeightNames(router="router", experts_loader=load_gpt_oss_experts)
 # architecture -> (weight names, router kind, shared-expert kind, attention kind)
 PARTS = {
     "Qwen3MoeForCausalLM": (QWEN_WEIGHTS, "softmax_topk", None, "gqa"),
     "Qwen2MoeForCausalLM": (QWEN_WEIGHTS, "softmax_topk", "sigmoid_gated", "gqa"),
     "MixtralForCausalLM": (MIXTRAL_WEIGHTS, "softmax_topk", None, "gqa"),
     "OlmoeForCausalLM": (QWEN_WEIGHTS, "softmax_topk", None, "gqa"),
+    "GptOssForCausalLM": (GPT_OSS_WEIGHTS, "topk_softmax", None, "gqa_sinks"),
 }
 
 

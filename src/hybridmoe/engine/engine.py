@@ -159,7 +159,8 @@ class Engine:
         limit = max_len or self.max_seq_len
         if len(prompt_ids) >= limit:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context window is {limit}")
-        detok = self.require_tokenizer().incremental_decoder() if with_text else None
+        tokenizer = self.require_tokenizer() if with_text else None
+        detok = tokenizer.incremental_decoder(params.skip_special_tokens) if tokenizer else None
         constraint = None if params.grammar is None else self.grammars.constraint(params.grammar)
         return Sequence(list(prompt_ids), params, self.eos_ids, limit, detok, constraint=constraint)
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from hybridmoe.config.model import ConfigDefaults, HfConfigReader, ModelConfig
 from hybridmoe.errors import UnsupportedConfigError
 from hybridmoe.layers.attention import ATTENTIONS
-from hybridmoe.layers.moe import SHARED_EXPERTS
+from hybridmoe.layers.moe import SHARED_EXPERTS, ExpertsLoader
 from hybridmoe.loader.weights import WeightSource
 from hybridmoe.models.gguf_config import GgufSpec
 from hybridmoe.moe.routing import ROUTERS
@@ -34,6 +34,10 @@ class WeightNames:
 
     moe_prefix: str = "mlp"  # model.layers.{i}.<moe_prefix>.gate / .experts.{e}
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    router: str = "gate"  # model.layers.{i}.<moe_prefix>.<router>.weight
+    # reads the experts of a family that stores them otherwise than one tensor per expert and
+    # projection (then expert_names are unused)
+    experts_loader: ExpertsLoader | None = None
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hybridmoe.config.model import ModelConfig
 from hybridmoe.kernels.projection import DenseProjection
 from hybridmoe.layers.attention import create_attention
-from hybridmoe.layers.batch import ForwardBatch, KVStore, build_attention_mask
+from hybridmoe.layers.batch import ForwardBatch, KVStore, build_attention_masks
 from hybridmoe.layers.linear import GatedMLP
 from hybridmoe.layers.moe import OffloadMoELayer
 from hybridmoe.layers.norm import rms_norm
@@ -40,6 +40,8 @@ class DecoderLayer:
                 moe_idx,
                 router_kind=family.router,
                 shared_expert_kind=family.shared_expert,
+                router_name=family.weights.router,
+                experts_loader=family.weights.experts_loader,
             )
         else:
             self.mlp = GatedMLP.load(source, f"{prefix}.mlp", hidden, cfg.intermediate_size)
@@ -134,12 +136,11 @@ class MoeCausalLM:
         device needs is copied there without the host waiting (docs/host-syncs.md)."""
         kv_len = int(positions.max()) + 1  # read on the host, before the copy
         positions = to_device_no_sync(positions, self.device)
-        mask, is_causal = build_attention_mask(positions, kv_len, self.cfg.sliding_window)
+        windows = {self.cfg.layer_window(i) for i in range(self.cfg.num_layers)}
+        masks = build_attention_masks(positions, kv_len, windows)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         row_index = to_device_no_sync(torch.tensor(rows), self.device)
-        return ForwardBatch(
-            positions, rows, row_index, kv_len, mask, is_causal, cos, sin, kv, is_decode
-        )
+        return ForwardBatch(positions, rows, row_index, kv_len, masks, cos, sin, kv, is_decode)
 
     @torch.inference_mode()
     def forward(

@@ -60,6 +60,8 @@ class SoftmaxTopKRouter:
 
     @classmethod
     def create(cls, tensors: dict[str, torch.Tensor], spec: RouterSpec) -> SoftmaxTopKRouter:
+        if set(tensors) != {"weight"}:
+            raise ValueError(f"the softmax_topk router has a weight only, got {sorted(tensors)}")
         return cls(DenseProjection(tensors["weight"]), spec)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +77,38 @@ class SoftmaxTopKRouter:
 
 
 register_router("softmax_topk")(SoftmaxTopKRouter.create)
+
+
+@dataclass(eq=False)
+class TopKSoftmaxRouter:
+    """gpt-oss: a linear gate with a bias, top-k of the logits, softmax over the k chosen in
+    the logits' dtype (as GptOssTopKRouter: its weights round to the activation dtype)."""
+
+    weight: torch.Tensor  # [E, H]
+    bias: torch.Tensor  # [E]
+    spec: RouterSpec
+
+    @classmethod
+    def create(cls, tensors: dict[str, torch.Tensor], spec: RouterSpec) -> TopKSoftmaxRouter:
+        if set(tensors) != {"weight", "bias"}:
+            raise ValueError(
+                f"the topk_softmax router has a weight and a bias, got {sorted(tensors)}"
+            )
+        return cls(tensors["weight"], tensors["bias"], spec)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight, self.bias)  # [T, E]
+        top_logits, topk_ids = torch.topk(logits, self.spec.top_k, dim=-1)  # [T, K]
+        return topk_ids, F.softmax(top_logits, dim=-1, dtype=top_logits.dtype)
+
+    def to(self, device: torch.device) -> None:
+        self.weight, self.bias = self.weight.to(device), self.bias.to(device)
+
+    def dense_tensors(self) -> list[torch.Tensor]:
+        return [self.weight, self.bias]
+
+
+register_router("topk_softmax")(TopKSoftmaxRouter.create)
 
 
 def route(

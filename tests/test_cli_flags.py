@@ -30,7 +30,7 @@ ENGINE_SPELLINGS = {
     "--model", "--dtype", "--threads", "--device", "--gpu-memory", "--no-pin-memory",
     "--prefill", "--prefill-cpu-tokens", "--decode-target", "--expert-cache-slots",
     "--expert-cache-ratio", "--max-fetch", "--no-overlap", "--cpu-threads", "--expert-format",
-    "--cpu-kernel",
+    "--cpu-kernel", "--dense-format",
 }  # fmt: skip
 SAMPLING_SPELLINGS = {"--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--stop"}
 SPELLINGS = {

@@ -24,7 +24,12 @@ from hybridmoe import cli_planning
 from hybridmoe.cli_chat import chat_loop
 from hybridmoe.cluster.config import ROUTING_POLICIES, ClusterConfig
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
-from hybridmoe.engine.config import DEFAULT_MAX_SEQ_LEN, DTYPE_CHOICES, PREFIX_BLOCK_TOKENS
+from hybridmoe.engine.config import (
+    DEFAULT_MAX_SEQ_LEN,
+    DENSE_FORMAT_CHOICES,
+    DTYPE_CHOICES,
+    PREFIX_BLOCK_TOKENS,
+)
 from hybridmoe.errors import HybridMoeError
 from hybridmoe.moe.config import (
     CPU_KERNEL_CHOICES,
@@ -97,6 +102,11 @@ class FlagDoc:
 # Help texts by field name; a switch's text says what the switch (`--no-overlap`) does.
 FLAG_DOCS: dict[str, FlagDoc] = {
     "dtype": FlagDoc(choices=DTYPE_CHOICES),
+    "dense_format": FlagDoc(
+        "store attention, dense-MLP and shared-expert projections and the output head "
+        "quantised (the head of q4_0 in q8_0); auto: as loaded",
+        DENSE_FORMAT_CHOICES,
+    ),
     "gguf_file": FlagDoc(
         "the GGUF in --model's directory or Hugging Face repo: its file name or a part of it "
         "such as Q4_K_M"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hybridmoe.engine.config import EngineConfig
+from hybridmoe.engine.config import HEAD_FORMATS, EngineConfig
 from hybridmoe.engine.constraints import GrammarCompiler
 from hybridmoe.engine.moe_runtime import MoeRuntime, create_moe_runtime
 from hybridmoe.engine.placement import plan_device_memory, resolve_decode_target
@@ -23,6 +23,7 @@ from hybridmoe.loader.tokenizer import Tokenizer
 from hybridmoe.models.loading import load_checkpoint
 from hybridmoe.models.transformer import MoeCausalLM
 from hybridmoe.platform.base import Platform, create_platform
+from hybridmoe.quant.formats import weight_format
 
 
 class Engine:
@@ -79,6 +80,9 @@ class Engine:
         model, tokenizer = load_checkpoint(
             resolve_model(str(path), config.gguf_file), dtype, config.progress
         )
+        if config.dense_format != "auto":
+            head_format = weight_format(HEAD_FORMATS[config.dense_format])
+            model.quantize_dense(weight_format(config.dense_format), head_format)
         return cls(model, tokenizer, config)
 
     def close(self) -> None:

@@ -425,9 +425,14 @@ def max_threads() -> int:
 
 def run_fused_moe(fmt: str | tuple[str, str], threads: int | None, *args) -> int:
     """The entry point for `fmt` (one format's name, or the (gate/up, down) pair of names)
-    called with `args` on `threads` threads (None: all of numba's pool). The thread count is
+    called with `args` on `threads` threads (None: all of numba's pool)."""
+    return launch(fused_moe_kernel(*((fmt, fmt) if isinstance(fmt, str) else fmt)), threads, *args)
+
+
+def launch(kernel, threads: int | None, *args):
+    """kernel(*args), a parallel kernel of the package, on `threads` threads (None: all of
+    numba's pool), under the launch lock with the pool started as above. The thread count is
     per calling thread in numba, so it is set on every call."""
-    kernel = fused_moe_kernel(*((fmt, fmt) if isinstance(fmt, str) else fmt))
     with _LAUNCH_LOCK:
         start_pool()
         numba.set_num_threads(threads or max_threads())

@@ -30,6 +30,10 @@ class AttentionLayer(Protocol):
 
     def dense_tensors(self) -> list[torch.Tensor]: ...
 
+    def projections(self) -> list[Linear]:
+        """The projections --dense-format quantises."""
+        ...
+
 
 # kind -> factory(cfg, layer index, source, the layer's attention prefix) -> AttentionLayer
 ATTENTIONS: dict[str, Callable[[ModelConfig, int, WeightSource, str], AttentionLayer]] = {}
@@ -116,6 +120,9 @@ class GroupedQueryAttention:
         for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
             found += linear.dense_tensors()
         return found
+
+    def projections(self) -> list[Linear]:
+        return [self.q_proj, self.k_proj, self.v_proj, self.o_proj]
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.cfg

@@ -64,6 +64,10 @@ class SigmoidGatedSharedExpert:
     def dense_tensors(self) -> list[torch.Tensor]:
         return self.mlp.dense_tensors() + self.gate.dense_tensors()
 
+    def projections(self) -> list[Linear]:
+        """The MLP's (the [1, H] gate stays as stored, like the router)."""
+        return self.mlp.projections()
+
 
 # kind -> loader(source, MoE block prefix, cfg); the family's config says which kind it has
 SHARED_EXPERTS: dict[str, Callable[[WeightSource, str, ModelConfig], SigmoidGatedSharedExpert]] = {
@@ -148,6 +152,10 @@ class OffloadMoELayer:
         if self.shared_expert is not None:
             found += self.shared_expert.dense_tensors()
         return found
+
+    def projections(self) -> list[Linear]:
+        """The shared expert's (the router stays as stored: it picks the experts)."""
+        return [] if self.shared_expert is None else self.shared_expert.projections()
 
     def __call__(self, x: torch.Tensor, is_decode: bool = False) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]."""

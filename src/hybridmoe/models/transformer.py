@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe.config.model import ModelConfig
+from hybridmoe.kernels.projection import DenseProjection
 from hybridmoe.layers.attention import create_attention
 from hybridmoe.layers.batch import ForwardBatch, KVStore, build_attention_masks
 from hybridmoe.layers.linear import GatedMLP
@@ -16,6 +17,7 @@ from hybridmoe.layers.rotary import RotaryEmbedding
 from hybridmoe.loader.weights import WeightSource
 from hybridmoe.models.registry import ModelFamily
 from hybridmoe.platform.base import to_device_no_sync
+from hybridmoe.quant.formats import WeightFormat
 
 
 class DecoderLayer:
@@ -51,6 +53,11 @@ class DecoderLayer:
         self.attn.to(device)
         self.mlp.to(device)
 
+    def projections(self) -> list[DenseProjection]:
+        """The layer's quantisable projections: attention's, the dense MLP's or the shared
+        expert's (not the router)."""
+        return self.attn.projections() + self.mlp.projections()
+
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = x + self.attn(rms_norm(x, self.input_norm, self.eps), batch)
         h = rms_norm(x, self.post_attention_norm, self.eps)
@@ -70,7 +77,7 @@ class MoeCausalLM:
             DecoderLayer(cfg, family, i, source, moe_idx[i]) for i in range(cfg.num_layers)
         ]
         self.norm = source.get("model.norm.weight", (cfg.hidden_size,))
-        self.lm_head = self._lm_head(cfg, source)
+        self.lm_head = DenseProjection(self._lm_head(cfg, source))  # [V, H]
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
         self.device = torch.device("cpu")
 
@@ -87,9 +94,12 @@ class MoeCausalLM:
     def to(self, device: torch.device) -> None:
         """Moves every dense weight to `device`: embeddings, attention, norms, dense MLPs,
         routers and shared experts. Routed experts are the MoE runtime's (engine/moe_runtime)."""
-        tied = self.lm_head is self.embed
+        tied = self.lm_head.weight is self.embed
         self.embed = self.embed.to(device)
-        self.lm_head = self.embed if tied else self.lm_head.to(device)
+        if tied:
+            self.lm_head = DenseProjection(self.embed)
+        else:
+            self.lm_head.to(device)
         self.norm = self.norm.to(device)
         self.rotary.to(device)
         for layer in self.layers:
@@ -98,11 +108,22 @@ class MoeCausalLM:
 
     def dense_nbytes(self) -> int:
         """Bytes of every weight to() moves (the tied head counted once)."""
-        found = [self.embed, self.lm_head, self.norm]
+        found = [self.embed, *self.lm_head.tensors(), self.norm]
         for layer in self.layers:
             found += [layer.input_norm, layer.post_attention_norm]
             found += layer.attn.dense_tensors() + layer.mlp.dense_tensors()
         return sum(t.nbytes for t in {id(t): t for t in found}.values())
+
+    def quantize_dense(self, fmt: WeightFormat, head_fmt: WeightFormat) -> None:
+        """Store the dense projections in `fmt` (attention, dense MLPs, shared experts) and the
+        output head in `head_fmt`, quantised from the loaded values (call before to()). Norms,
+        embeddings, routers and the shared-expert gate stay as loaded. A tied head gets its
+        own quantised copy; the embeddings stay. ValueError if a row is not whole blocks."""
+        for layer in self.layers:
+            for projection in layer.projections():
+                projection.quantize(fmt)
+        self.lm_head = DenseProjection(self.lm_head.weight)  # never shares a tied head's object
+        self.lm_head.quantize(head_fmt)
 
     @property
     def moe_layers(self) -> list[OffloadMoELayer]:
@@ -132,7 +153,7 @@ class MoeCausalLM:
             x = layer(x, batch)
         if last_only:
             x = x[:, -1]
-        logits = F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head)
+        logits = self.lm_head(rms_norm(x, self.norm, self.cfg.rms_norm_eps))  # [B, (T,) V]
         return logits.float().cpu()  # waits for the step: the one sync sampling needs
 
     def logits(self, input_ids: list[int]) -> torch.Tensor:

@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from hybridmoe.kernels.projection import DenseProjection
 from hybridmoe.registry import registering
 
 
@@ -54,24 +55,25 @@ class SoftmaxTopKRouter:
     """Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE: a linear gate, softmax in float32, top-k, the k
     weights optionally renormalised."""
 
-    weight: torch.Tensor  # [E, H]
+    gate: DenseProjection  # [E, H], kept as stored (never quantised: it picks the experts)
     spec: RouterSpec
 
     @classmethod
     def create(cls, tensors: dict[str, torch.Tensor], spec: RouterSpec) -> SoftmaxTopKRouter:
         if set(tensors) != {"weight"}:
             raise ValueError(f"the softmax_topk router has a weight only, got {sorted(tensors)}")
-        return cls(tensors["weight"], spec)
+        return cls(DenseProjection(tensors["weight"]), spec)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.spec
-        return route(F.linear(x, self.weight), spec.top_k, spec.norm_topk_prob, spec.weights_fp32)
+        logits = self.gate(x)  # [T, E] in x's dtype
+        return route(logits, spec.top_k, spec.norm_topk_prob, spec.weights_fp32)
 
     def to(self, device: torch.device) -> None:
-        self.weight = self.weight.to(device)
+        self.gate.to(device)
 
     def dense_tensors(self) -> list[torch.Tensor]:
-        return [self.weight]
+        return self.gate.tensors()
 
 
 register_router("softmax_topk")(SoftmaxTopKRouter.create)

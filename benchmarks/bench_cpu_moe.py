@@ -1,14 +1,17 @@
 """One MoE layer's routed experts on the CPU: the fused numba kernel (fused_cpu_moe) per weight
 format, against the memory's read bandwidth and the torch per-expert loop, measured side by side.
 
-    python benchmarks/bench_cpu_moe.py [--shapes qwen3-30b-a3b mixtral] [--formats bf16 q8_0 q4_0]
+    python benchmarks/bench_cpu_moe.py [--shapes qwen3-30b-a3b mixtral gpt-oss-120b]
+        [--formats bf16 q8_0 q4_0 mxfp4]
         [--reps 15] [--threads N] [--separate]
 
 --formats takes any registered weight format (quant/formats.py), the k-quants included
 (q2_k q3_k q4_k q5_k q6_k).
 
-Shapes: qwen3-30b-a3b (H=2048, I=768, E=128, K=8) and mixtral (H=4096, I=14336, E=8, K=2). The
-banks hold random bytes in each format (valid fp16 scales); the math does not care. Before
+Shapes: qwen3-30b-a3b (H=2048, I=768, E=128, K=8), mixtral (H=4096, I=14336, E=8, K=2) and
+gpt-oss-120b (H=2880, I=2880, E=128, K=4; its experts ship as mxfp4, and 2880 is no multiple of
+the k-quants' 256). The banks hold random bytes in each format (small valid scales); the math
+does not care. Before
 every timed call a 512 MiB buffer is read, so the experts come from DRAM, as they do in a real
 decode step where every other layer's weights went through the caches in between.
 
@@ -49,9 +52,10 @@ class Shape:
 SHAPES = {
     "qwen3-30b-a3b": Shape(hidden=2048, inter=768, experts=128, top_k=8),
     "mixtral": Shape(hidden=4096, inter=14336, experts=8, top_k=2),
+    "gpt-oss-120b": Shape(hidden=2880, inter=2880, experts=128, top_k=4),
 }
 FLUSH_BYTES = 512 * 2**20
-SCALE_FP16_BITS = 0x211F  # 0.01: keeps random quants' outputs finite
+SCALE = 0.01  # the blocks' scales (mxfp4: 2^-6): keep random quants' outputs finite
 
 
 def random_stored(fmt_name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
@@ -64,9 +68,9 @@ def random_stored(fmt_name: str, shape: tuple[int, ...], g: torch.Generator) -> 
             continue
         out[e] = torch.randint(0, 256, out.shape[1:], dtype=torch.uint8, generator=g)
         blocks = out[e].view(shape[1], -1, fmt.block_bytes)
+        scale = torch.tensor([SCALE]).to(fmt.scale_dtype).view(torch.uint8)  # fp16 or E8M0
         for at in fmt.scale_offsets:  # d (and m / dmin): finite, so no nan/inf arithmetic
-            blocks[..., at] = SCALE_FP16_BITS & 0xFF
-            blocks[..., at + 1] = SCALE_FP16_BITS >> 8
+            blocks[..., at : at + scale.numel()] = scale
     return out
 
 
@@ -147,12 +151,15 @@ def bench_format(name, shape, fmt_name, args, memory) -> dict[str, float]:
     ):
         bw = memory.read_gbps()
         t_ours, nbytes = time_calls(ours, bank, shape, tokens, shared, args.reps, memory)
-        t_torch, _ = time_calls(bank_moe, bank, shape, tokens, shared, args.torch_reps, memory)
+        versus = ""
+        if args.torch_reps:
+            t_torch, _ = time_calls(bank_moe, bank, shape, tokens, shared, args.torch_reps, memory)
+            versus = f"   x torch {t_torch / t_ours:5.1f}"
         gbps = nbytes / t_ours / 1e9
         results[label] = t_ours
         print(
             f"  {fmt_name:5} {label:11} {t_ours * 1e6:9.0f} µs {gbps:6.1f} GB/s "
-            f"{gbps / bw:5.0%} of {bw:4.1f} GB/s   x torch {t_torch / t_ours:5.1f}",
+            f"{gbps / bw:5.0%} of {bw:4.1f} GB/s{versus}",
             flush=True,
         )
     print(
@@ -170,7 +177,7 @@ def main() -> None:
         "--formats", nargs="+", choices=WEIGHT_FORMATS, default=["bf16", "q8_0", "q4_0"]
     )
     parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--torch-reps", type=int, default=3)
+    parser.add_argument("--torch-reps", type=int, default=3, help="0: no torch loop")
     parser.add_argument("--threads", type=int, default=None, help="kernel threads (default all)")
     parser.add_argument(
         "--separate", action="store_true", help="banks holding gate and up as two tensors"

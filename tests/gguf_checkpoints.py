@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -33,6 +34,10 @@ _EXPERT = re.compile(
     r"^(?P<layer>model\.layers\.\d+\.\w+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$"
 )
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
+# (a layer's experts prefix `model.layers.N.mlp.experts`, projection `gate_proj`, float
+# [E, rows, cols]) -> (the stored bytes [E, rows, row bytes] uint8, their ggml type): how a
+# test chooses each merged expert tensor's type and bytes (a Q4_K_M file's mix of types)
+ExpertEncoder = Callable[[str, str, np.ndarray], tuple[np.ndarray, QType]]
 
 
 def write_gguf(
@@ -41,10 +46,12 @@ def write_gguf(
     expert_type: str = "F32",
     tokenizer: dict | None = None,
     chat_template: str | None = None,
+    experts: ExpertEncoder | None = None,
 ) -> Path:
-    """`hf_dir`'s model as a GGUF at `path`, experts in ggml type `expert_type`, dense tensors
-    F32. `tokenizer`: a tokenizer.json dict (with `pre`, the tokenizer.ggml.pre name, added);
-    None: a byte-alphabet vocabulary of the model's size without merges."""
+    """`hf_dir`'s model as a GGUF at `path`, experts in ggml type `expert_type` (or as
+    `experts` encodes each merged tensor), dense tensors F32. `tokenizer`: a tokenizer.json
+    dict (with `pre`, the tokenizer.ggml.pre name, added); None: a byte-alphabet vocabulary
+    of the model's size without merges."""
     config = json.loads((hf_dir / "config.json").read_text())
     arch = GGUF_ARCH[config["model_type"]]
     tensors = load_file(str(hf_dir / "model.safetensors"))
@@ -53,7 +60,8 @@ def write_gguf(
     _add_tokenizer(writer, tokenizer, config)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
-    for name, data, qtype in _gguf_tensors(arch, config, tensors, QType[expert_type]):
+    encoder = experts or _quantizer(QType[expert_type])
+    for name, data, qtype in _gguf_tensors(arch, config, tensors, encoder):
         writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -64,18 +72,44 @@ def write_gguf(
 
 def write_dequantized_checkpoint(hf_dir: Path, out_dir: Path, expert_type: str) -> Path:
     """A copy of `hf_dir` whose routed experts are what `expert_type` stores for them."""
+    return write_encoded_checkpoint(hf_dir, out_dir, _quantizer(QType[expert_type]))
+
+
+def write_encoded_checkpoint(hf_dir: Path, out_dir: Path, experts: ExpertEncoder) -> Path:
+    """A copy of `hf_dir` whose routed experts are the values `experts` stores for them
+    (dequantised by gguf.quants): the float model a GGUF written with `experts` stands for."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in hf_dir.iterdir():
         if f.name != "model.safetensors":
             shutil.copy(f, out_dir / f.name)
     tensors = load_file(str(hf_dir / "model.safetensors"))
-    qtype = QType[expert_type]
-    for name, value in tensors.items():
-        if _EXPERT.match(name):
-            stored = gguf.quants.quantize(value.numpy(), qtype)
-            tensors[name] = torch.from_numpy(gguf.quants.dequantize(stored, qtype).copy())
+    for (layer, proj), by_expert in _merged_experts(tensors).items():
+        stacked = np.stack([by_expert[e].float().numpy() for e in sorted(by_expert)])
+        stored, qtype = experts(layer, proj, stacked)
+        values = torch.from_numpy(gguf.quants.dequantize(stored, qtype).copy())  # [E, rows, cols]
+        for e in sorted(by_expert):
+            tensors[f"{layer}.{e}.{proj}.weight"] = values[e].clone()
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+def _quantizer(qtype: QType) -> ExpertEncoder:
+    """Every merged expert tensor quantised to `qtype` by gguf.quants (F32: kept)."""
+
+    def encode(layer: str, proj: str, stacked: np.ndarray) -> tuple[np.ndarray, QType]:
+        return (stacked if qtype == QType.F32 else gguf.quants.quantize(stacked, qtype)), qtype
+
+    return encode
+
+
+def _merged_experts(tensors: dict) -> dict[tuple[str, str], dict[int, torch.Tensor]]:
+    """(layer's experts prefix, projection) -> expert index -> its matrix."""
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, value in tensors.items():
+        found = _EXPERT.match(name)
+        if found:
+            experts.setdefault((found["layer"], found["proj"]), {})[int(found["e"])] = value
+    return experts
 
 
 def _rope(config: dict) -> dict:
@@ -153,7 +187,7 @@ def tokenizer_vocab(tokenizer: dict) -> tuple[list[str], list[int]]:
     return [by_id[i] for i in range(size)], [types[i] for i in range(size)]
 
 
-def _gguf_tensors(arch: str, config: dict, tensors: dict, expert_type: QType):
+def _gguf_tensors(arch: str, config: dict, tensors: dict, encoder: ExpertEncoder):
     """(GGUF name, data, ggml type) of every tensor, in the converter's naming."""
     layers = config["num_hidden_layers"]
     arch_names = gguf.get_tensor_name_map(_MODEL_ARCH[arch], layers)
@@ -164,20 +198,16 @@ def _gguf_tensors(arch: str, config: dict, tensors: dict, expert_type: QType):
     def gguf_name(base: str) -> str:
         return arch_names.get_name(base) or dense_names.get_name(base)
 
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for name, value in tensors.items():
-        found = _EXPERT.match(name)
-        if found:
-            experts.setdefault((found["layer"], found["proj"]), {})[int(found["e"])] = value
+        if _EXPERT.match(name):
             continue
         base, suffix = name.rsplit(".", 1)
         value = _permuted(arch, config, base, value.float().numpy())
         yield f"{gguf_name(base)}.{suffix}", value, QType.F32
-    for (layer, proj), by_expert in experts.items():
+    for (layer, proj), by_expert in _merged_experts(tensors).items():
         stacked = np.stack([by_expert[e].float().numpy() for e in sorted(by_expert)])
-        name = gguf_name(f"{layer}.{proj}")
-        data = stacked if expert_type == QType.F32 else gguf.quants.quantize(stacked, expert_type)
-        yield f"{name}.weight", data, expert_type
+        data, qtype = encoder(layer, proj, stacked)
+        yield f"{gguf_name(f'{layer}.{proj}')}.weight", data, qtype
 
 
 def _permuted(arch: str, config: dict, base: str, value: np.ndarray) -> np.ndarray:

@@ -1,7 +1,8 @@
 """Tiny random checkpoints written by Hugging Face `transformers` itself, and its outputs.
 
 `transformers` is the oracle: it builds each model from its own config class, saves it with
-`save_pretrained` (per-expert tensor names, exactly as hub checkpoints), and computes the
+`save_pretrained` (per-expert tensor names, exactly as hub checkpoints; gpt-oss's fused
+`experts.gate_up_proj` etc., as its hub checkpoints store them), and computes the
 reference logits and greedy tokens. Nothing is downloaded.
 
 Weights are re-drawn here rather than left to `transformers`' init, for two reasons: its init
@@ -26,6 +27,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 _COMMON: dict[str, Any] = dict(
@@ -103,6 +105,20 @@ VARIANTS: dict[tuple[str, str], dict[str, Any]] = {
     ("olmoe", "mqa_tied_top1"): dict(
         hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
         num_experts=4, num_experts_per_tok=1, intermediate_size=40, tie_word_embeddings=True),
+    # gpt-oss: sinks, biases everywhere, sliding layers (window shorter than the prompts), YaRN,
+    # a swiglu_limit small enough that the clamp cuts unit-variance projections.
+    ("gpt_oss", "sliding_yarn"): dict(
+        hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=24,
+        sliding_window=5, swiglu_limit=1.2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64}),
+    ("gpt_oss", "mqa_full_first_top4"): dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        num_local_experts=6, num_experts_per_tok=4, intermediate_size=32, sliding_window=8,
+        layer_types=["full_attention", "sliding_attention"], attention_bias=False,
+        swiglu_limit=1.5, swiglu_alpha=1.3),
 }
 # fmt: on
 
@@ -153,6 +169,19 @@ def write_hf_checkpoint(
     return directory
 
 
+def write_custom_checkpoint(
+    family: str, config_kwargs: dict[str, Any], directory: Path, seed: int = 0
+) -> Path:
+    """A checkpoint of `family` with `config_kwargs` (on top of the common vocabulary and ids)
+    instead of a listed variant, weights drawn as every variant's; float32."""
+    config_name, model_name = FAMILIES[family]
+    config = getattr(transformers, config_name)(**{**_COMMON, **config_kwargs})
+    model = getattr(transformers, model_name)(config)
+    _redraw_weights(model, seed)
+    model.save_pretrained(Path(directory))
+    return Path(directory)
+
+
 @torch.no_grad()
 def _redraw_weights(model: torch.nn.Module, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
@@ -161,7 +190,11 @@ def _redraw_weights(model: torch.nn.Module, seed: int) -> None:
         return torch.randn(shape, generator=generator)
 
     for name, param in model.named_parameters():  # a tied lm_head is listed once, as embed
-        if name.endswith("norm.weight"):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, in, out]
+            param.copy_(normal(param.shape) / param.shape[-2] ** 0.5)
+        elif name.endswith("sinks"):  # per-head logits: big enough to take a share of mass
+            param.copy_(normal(param.shape))
+        elif name.endswith("norm.weight"):
             param.copy_(1.0 + 0.2 * normal(param.shape))
         elif name.endswith("bias"):
             param.copy_(0.2 * normal(param.shape))

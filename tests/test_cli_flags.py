@@ -12,6 +12,7 @@ import typing
 import pytest
 
 from hybridmoe import cli
+from hybridmoe.cluster.config import ClusterConfig
 from hybridmoe.engine import EngineConfig, SamplingParams
 from hybridmoe.moe.config import OffloadConfig
 from hybridmoe.server.config import ServerConfig
@@ -21,6 +22,7 @@ REQUIRED = {
     "generate": ["generate", "a prompt"],
     "chat": ["chat"],
     "serve": ["serve"],
+    "cluster": ["cluster"],
     "trace": ["trace", "--prompts", "p.txt", "-o", "t.npz"],
 }
 # What users type (README, docs): a field renamed must not rename its flag silently.
@@ -28,13 +30,14 @@ ENGINE_SPELLINGS = {
     "--model", "--dtype", "--threads", "--device", "--gpu-memory", "--no-pin-memory",
     "--prefill", "--prefill-cpu-tokens", "--decode-target", "--expert-cache-slots",
     "--expert-cache-ratio", "--max-fetch", "--no-overlap", "--cpu-threads", "--expert-format",
-    "--cpu-kernel",
+    "--cpu-kernel", "--dense-format",
 }  # fmt: skip
 SAMPLING_SPELLINGS = {"--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--stop"}
 SPELLINGS = {
     "generate": ENGINE_SPELLINGS | SAMPLING_SPELLINGS,
     "chat": ENGINE_SPELLINGS | SAMPLING_SPELLINGS | {"--system"},
     "serve": ENGINE_SPELLINGS | {"--host", "--port", "--max-seq-len", "--max-batch"},
+    "cluster": ENGINE_SPELLINGS | {"--host", "--port", "--replicas", "--policy", "--worker-urls"},
     "trace": ENGINE_SPELLINGS | SAMPLING_SPELLINGS | {"--prompts", "-o"},
 }
 FREE_TEXT_SAMPLES = {
@@ -44,6 +47,8 @@ FREE_TEXT_SAMPLES = {
     "gguf_file": "Q4_K_M",
 }  # str fields without choices
 PARSED_SAMPLES = {"max_fetch": "auto"}  # fields of more than one type (FlagDoc.parse)
+TUPLE_SAMPLES = {"worker_urls": ("http://a:1", "http://b:2")}  # repeatable flags checked as URLs
+SERVING = ("serve", "cluster")  # commands that build a ServerConfig and decode max_batch rows
 
 
 def subparser(command: str) -> argparse.ArgumentParser:
@@ -120,21 +125,25 @@ def test_spellings_users_type_are_kept(command):
 @pytest.mark.parametrize("command", COMMANDS)
 def test_defaults_are_the_dataclasses_defaults(command):
     args = cli.build_parser().parse_args(REQUIRED[command])
-    one_row = {} if command == "serve" else {"max_batch": 1}  # generate/chat decode one
+    one_row = {} if command in SERVING else {"max_batch": 1}  # generate/chat decode one
     assert cli._engine_config(args) == EngineConfig(progress=True, **one_row)
-    if command == "serve":
+    if command in SERVING:
         assert cli.config_from_args(ServerConfig, args) == ServerConfig()
-    else:
+    if command == "cluster":
+        assert cli.config_from_args(ClusterConfig, args) == ClusterConfig()
+    elif command != "serve":
         assert cli._sampling_params(args) == SamplingParams()
 
 
 def test_choices_are_the_config_modules_constants():
+    from hybridmoe.cluster import config as cluster_config
     from hybridmoe.engine import config as engine_config
     from hybridmoe.moe import config as moe_config
+    from hybridmoe.server import config as server_config
 
     constants = [
         value
-        for module in (engine_config, moe_config)
+        for module in (engine_config, moe_config, server_config, cluster_config)
         for name, value in vars(module).items()
         if name.isupper() and isinstance(value, tuple)
     ]
@@ -150,7 +159,8 @@ def sample_value(action: argparse.Action, hint: object) -> tuple[list[str], obje
     if hint is bool:
         return [option], not default
     if typing.get_origin(hint) is tuple:
-        return [option, "a", option, "b"], ("a", "b")
+        a, b = TUPLE_SAMPLES.get(action.dest, ("a", "b"))
+        return [option, a, option, b], (a, b)
     if cli.FLAG_DOCS.get(action.dest, cli.FlagDoc()).parse is not None:
         return [option, PARSED_SAMPLES[action.dest]], PARSED_SAMPLES[action.dest]
     if action.choices is not None:
@@ -195,3 +205,20 @@ def test_max_fetch_takes_an_integer_or_auto(capsys):
     with pytest.raises(SystemExit):
         parse(["serve", "--max-fetch", "many"])
     assert "max_fetch must be an integer >= 0 or 'auto'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", SERVING)
+def test_flags_of_gives_the_configs_back(command):
+    # `hybridmoe cluster` starts each replica with flags_of(its configs): they must round-trip.
+    argv = ["--max-seq-len", "128", "--no-overlap", "--max-fetch", "auto", "--cpu-threads", "1"]
+    argv += ["--max-queue", "3", "--api-key", "k", "--port", "9"]
+    argv += ["--allowed-hosts", "a", "--allowed-hosts", "b"] if command == "serve" else []
+    args = cli.build_parser().parse_args([command, *argv])
+    engine, server = cli._engine_config(args), cli.config_from_args(ServerConfig, args)
+    flags = cli.flags_of(engine, "serve") + cli.flags_of(engine.offload, "serve")
+    flags += cli.flags_of(server, "serve")
+    again = cli.build_parser().parse_args(["serve", *flags])
+    assert cli._engine_config(again) == engine
+    assert cli.config_from_args(ServerConfig, again) == server
+    assert cli.flags_of(EngineConfig(), "serve") == []  # defaults need no flag
+    assert "--port" not in cli.flags_of(server, "serve", skip=("host", "port"))

@@ -21,8 +21,10 @@ PACKAGE = Path(hybridmoe.__file__).parent
 RANKS = {
     "cli": 7,
     "cli_planning": 7,
+    "cli_chat": 7,
     "__main__": 7,
     "server": 7,
+    "cluster": 7,  # `hybridmoe cluster`: supervises `serve` subprocesses; imports no engine
     "engine": 6,
     "models": 5,
     "planning": 5,  # traces, simulator, cost model, planner: above models, below engine

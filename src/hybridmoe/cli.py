@@ -1,4 +1,5 @@
-"""Command line: `hybridmoe generate|chat|serve` and the planning commands `trace|plan|bench-hw`.
+"""Command line: `hybridmoe generate|chat|serve|cluster` and the planning commands
+`trace|plan|bench-hw`.
 
 The planning commands live in cli_planning.py; `trace` takes the flags `generate` takes.
 
@@ -20,8 +21,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hybridmoe import cli_planning
+from hybridmoe.cli_chat import chat_loop
+from hybridmoe.cluster.config import ROUTING_POLICIES, ClusterConfig
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
-from hybridmoe.engine.config import DEFAULT_MAX_SEQ_LEN, DTYPE_CHOICES, PREFIX_BLOCK_TOKENS
+from hybridmoe.engine.config import (
+    DEFAULT_MAX_SEQ_LEN,
+    DENSE_FORMAT_CHOICES,
+    DTYPE_CHOICES,
+    PREFIX_BLOCK_TOKENS,
+)
 from hybridmoe.errors import HybridMoeError
 from hybridmoe.moe.config import (
     CPU_KERNEL_CHOICES,
@@ -32,12 +40,13 @@ from hybridmoe.moe.config import (
     parse_max_fetch,
 )
 from hybridmoe.platform.base import DEVICE_HELP
-from hybridmoe.server.config import ServerConfig
+from hybridmoe.server.config import REASONING_FORMAT_CHOICES, ServerConfig
 
 COMMAND_CONFIGS: dict[str, tuple[type, ...]] = {
     "generate": (EngineConfig, OffloadConfig, SamplingParams),
     "chat": (EngineConfig, OffloadConfig, SamplingParams),
     "serve": (EngineConfig, OffloadConfig, ServerConfig),
+    "cluster": (EngineConfig, OffloadConfig, ServerConfig, ClusterConfig),
     "trace": (EngineConfig, OffloadConfig, SamplingParams),
 }
 # Flags of a command that set no config field (dest -> what it is).
@@ -45,6 +54,7 @@ COMMAND_ARGS: dict[str, dict[str, str]] = {
     "generate": {"model": "the checkpoint to load", "prompt": "the text to complete"},
     "chat": {"model": "the checkpoint to load", "system": "the chat's system message"},
     "serve": {"model": "the checkpoint to load"},
+    "cluster": {"model": "the checkpoint every replica loads"},
     "trace": {
         "model": "the checkpoint to load",
         "prompts": "a text file, one prompt per line",
@@ -62,14 +72,22 @@ _DECODE_NO_FLAG = {
     "SamplingParams.ignore_eos": "an API extension for benchmarks; the CLI stops at EOS",
     "SamplingParams.logprobs": "an API field (serve's logprobs); the CLI prints text",
     "SamplingParams.grammar": "an API field (serve's response_format and tools)",
+    "SamplingParams.stop_token_ids": "set by serve's reasoning format (harmony's end tokens)",
+    "SamplingParams.skip_special_tokens": "set by serve's reasoning format (harmony reads them)",
+}
+_SERVE_NO_FLAG = {
+    **_ENGINE_NO_FLAG,
+    "ServerConfig.shutdown_timeout_s": "the fixed grace README promises (5 s)",
 }
 NOT_FLAGS: dict[str, dict[str, str]] = {
     "generate": _DECODE_NO_FLAG,
     "chat": _DECODE_NO_FLAG,
     "trace": _DECODE_NO_FLAG,
-    "serve": {
-        **_ENGINE_NO_FLAG,
-        "ServerConfig.shutdown_timeout_s": "the fixed grace README promises (5 s)",
+    "serve": _SERVE_NO_FLAG,
+    "cluster": {
+        **_SERVE_NO_FLAG,
+        "ServerConfig.allowed_hosts": "the router in front checks no Host header, and replicas "
+        "see the router's (loopback): README says to set --api-key instead",
     },
 }
 
@@ -84,6 +102,11 @@ class FlagDoc:
 # Help texts by field name; a switch's text says what the switch (`--no-overlap`) does.
 FLAG_DOCS: dict[str, FlagDoc] = {
     "dtype": FlagDoc(choices=DTYPE_CHOICES),
+    "dense_format": FlagDoc(
+        "store attention, dense-MLP and shared-expert projections and the output head "
+        "quantised (the head of q4_0 in q8_0); auto: as loaded",
+        DENSE_FORMAT_CHOICES,
+    ),
     "gguf_file": FlagDoc(
         "the GGUF in --model's directory or Hugging Face repo: its file name or a part of it "
         "such as Q4_K_M"
@@ -149,6 +172,23 @@ FLAG_DOCS: dict[str, FlagDoc] = {
     "read_timeout_s": FlagDoc("close a connection whose request is not fully sent within this"),
     "keep_alive_timeout_s": FlagDoc("close an idle keep-alive connection after this"),
     "max_connections": FlagDoc("open connections beyond which requests get 503"),
+    "reasoning_format": FlagDoc(
+        "how chat replies' reasoning is split into reasoning_content: harmony (gpt-oss), think "
+        "(<think>...</think>), none, or auto (by the chat template)",
+        REASONING_FORMAT_CHOICES,
+    ),
+    "replicas": FlagDoc("`hybridmoe serve` replicas to start on this machine"),
+    "policy": FlagDoc(
+        "how the router spreads requests: cache_aware keeps a shared prompt prefix on one replica",
+        ROUTING_POLICIES,
+    ),
+    "replica_base_port": FlagDoc("replica i listens on 127.0.0.1:BASE+i (0 = any free ports)"),
+    "stats_port": FlagDoc("port of the cluster's /v1/stats, on --host (0 = any free port)"),
+    "worker_urls": FlagDoc(
+        "URL of a `hybridmoe serve` on another machine to route to as well (repeatable)"
+    ),
+    "health_check_interval_s": FlagDoc("seconds between the router's /health probes"),
+    "restart_delay_s": FlagDoc("seconds before a replica that exited is started again"),
 }
 EXCLUSIVE_FLAGS = (("expert_cache_slots", "expert_cache_ratio"),)  # one cache size
 C = typing.TypeVar("C")
@@ -226,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat = commands.add_parser("chat", help="interactive chat using the checkpoint's template")
     chat.add_argument("--system", default=None, help="system message")
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    cluster = commands.add_parser(
+        "cluster", help="replicas of `serve` behind one endpoint (needs hybridmoe[cluster])"
+    )
     trace = commands.add_parser("trace", help="record the router's choices while decoding")
     trace.add_argument("--prompts", required=True, help="text file, one prompt per line")
     trace.add_argument("-o", "--output", required=True, help="the .npz trace to write")
@@ -234,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("generate", generate),
         ("chat", chat),
         ("serve", serve),
+        ("cluster", cluster),
         ("trace", trace),
     ):
         sub.add_argument(
@@ -244,6 +288,27 @@ def build_parser() -> argparse.ArgumentParser:
         )
         _add_config_flags(sub, command)
     return parser
+
+
+def flags_of(config: object, command: str, skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags of `command` that give `config` back (its flag fields that differ from their
+    defaults, but those in `skip`): the inverse of config_from_args."""
+    hints = typing.get_type_hints(type(config))
+    argv: list[str] = []
+    for f in flag_fields(type(config), command):
+        value, default = getattr(config, f.name), _field_default(f)
+        if f.name in skip or value == default:
+            continue
+        option = f"--{f.name.replace('_', '-')}"
+        if hints[f.name] is bool:
+            argv.append(f"--no-{f.name.replace('_', '-')}" if default else option)
+        elif typing.get_origin(hints[f.name]) is tuple:
+            argv += [text for item in value for text in (option, str(item))]
+        elif value is None:
+            raise ValueError(f"{type(config).__name__}.{f.name}=None has no flag of {command}")
+        else:
+            argv += [option, str(value)]
+    return argv
 
 
 def config_from_args(config_cls: type[C], args: argparse.Namespace, **given: object) -> C:
@@ -297,24 +362,7 @@ def run_generate(args: argparse.Namespace) -> None:
 def run_chat(args: argparse.Namespace) -> None:
     params = _sampling_params(args)
     with _load_engine(args) as engine:
-        _chat_loop(engine, args, params)
-
-
-def _chat_loop(engine: Engine, args: argparse.Namespace, params: SamplingParams) -> None:
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("chat: type a message, /exit or Ctrl-D to quit", file=sys.stderr)
-    while True:
-        try:
-            user = input("> ")
-        except EOFError:
-            break
-        if user.strip() in ("/exit", "/quit"):
-            break
-        messages.append({"role": "user", "content": user})
-        prompt = engine.require_tokenizer().apply_chat_template(messages)
-        # the template already holds every special token the model expects
-        reply = _stream(engine, engine.encode(prompt, add_special_tokens=False), params)
-        messages.append({"role": "assistant", "content": reply})
+        chat_loop(engine, args.system, params)
 
 
 def run_serve(args: argparse.Namespace) -> None:
@@ -327,13 +375,35 @@ def run_serve(args: argparse.Namespace) -> None:
         serve(engine, config, model_id)
 
 
+def run_cluster(args: argparse.Namespace) -> None:
+    from hybridmoe.cluster.run import run_cluster as run  # the supervisor, only when asked
+
+    cluster, server = config_from_args(ClusterConfig, args), config_from_args(ServerConfig, args)
+    engine = _engine_config(args)  # checked here, before any replica loads it
+    model_dir = Path(os.path.abspath(_model_dir(args)))
+    replica_flags = [
+        *flags_of(engine, "serve"),
+        *flags_of(engine.offload, "serve"),
+        *flags_of(server, "serve", skip=("host", "port")),  # the front's; replicas: loopback
+    ]
+    serve_argv = [sys.executable, "-m", "hybridmoe", "serve", "--model", str(model_dir)]
+    argv = serve_argv + replica_flags
+    run(cluster, server.host, server.port, argv, model_dir.name, server.api_key)
+
+
 def run_trace(args: argparse.Namespace) -> None:
     params = _sampling_params(args)
     with _load_engine(args) as engine:
         cli_planning.run_trace(engine, args, params)
 
 
-COMMANDS = {"generate": run_generate, "chat": run_chat, "serve": run_serve, "trace": run_trace}
+COMMANDS = {
+    "generate": run_generate,
+    "chat": run_chat,
+    "serve": run_serve,
+    "cluster": run_cluster,
+    "trace": run_trace,
+}
 COMMANDS.update(cli_planning.COMMANDS)  # plan, bench-hw: no engine flags
 
 

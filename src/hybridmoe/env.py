@@ -33,6 +33,12 @@ def hybrid_overlap() -> bool:
     return os.environ.get("HYBRIDMOE_HYBRID_OVERLAP", "1") != "0"
 
 
+def dense_kernel() -> bool:
+    """HYBRIDMOE_DENSE_KERNEL=0 computes every dense projection with torch, the CPU decode
+    steps' too (a measurement switch: the numba kernel's before/after)."""
+    return os.environ.get("HYBRIDMOE_DENSE_KERNEL", "1") != "0"
+
+
 def auto_device() -> str | None:
     """HYBRIDMOE_AUTO_DEVICE: what `--device auto` means instead of "the accelerator if any"
     (the CPU test suite sets it to cpu, so it tests the cpu tier on a GPU machine too)."""

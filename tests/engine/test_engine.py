@@ -82,6 +82,19 @@ def test_eos_stops_generation(engine, monkeypatch):
     assert ignored.finish_reason == "length"
 
 
+def test_stop_token_ids_end_generation_as_eos_does(engine):
+    (full,) = engine.generate([PROMPTS[0]], GREEDY)
+    third = full.token_ids[2]
+    cut = full.token_ids.index(third) + 1  # the first occurrence ends it
+    assert not engine.eos_ids & set(full.token_ids[:cut])  # nothing else ends it earlier
+    params = SamplingParams(max_tokens=GREEDY.max_tokens, stop_token_ids=[third])
+    (stopped,) = engine.generate([PROMPTS[0]], params)
+    assert stopped.token_ids == full.token_ids[:cut] and stopped.finish_reason == "stop"
+    assert stopped.text == engine.tokenizer.decode(full.token_ids[: cut - 1])  # not its text
+    ignored = SamplingParams(max_tokens=GREEDY.max_tokens, stop_token_ids=[third], ignore_eos=True)
+    assert engine.generate([PROMPTS[0]], ignored)[0].token_ids == full.token_ids
+
+
 def test_demo_eos_comes_from_its_config(engine):
     eos = engine.tokenizer.backend.token_to_id("<|im_end|>")
     assert eos in engine.eos_ids

@@ -12,7 +12,8 @@ from hybridmoe.kernels.torch_moe import gathered_moe
 from hybridmoe.moe.cpu_experts import bank_moe
 from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.formats import WEIGHT_FORMATS, weight_format
-from random_weights import random_bank
+from hybridmoe.quant.slot_banks import SlotBanks
+from random_weights import random_bank, random_stored
 
 from .device_helpers import sync_debug_mode
 
@@ -91,3 +92,33 @@ def test_never_synchronises_with_the_host(device, fmt) -> None:
     with sync_debug_mode("error"):
         gathered_moe(x_dev, ids_dev, weights_dev, bank_dev)
     torch.cuda.synchronize(device)
+
+
+MIXED_PAIRS = [("q4_k", "q6_k"), ("q4_k", "q5_k"), ("q5_k", "q6_k")]  # Q4_K_M / Q5_K_M files
+
+
+def mixed_bank(gate_up: str, down: str, seed: int) -> ExpertBank:
+    """Random blocks, gate/up in `gate_up`, down in `down` (a GGUF's separate layout)."""
+    gen = torch.Generator().manual_seed(seed)
+    fmt, down_fmt = weight_format(gate_up), weight_format(down)
+    gate, up = (random_stored(fmt, (E, K_SIZE, K_SIZE), gen) for _ in range(2))
+    down_w = random_stored(down_fmt, (E, K_SIZE, K_SIZE), gen)
+    return ExpertBank(gate=gate, up=up, down=down_w, fmt=fmt, down_fmt=down_fmt)
+
+
+@pytest.mark.parametrize("pair", MIXED_PAIRS, ids=["-".join(p) for p in MIXED_PAIRS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_formats_on_shared_slots_match_the_cpu_reference(device, pair, dtype) -> None:
+    """A bank with down in another format, computed from device slots sized for a larger
+    layer (SlotBanks: the views a cache shares between layers of different formats)."""
+    bank = mixed_bank(*pair, seed=3)
+    larger = mixed_bank("q6_k", "q6_k", seed=4)
+    slots = SlotBanks([bank, larger], E, device)
+    for src, dst in bank.copies_into(slots.bank_for(bank)):
+        dst.copy_(src)
+    ids, weights = make_routes(3, 4, seed=11)
+    x = torch.randn(3, K_SIZE, generator=torch.Generator().manual_seed(5)).to(dtype)
+    weights = weights.to(dtype)
+    x_dev, ids_dev, weights_dev = on_device(device, x, ids, weights)
+    out = gathered_moe(x_dev, ids_dev, weights_dev, slots.bank_for(bank))
+    assert_close(out, bank_moe(x, ids, weights, bank), dtype, f"{pair} {dtype} on slots")

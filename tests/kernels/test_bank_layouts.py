@@ -24,6 +24,7 @@ GGUF_TYPES = {
     "bf16": GGMLQuantizationType.BF16,
     "q8_0": GGMLQuantizationType.Q8_0,
     "q4_0": GGMLQuantizationType.Q4_0,
+    "mxfp4": GGMLQuantizationType.MXFP4,
 }
 NAMES = ("gate", "up", "down")
 

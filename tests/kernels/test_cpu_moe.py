@@ -152,6 +152,21 @@ def test_prefill_sized_calls_take_the_reference_path(fmt: str) -> None:
     )
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_fused_kernel_beyond_16_tokens(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel itself (not the prefill path) for 17 and 33 tokens, K = 5, a route skipped."""
+    from hybridmoe.moe import cpu_experts
+
+    monkeypatch.setattr(cpu_experts, "FUSED_MAX_TOKENS", 64)
+    bank = make_bank(fmt)
+    for tokens in (17, 33):
+        ids, weights = make_routes(tokens, 5, bank.num_experts, seed=tokens)
+        ids[3, 2] = -1
+        x = x_for(bank, tokens)
+        expected = bank_moe(x, ids, weights, bank)
+        torch.testing.assert_close(fused_cpu_moe(x, ids, weights, bank), expected, **FP32_TOL)
+
+
 def test_out_of_range_id_is_an_index_error() -> None:
     bank = make_bank("q4_0")
     x = x_for(bank, 2)

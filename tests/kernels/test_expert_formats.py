@@ -39,7 +39,7 @@ def generate(directory: Path, offload: OffloadConfig) -> tuple[list[list[int]], 
 
 
 # the quantisable formats whose blocks fit the demo's widths (64, 32)
-BLOCK_FORMATS = ["bf16", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+BLOCK_FORMATS = ["bf16", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4"]
 K_QUANTS = [name for name, fmt in WEIGHT_FORMATS.items() if not fmt.can_quantize]
 
 

@@ -99,7 +99,7 @@ def test_tied_head_stored_equal_is_the_embedding(demo_variant):
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
 
     model = load_model(rewrite(demo_variant(), add_head))
-    assert model.lm_head is model.embed
+    assert model.lm_head.weight is model.embed
 
 
 def test_tied_head_stored_different_is_used(demo_variant):
@@ -107,7 +107,7 @@ def test_tied_head_stored_different_is_used(demo_variant):
     # so we will NOT tie them") and uses the stored head.
     head = torch.randn(4096, 192)
     model = load_model(rewrite(demo_variant(), lambda w: w.update({"lm_head.weight": head})))
-    assert torch.equal(model.lm_head, head) and model.lm_head is not model.embed
+    assert torch.equal(model.lm_head.weight, head) and model.lm_head.weight is not model.embed
 
 
 def test_untied_config_without_a_head_is_refused(demo_variant):

@@ -70,6 +70,16 @@ FULL_CONFIGS: dict[str, dict[str, Any]] = {
         "attention_bias": True,
         "clip_qkv": 2.0,
     },
+    "gpt_oss": {
+        **_SHAPES,
+        "num_hidden_layers": 2,
+        "num_local_experts": 8,
+        "intermediate_size": 32,
+        "sliding_window": 64,
+        "attention_bias": False,
+        "swiglu_alpha": 1.5,
+        "swiglu_limit": 5.0,
+    },
 }
 _HYBRID: dict[str, Any] = {
     **_SHAPES,
@@ -180,6 +190,8 @@ EFFECTIVE: dict[str, Compare] = {
             ("linear_num_value_heads", "num_value_heads"),
         )
     },
+    "swiglu_alpha": (lambda cfg: cfg.swiglu_alpha, lambda hf: hf.swiglu_alpha),
+    "swiglu_limit": (lambda cfg: cfg.swiglu_limit, lambda hf: hf.swiglu_limit),
 }
 
 DEFAULTED_FIELDS = [
@@ -258,7 +270,13 @@ def test_qwen2_moe_shared_expert_is_not_dropped():
 
 @pytest.mark.parametrize(
     ("family", "positions"),
-    [("qwen3_moe", 32768), ("qwen2_moe", 32768), ("mixtral", 131072), ("olmoe", 4096)],
+    [
+        ("qwen3_moe", 32768),
+        ("qwen2_moe", 32768),
+        ("mixtral", 131072),
+        ("olmoe", 4096),
+        ("gpt_oss", 131072),
+    ],
 )
 def test_max_position_embeddings(family, positions):
     cfg = ours(config_json(family, drop=("max_position_embeddings",)))
@@ -267,7 +285,13 @@ def test_max_position_embeddings(family, positions):
 
 @pytest.mark.parametrize(
     ("family", "fp32"),
-    [("qwen3_moe", False), ("qwen2_moe", False), ("mixtral", True), ("olmoe", False)],
+    [
+        ("qwen3_moe", False),
+        ("qwen2_moe", False),
+        ("mixtral", True),
+        ("olmoe", False),
+        ("gpt_oss", False),
+    ],
 )
 def test_router_weights_dtype(family, fp32):
     # MixtralTopKRouter keeps its float32 top-k weights; the others cast them to the
@@ -286,3 +310,23 @@ def test_rope_scaling_wins_over_rope_parameters():
         hf["factor"],
         hf["rope_theta"],
     )
+
+
+def test_gpt_oss_rope_and_layer_types_defaults():
+    # GptOssConfig.__post_init__ fills in YaRN rope_parameters and alternating layer_types
+    raw = config_json("gpt_oss", drop=("rope_theta",))
+    cfg, hf = ours(raw), theirs("gpt_oss", raw)
+    rope, want = cfg.rope, hf.rope_parameters
+    assert (rope.rope_type, rope.factor, rope.theta, rope.truncate) == (
+        want["rope_type"],
+        want["factor"],
+        want["rope_theta"],
+        want["truncate"],
+    )
+    assert (rope.original_max_position, rope.beta_fast, rope.beta_slow) == (
+        want["original_max_position_embeddings"],
+        want["beta_fast"],
+        want["beta_slow"],
+    )
+    assert cfg.sliding_layers == tuple(t == "sliding_attention" for t in hf.layer_types)
+    assert cfg.expert_activation == "clamped_swiglu" and cfg.expert_bias and cfg.router_bias

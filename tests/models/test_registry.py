@@ -15,6 +15,7 @@ import torch
 from hybridmoe.layers.attention import ATTENTIONS
 from hybridmoe.layers.moe import SHARED_EXPERTS
 from hybridmoe.models import registry
+from hybridmoe.models.gpt_oss import load_gpt_oss_experts
 from hybridmoe.models.loading import load_model
 from hybridmoe.models.qwen3_moe import QWEN3_MOE
 from hybridmoe.models.registry import MODEL_REGISTRY, ModelFamily, WeightNames, register
@@ -43,6 +44,10 @@ PARTS = {
     "Qwen3_5MoeForConditionalGeneration": (
         WeightNames(model_prefix="model.language_model", ignored_prefixes=VL_IGNORED),
         "softmax_topk", "sigmoid_gated", "gated_gqa", "gated_deltanet", "offset_rms",
+    ),
+    "GptOssForCausalLM": (
+        WeightNames(router="router", experts_loader=load_gpt_oss_experts), "topk_softmax", None,
+        "gqa_sinks", None, "rms",
     ),
 }  # fmt: skip
 

@@ -151,7 +151,7 @@ def test_worked_example_from_the_reference(overlap):
     assert cpu_weights is req.topk_weights  # the original weights; the CPU skips ids < 0
     [(gpu_x, gpu_slots, gpu_weights)] = runner.calls
     assert gpu_x is req.hidden_states
-    assert gpu_slots.tolist() == [[3, 0]]
+    assert gpu_slots.tolist() == [[3, -1]]  # the CPU's route is skipped on the accelerator
     torch.testing.assert_close(gpu_weights, torch.tensor([[0.7, 0.0]]))
     torch.testing.assert_close(out, runner.partial + cpu.partial)
 
@@ -176,7 +176,7 @@ def test_routes_are_complementary(data, tokens, top_k, slot_of):
     cpu_ids, (_, gpu_slots, gpu_weights) = cpu.submits[0][2], runner.calls[0]
     on_cpu, on_gpu = cpu_ids >= 0, gpu_weights != 0
     assert torch.equal(on_cpu ^ on_gpu, torch.ones_like(on_cpu)), "each route on exactly one side"
-    assert (gpu_slots >= 0).all()
+    assert torch.equal(gpu_slots < 0, on_cpu)  # the accelerator skips the CPU's routes
     original, w = torch.tensor(ids), torch.tensor(weights)
     expected_slots = [[slot_of.get(e, -1) for e in row] for row in ids]
     assert torch.equal(on_cpu, torch.tensor(expected_slots) < 0)
@@ -208,7 +208,7 @@ def test_all_cpu_step_still_runs_the_accelerator_with_zero_weights():
     hybrid.decode(request([[1, 2], [3, 1]], [[0.5, 0.5], [0.9, 0.1]]), runner)
     assert log == OVERLAPPED
     _, gpu_slots, gpu_weights = runner.calls[0]
-    assert not gpu_weights.any() and not gpu_slots.any()
+    assert not gpu_weights.any() and (gpu_slots == -1).all()
     assert cpu.submits[0][2].tolist() == [[1, 2], [3, 1]]
 
 

@@ -13,6 +13,8 @@ from hybridmoe.moe.cpu_experts import bank_moe
 from hybridmoe.moe.prefill import ExpertPrefill, InPlacePrefill, LayerStreamer
 from hybridmoe.platform.cpu import CpuPlatform
 from hybridmoe.quant.bank import ExpertBank
+from hybridmoe.quant.formats import weight_format
+from random_weights import random_stored
 
 E, H, INTER = 4, 16, 8
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -74,6 +76,29 @@ def test_streamer_never_refills_the_buffer_being_read():
     for layer in range(3):
         bank = streamer.bank_for(layer)
     assert torch.equal(bank.gate_up, banks[2].gate_up)
+
+
+def test_streamer_buffers_hold_layers_of_different_formats():
+    """Layers whose down is in another format (a Q4_K_M GGUF): each buffer is sized for the
+    largest and read in the formats of the layer it holds; the grouped reference on it gives
+    the host bank's sum."""
+    gen = torch.Generator().manual_seed(5)
+    banks = []
+    for down_name in ("q6_k", "q5_k", "q6_k"):
+        fmt, down_fmt = weight_format("q4_k"), weight_format(down_name)
+        gate, up = (random_stored(fmt, (E, 256, 256), gen) for _ in range(2))
+        down = random_stored(down_fmt, (E, 256, 256), gen)
+        banks.append(ExpertBank(gate=gate, up=up, down=down, fmt=fmt, down_fmt=down_fmt))
+    streamer = LayerStreamer(banks, CpuPlatform())
+    assert LayerStreamer.nbytes(banks) == 2 * banks[0].nbytes  # q6_k down is the larger
+    x, ids = torch.randn(3, 256, generator=gen), torch.tensor([[0, 3], [1, 0], [2, 2]])
+    weights = torch.rand(3, 2, generator=gen)
+    for layer in (0, 1, 2, 0):
+        bank = streamer.bank_for(layer)
+        assert bank.formats == banks[layer].formats
+        assert torch.equal(bank.down, banks[layer].down), f"layer {layer}"
+        expected = bank_moe(x, ids, weights, banks[layer])
+        assert torch.equal(bank_moe(x, ids, weights, bank), expected), f"layer {layer}"
 
 
 @pytest.mark.parametrize(

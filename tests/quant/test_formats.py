@@ -13,9 +13,11 @@ SIZES = {
     "f32": (1, 4), "bf16": (1, 2), "f16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18),
     "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q2_k": (256, 84),
     "q3_k": (256, 110), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
+    "mxfp4": (32, 17),
 }  # fmt: skip
 K_QUANTS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
-BLOCKS_OF_32 = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]  # the quantisers
+BLOCKS_OF_32 = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4"]  # the quantisers
+FP16_SCALED = [name for name in BLOCKS_OF_32 if weight_format(name).scale_dtype == torch.float16]
 
 
 def test_registry_holds_the_formats() -> None:
@@ -36,7 +38,7 @@ def test_registry_holds_the_formats() -> None:
 @pytest.mark.parametrize(
     ("name", "stored", "row_bytes"),
     [("f32", (3, 4, 64), 256), ("bf16", (3, 4, 64), 128), ("q8_0", (3, 4, 68), 68),
-     ("q4_0", (3, 4, 36), 36)],
+     ("q4_0", (3, 4, 36), 36), ("mxfp4", (3, 4, 34), 34)],
 )  # fmt: skip
 def test_stored_shape_and_row_bytes(name: str, stored: tuple[int, ...], row_bytes: int) -> None:
     fmt = weight_format(name)
@@ -125,7 +127,7 @@ def test_non_finite_input(name: str, bad: float, position: int) -> None:
         weight_format(name).quantize(w)
 
 
-@pytest.mark.parametrize("name", BLOCKS_OF_32)
+@pytest.mark.parametrize("name", FP16_SCALED)
 def test_scale_beyond_fp16(name: str) -> None:
     w = torch.zeros(2, 32)
     w[1, 0] = 1e9

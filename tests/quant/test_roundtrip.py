@@ -46,7 +46,19 @@ def bf16_bound(x: torch.Tensor) -> torch.Tensor:
     return x.double().abs() * 2.0**-8
 
 
-BOUNDS = {"q8_0": q8_0_bound, "q4_0": q4_0_bound, "bf16": bf16_bound}
+def mxfp4_bound(x: torch.Tensor) -> torch.Tensor:
+    """mxfp4: s = 2^(floor(log2 max|x|) - 2), so |x| / s <= max|x| / s < 8; E2M1 steps are
+    s / 2 below 2 s, s below 4 s, 2 s up to 6 s (error half a step), and |x| > 6 s clips to
+    6 s (error |x| - 6 s). Exact: s is a power of two and the rounding compares exactly."""
+    x = x.double()
+    amax = x.abs().amax(dim=1, keepdim=True)  # [B, 1]
+    s = torch.exp2(torch.floor(torch.log2(amax.clamp(min=1e-300))) - 2)  # [B, 1]
+    t = x.abs() / s  # [B, 32]
+    half_step = torch.where(t <= 2, 0.25, torch.where(t <= 4, 0.5, 1.0))
+    return torch.where(t > 6, t - 6, half_step) * s
+
+
+BOUNDS = {"q8_0": q8_0_bound, "q4_0": q4_0_bound, "bf16": bf16_bound, "mxfp4": mxfp4_bound}
 
 
 def assert_round_trip_within_bound(name: str, w: torch.Tensor) -> None:

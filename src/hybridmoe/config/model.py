@@ -102,6 +102,16 @@ class ModelConfig:
     # Per layer: linear attention (True) or full attention (False); () = full attention only.
     linear_layers: tuple[bool, ...] = ()
     linear_attention: LinearAttentionConfig | None = None  # set when any layer is linear
+    # per layer: whether it attends within `sliding_window` (gpt-oss's `layer_types`); None:
+    # every layer does when `sliding_window` is set
+    sliding_layers: tuple[bool, ...] | None = None
+    router_bias: bool = False  # the router's linear gate has a bias (gpt-oss)
+    expert_bias: bool = False  # experts' gate/up and down projections have biases (gpt-oss)
+    # how an expert combines gate and up (quant/expert_math.py: ExpertActivation): "silu" =
+    # silu(gate) * up; "clamped_swiglu" (gpt-oss) with swiglu_alpha and swiglu_limit
+    expert_activation: str = "silu"
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float = float("inf")
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -126,6 +136,11 @@ class ModelConfig:
             )
         if any(self.linear_layers) and self.linear_attention is None:
             raise UnsupportedConfigError("linear attention layers need their sizes")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise UnsupportedConfigError(
+                f"layer_types has {len(self.sliding_layers)} entries, "
+                f"num_hidden_layers is {self.num_layers}"
+            )
         if not 1 <= self.top_k <= self.num_experts:
             raise UnsupportedConfigError(
                 f"num_experts_per_tok ({self.top_k}) must be in [1, {self.num_experts}]"
@@ -138,6 +153,12 @@ class ModelConfig:
     @property
     def has_recurrent_state(self) -> bool:
         return any(self.linear_layers)
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window layer `layer_idx` attends within; None: every earlier key."""
+        if self.sliding_layers is not None and not self.sliding_layers[layer_idx]:
+            return None
+        return self.sliding_window
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:

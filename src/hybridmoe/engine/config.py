@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from hybridmoe.moe.config import OffloadConfig
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32")
+# how the dense projections are stored: auto = as loaded (the --dtype); q8_0 / q4_0 quantised
+# at load. The output head of q4_0 is q8_0 (llama.cpp's q4_0 files keep it in 6 bits or more).
+DENSE_FORMAT_CHOICES = ("auto", "q8_0", "q4_0")
+HEAD_FORMATS = {"q8_0": "q8_0", "q4_0": "q8_0"}
 DEFAULT_MAX_SEQ_LEN = 4096  # KV positions per sequence when the model's context allows more
 PREFIX_BLOCK_TOKENS = 16  # the prefix cache's granularity: prompts share whole blocks of this
 
@@ -33,11 +37,19 @@ class EngineConfig:
     # the GGUF to load from --model's directory or cached repo: a file name or a part of one
     # (a quant name such as Q4_K_M); None: --model names the checkpoint itself
     gguf_file: str | None = None
+    # attention, dense-MLP and shared-expert projections and the output head stored in this
+    # format (DENSE_FORMAT_CHOICES); norms, embeddings and routers always stay as loaded
+    dense_format: str = "auto"
     offload: OffloadConfig = field(default_factory=OffloadConfig)  # where experts decode
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.dense_format not in DENSE_FORMAT_CHOICES:
+            raise ValueError(
+                f"dense_format must be one of {', '.join(DENSE_FORMAT_CHOICES)}, "
+                f"got {self.dense_format!r}"
+            )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_batch < 1:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from hybridmoe.engine.config import EngineConfig
+from hybridmoe.engine.config import HEAD_FORMATS, EngineConfig
 from hybridmoe.engine.constraints import GrammarCompiler
 from hybridmoe.engine.moe_runtime import MoeRuntime, create_moe_runtime
 from hybridmoe.engine.placement import plan_device_memory, resolve_decode_target
@@ -25,6 +25,7 @@ from hybridmoe.loader.tokenizer import Tokenizer
 from hybridmoe.models.loading import load_checkpoint
 from hybridmoe.models.transformer import MoeCausalLM
 from hybridmoe.platform.base import Platform, create_platform
+from hybridmoe.quant.formats import weight_format
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,9 @@ class Engine:
         model, tokenizer = load_checkpoint(
             resolve_model(str(path), config.gguf_file), dtype, config.progress
         )
+        if config.dense_format != "auto":
+            head_format = weight_format(HEAD_FORMATS[config.dense_format])
+            model.quantize_dense(weight_format(config.dense_format), head_format)
         return cls(model, tokenizer, config)
 
     def close(self) -> None:
@@ -160,7 +164,8 @@ class Engine:
         limit = max_len or self.max_seq_len
         if len(prompt_ids) >= limit:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context window is {limit}")
-        detok = self.require_tokenizer().incremental_decoder() if with_text else None
+        tokenizer = self.require_tokenizer() if with_text else None
+        detok = tokenizer.incremental_decoder(params.skip_special_tokens) if tokenizer else None
         constraint = None if params.grammar is None else self.grammars.constraint(params.grammar)
         return Sequence(list(prompt_ids), params, self.eos_ids, limit, detok, constraint=constraint)
 

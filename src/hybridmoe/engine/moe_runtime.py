@@ -36,6 +36,7 @@ from hybridmoe.platform.base import Platform
 from hybridmoe.platform.cpu import CpuPlatform
 from hybridmoe.quant.bank import ExpertBank, ExpertWeights
 from hybridmoe.quant.formats import WeightFormat, dense_format, weight_format
+from hybridmoe.quant.slot_banks import SlotBanks
 
 if TYPE_CHECKING:
     from hybridmoe.engine.placement import DeviceMemoryPlan
@@ -152,12 +153,12 @@ def _build_offloaded(
     if on_accelerator and config.pin_memory:
         bar = tqdm(parts.stores, desc="pinning expert banks", unit="layer", disable=not progress)
         parts.stores = [bank.in_own_pages() for bank in bar]
-        for tensor in (tensor for bank in parts.stores for tensor in bank.tensors()):
+        for tensor in (t for bank in parts.stores for t in bank.tensors() + bank.bias_tensors()):
             platform.pin(tensor)
     banks = parts.stores
     # On the cpu device `auto` computes prefill from the banks in place.
     prefill_mode = config.prefill if on_accelerator or config.prefill != "auto" else None
-    prefill_bytes = _prefill_bytes(prefill_mode, banks[0], memory)
+    prefill_bytes = _prefill_bytes(prefill_mode, banks, memory)
     if target.uses_cache:
         slots = _num_slots(model, config, target, banks, memory, prefill_bytes)
         parts.cache = OffloadMoeCache(
@@ -193,11 +194,11 @@ def _max_fetch(config: OffloadConfig, bank: ExpertBank, platform: Platform) -> i
 
 
 def _prefill_bytes(
-    prefill_mode: str | None, bank: ExpertBank, memory: DeviceMemoryPlan | None
+    prefill_mode: str | None, banks: list[ExpertBank], memory: DeviceMemoryPlan | None
 ) -> int:
     """Device bytes of prefill's layer buffers (none when prefill never streams)."""
     streams = prefill_mode is not None and ExpertPrefill.streams(prefill_mode)
-    needed = LayerStreamer.nbytes(bank) if streams else 0
+    needed = LayerStreamer.nbytes(banks) if streams else 0
     if memory is not None and needed > memory.expert_bytes:
         raise DeviceMemoryError(
             f"streaming prefill needs two layers of experts on the device "
@@ -215,7 +216,7 @@ def _place_resident(
     banks = [store for store in parts.stores if isinstance(store, ExpertBank)]
     if memory is not None and banks:
         total = sum(bank.num_experts for bank in banks)
-        memory.check_all_experts_fit(banks[0].expert_nbytes, total)
+        memory.check_all_experts_fit(sum(bank.nbytes for bank in banks), total)
     if banks:
         parts.stores = [bank.to(platform.device) for bank in banks]
 
@@ -233,7 +234,7 @@ def _num_slots(
         slots = config.num_slots(total)
     else:  # a size the user gave must fit; else the slots fill the budget
         asked = config.num_slots(total) if config.cache_size_given else None
-        slots = memory.slots(prefill_bytes, banks[0].expert_nbytes, total, asked)
+        slots = memory.slots(prefill_bytes, SlotBanks.slot_nbytes(banks), total, asked)
     needed = OffloadMoeCache.min_slots(model.cfg.top_k, 1, model.cfg.num_experts)
     if not target.uses_cpu_executor and slots < needed:  # every route needs a slot
         raise ValueError(
@@ -290,12 +291,13 @@ def _loaded_experts(layer: OffloadMoELayer) -> ExpertStore:
 
 
 def _file_bank(bank: ExpertBank, asked: WeightFormat | None) -> ExpertBank:
-    """A bank the file stored: kept in its format; `expert_format` may only quantise floats."""
-    if asked is None or asked == bank.fmt:
+    """A bank the file stored: kept in its formats; `expert_format` may only quantise floats."""
+    if asked is None or bank.formats == (asked, asked):
         return bank
-    if bank.fmt.is_quantized:
+    if bank.is_quantized:
+        stored = "/".join(dict.fromkeys(f.name for f in bank.formats))
         raise ValueError(
-            f"expert_format={asked.name!r}: the file stores its experts as {bank.fmt.name}, "
+            f"expert_format={asked.name!r}: the file stores its experts as {stored}, "
             "and hybridmoe does not re-quantise them; leave --expert-format unset"
         )
     return bank.converted(asked)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
 from hybridmoe.engine.config import PREFIX_BLOCK_TOKENS, EngineConfig
 from hybridmoe.engine.kv_cache import KVBlockPool, KVCache
 from hybridmoe.errors import DeviceMemoryError, HostMemoryError
@@ -23,6 +25,7 @@ from hybridmoe.moe.config import AUTO_TARGET, OffloadConfig
 from hybridmoe.platform.base import Platform
 from hybridmoe.platform.cpu import host_available_bytes
 from hybridmoe.quant.bank import ExpertBank
+from hybridmoe.quant.expert_math import ExpertBiases
 from hybridmoe.quant.formats import WeightFormat, dense_format, weight_format
 
 GIB = 2**30
@@ -61,14 +64,13 @@ class DeviceMemoryPlan:
             f"{self.expert_bytes / GIB:.2f} GiB"
         )
 
-    def check_all_experts_fit(self, expert_nbytes: int, total: int) -> None:
-        """DeviceMemoryError naming the flags unless all `total` experts fit (the `gpu`
-        target keeps every expert on the device)."""
-        fit = max(0, self.expert_bytes // expert_nbytes)
-        if fit < total:
+    def check_all_experts_fit(self, experts_nbytes: int, total: int) -> None:
+        """DeviceMemoryError naming the flags unless all `total` experts, `experts_nbytes`
+        together, fit (the `resident` target keeps every expert on the device)."""
+        if experts_nbytes > self.expert_bytes:
             raise DeviceMemoryError(
                 f"decode target 'resident' keeps all {total} experts on the device "
-                f"({total * expert_nbytes / GIB:.2f} GiB) but only {fit} fit: {self.describe()}; "
+                f"({experts_nbytes / GIB:.2f} GiB) but they do not fit: {self.describe()}; "
                 "use --decode-target hybrid (or offload), or raise --gpu-memory"
             )
 
@@ -140,21 +142,33 @@ def expert_kernel_bytes(model: MoeCausalLM, offload: OffloadConfig, max_batch: i
     device."""
     if offload.decode_target == "cpu" or not model.moe_layers:
         return 0
-    bank = expert_shape_bank(model, offload)
-    return gathered_moe_peak_bytes(bank, max_batch, model.cfg.top_k, model.dtype)
+    return max(
+        gathered_moe_peak_bytes(bank, max_batch, model.cfg.top_k, model.dtype)
+        for bank in expert_shape_banks(model, offload)
+    )
 
 
-def expert_shape_bank(model: MoeCausalLM, offload: OffloadConfig) -> ExpertBank:
-    """One expert of the banks create_moe_runtime builds (their format and shapes), on the meta
-    device: what the expert kernel's temporaries depend on, without memory."""
+def expert_shape_banks(model: MoeCausalLM, offload: OffloadConfig) -> list[ExpertBank]:
+    """One expert of each MoE layer's bank as create_moe_runtime builds it (its formats and
+    shapes), on the meta device: what the expert kernel's temporaries and the slots depend on,
+    without memory."""
     cfg = model.cfg
-    fmt = weight_format(offload.expert_format) if offload.expert_format else _loaded_format(model)
-    fmt.check_row_length(cfg.hidden_size, "hidden_size (gate/up rows)")
-    fmt.check_row_length(cfg.moe_intermediate_size, "moe_intermediate_size (down rows)")
     inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
-    gate_up = ExpertBank.empty_like_tensor(fmt, (1, 2 * inter, hidden), "meta")
-    down = ExpertBank.empty_like_tensor(fmt, (1, hidden, inter), "meta")
-    return ExpertBank(gate_up, down, fmt)
+    biases = None
+    if cfg.expert_bias:  # kept in the model's dtype beside any format (quant/expert_math.py)
+        biases = ExpertBiases(
+            torch.empty((1, 2 * inter), dtype=model.dtype, device="meta"),
+            torch.empty((1, hidden), dtype=model.dtype, device="meta"),
+        )
+    banks = []
+    for formats in _layer_formats(model, offload):
+        gate_up_fmt, down_fmt = formats
+        gate_up_fmt.check_row_length(hidden, "hidden_size (gate/up rows)")
+        down_fmt.check_row_length(inter, "moe_intermediate_size (down rows)")
+        gate_up = ExpertBank.empty_like_tensor(gate_up_fmt, (1, 2 * inter, hidden), "meta")
+        down = ExpertBank.empty_like_tensor(down_fmt, (1, hidden, inter), "meta")
+        banks.append(ExpertBank(gate_up, down, gate_up_fmt, down_fmt=down_fmt, biases=biases))
+    return banks
 
 
 def resolve_decode_target(
@@ -176,15 +190,26 @@ def resolve_decode_target(
         return choosing("cpu")
     resident = choosing("resident")
     memory = plan_device_memory(model, resident, platform)
-    total = len(model.moe_layers) * model.cfg.num_experts
-    expert_nbytes = expert_shape_bank(model, resident.offload).expert_nbytes
-    fits = memory is None or memory.expert_bytes >= total * expert_nbytes
+    banks = expert_shape_banks(model, resident.offload)
+    experts_nbytes = model.cfg.num_experts * sum(bank.expert_nbytes for bank in banks)
+    fits = memory is None or memory.expert_bytes >= experts_nbytes
     return resident if fits else choosing("hybrid")
 
 
-def _loaded_format(model: MoeCausalLM) -> WeightFormat:
-    """The format the model's experts were loaded in: a file's own (GGUF), else its dtype."""
-    experts = model.moe_layers[0].experts
-    if isinstance(experts, ResidentExperts) and isinstance(experts.store, ExpertBank):
-        return experts.store.fmt
-    return dense_format(model.dtype)
+def _layer_formats(
+    model: MoeCausalLM, offload: OffloadConfig
+) -> list[tuple[WeightFormat, WeightFormat]]:
+    """Each MoE layer's (gate_up, down) formats as create_moe_runtime keeps them: a file's own
+    (GGUF; --expert-format converts only dense files' experts), else `expert_format`, else the
+    model's dtype."""
+    asked = weight_format(offload.expert_format) if offload.expert_format else None
+    formats = []
+    for layer in model.moe_layers:
+        experts = layer.experts
+        store = experts.store if isinstance(experts, ResidentExperts) else None
+        if isinstance(store, ExpertBank) and (asked is None or store.is_quantized):
+            formats.append(store.formats)
+        else:
+            fmt = asked or dense_format(model.dtype)
+            formats.append((fmt, fmt))
+    return formats

@@ -38,6 +38,10 @@ class SamplingParams:
     from the tokens the grammar allows (the logits of the others are -inf before temperature,
     top-k and top-p); the output ends with EOS once the grammar is complete, so `ignore_eos`
     cannot go with it.
+
+    `stop_token_ids` end generation as EOS does (never part of the text, ignored with
+    `ignore_eos`): a chat format's end-of-reply tokens that the checkpoint may not list as EOS.
+    `skip_special_tokens` False keeps special tokens in the text (a format that reads them).
     """
 
     max_tokens: int = 128
@@ -49,6 +53,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     grammar: Grammar | None = field(default=None, repr=False)
+    stop_token_ids: frozenset[int] = frozenset()
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)
@@ -67,6 +73,13 @@ class SamplingParams:
             raise ValueError(f"grammar must be a Grammar or None, got {self.grammar!r}")
         if self.grammar is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with a grammar (it ends with EOS)")
+        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids entries", token, minimum=0)
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(
+                f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -54,7 +54,8 @@ class Sequence:
     def append(self, token: int) -> str:
         """Record a sampled token; returns the text it makes printable (after stop handling)."""
         self.output_ids.append(token)
-        if token in self.eos_ids and not self.params.ignore_eos:
+        ends = token in self.eos_ids or token in self.params.stop_token_ids
+        if ends and not self.params.ignore_eos:
             self.finish_reason = "stop"
             delta = self._flush()
         else:

@@ -15,6 +15,24 @@ HALF = ir.HalfType()
 V32F = ir.VectorType(F32, 32)
 
 
+def target_has(feature: str) -> bool:
+    """Whether the CPU numba compiles for has the LLVM feature `feature` ("avx2"): the host's,
+    or those NUMBA_CPU_FEATURES names (numba's own choice; its on-disk cache is keyed on them),
+    so IR using a target's intrinsics is only emitted where they run."""
+    from numba.core import config
+    from numba.core.codegen import get_host_cpu_features
+
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
+    return f"+{feature}" in features.split(",")
+
+
+def declare(builder: ir.IRBuilder, name: str, ret: ir.Type, params: list[ir.Type]) -> ir.Function:
+    """The function `name` (an LLVM intrinsic) of type ret(params), declared once a module."""
+    module = builder.module
+    fnty = ir.FunctionType(ret, params)
+    return module.globals.get(name) or ir.Function(module, fnty, name)
+
+
 def const_vec(elem: ir.Type, values: list[int]) -> ir.Constant:
     return ir.Constant(ir.VectorType(elem, len(values)), values)
 

@@ -6,11 +6,13 @@ silu(gate) * up per route, then down rows -> the output, where each work item ow
 output rows so no two threads write one value. The GIL is released throughout and numba's
 thread pool persists across calls. Arrays are flat; weights are the bank's raw bytes.
 
-The format is a compile-time constant: its `KernelFormat` (quant/formats.py) is passed down to
-the intrinsics, whose numba type holds it (numba_simd.KernelFormatType). One parallel entry
-point per registered format is made by `_fused_moe_entry`, a closure over that format's
-descriptor; numba's on-disk cache keeps such closures, with the pickled closure variables in
-the cache key (checked: a second process loads every format's kernel without compiling).
+The formats are compile-time constants: gate/up's and down's `KernelFormat` (quant/formats.py;
+a Q4_K_M file pairs Q4_K gate/up with Q6_K down) are passed down to the intrinsics, whose numba
+type holds them (numba_simd.KernelFormatType). `_fused_moe_entry` makes a parallel entry point,
+a closure over the two descriptors: one per registered format at import (FUSED_MOE), and one
+per mixed pair on its first use (fused_moe_kernel), so only the pairs a model has are compiled.
+Numba's on-disk cache keeps such closures, with the pickled closure variables in the cache key
+(checked: a second process loads every format's kernel without compiling).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import threading
 import numba
 import numpy as np
 from numba import prange
+from numba.core.dispatcher import Dispatcher
 
 from hybridmoe import env
 from hybridmoe.kernels import llvm_ir, numba_simd
@@ -178,6 +181,53 @@ def _swiglu(gate, up, n, act_bf16):
         _round_bf16(gate, n)
 
 
+@cached_njit(inline="always", **_FLAGS)
+def _clamped_swiglu(gate, up, n, alpha, limit, act_bf16):
+    """gate[:n] = (clamp(up, -limit, limit) + 1) * g * sigmoid(g * alpha), g = min(gate,
+    limit) (gpt-oss; quant/expert_math.py), each op rounded to bf16 when `act_bf16`; alpha and
+    limit are float32, as torch keeps a bf16 op's scalar operand."""
+    for j in range(n):
+        gate[j] = min(gate[j], limit)
+        up[j] = max(min(up[j], limit), -limit)
+    if act_bf16:
+        _round_bf16(gate, n)
+        _round_bf16(up, n)
+    glu = np.empty(n, np.float32)
+    for j in range(n):
+        glu[j] = gate[j] * alpha
+    if act_bf16:
+        _round_bf16(glu, n)
+    for j in range(n):
+        glu[j] = np.float32(1.0) / (np.float32(1.0) + np.exp(-glu[j]))
+    if act_bf16:
+        _round_bf16(glu, n)
+    for j in range(n):
+        glu[j] *= gate[j]
+        up[j] += np.float32(1.0)
+    if act_bf16:
+        _round_bf16(glu, n)
+        _round_bf16(up, n)
+    for j in range(n):
+        gate[j] = up[j] * glu[j]
+    if act_bf16:
+        _round_bf16(gate, n)
+
+
+@cached_njit(inline="always", **_FLAGS)
+def _add_bias(a, bias, bias_off, count, rows, act_bf16):
+    """a[c * rows + r] += bias[bias_off + r] for c < count, r < rows (a projection's output,
+    already in the activation dtype), rounded to bf16 when `act_bf16`."""
+    for c in range(count):
+        for r in range(rows):
+            a[c * rows + r] += bias[bias_off + r]
+    if act_bf16:
+        _round_bf16(a, count * rows)
+
+
+# activation codes (quant/expert_math.py ACTIVATION_CODES)
+SILU = 0
+CLAMPED_SWIGLU = 1
+
 # act_bf16 codes: how the kernel rounds (float32 activations: 0, no rounding)
 BF16_ACTIVATIONS = 1  # bf16 activations, float32 router weights (Mixtral): float32 products
 BF16_ROUTE_WEIGHTS = 2  # bf16 activations and router weights: bf16 weighted outputs
@@ -186,6 +236,7 @@ BF16_ROUTE_WEIGHTS = 2  # bf16 activations and router weights: bf16 weighted out
 @cached_njit(inline="always", **_FLAGS)
 def _fused_moe(
     fmt,
+    down_fmt,
     x,
     ids,
     route_weights,
@@ -198,11 +249,19 @@ def _fused_moe(
     num_experts,
     top_k,
     act_bf16,
+    act,
+    gate_up_bias,
+    down_bias,
     y,
 ):
     """y[t] += Σ_k route_weights[t*K+k] · down_e(silu(gate_e x_t) ⊙ up_e x_t), e = ids[t*K+k],
-    ids < 0 skipped. x f32 [T*H], ids int64 [T*K], route_weights f32 [T*K], y f32 [T*H];
-    w_gate, w_up, down uint8, the bank's bytes in KernelFormat `fmt` (ExpertBank.byte_views):
+    ids < 0 skipped; or, as `act` = (code, alpha, limit) says, another activation
+    (CLAMPED_SWIGLU); gate_up_bias f32 [E*2I] (gate's I then up's I per expert) and down_bias
+    f32 [E*H], both empty for experts without biases, added after each projection's rounding
+    (quant/expert_math.py's contract).
+    x f32 [T*H], ids int64 [T*K], route_weights f32 [T*K], y f32 [T*H];
+    w_gate, w_up, down uint8, the bank's bytes (ExpertBank.byte_views), gate and up in
+    KernelFormat `fmt`, down in `down_fmt`:
     expert e's I gate rows of H weights start at row e * expert_rows of `w_gate`, its up rows
     likewise in `w_up` (a stacked bank: gate_up's bytes, up I rows in, expert_rows 2I), its H
     down rows of I weights at row e * H of `down`.
@@ -211,18 +270,20 @@ def _fused_moe(
     silu and product is rounded to bf16 as the torch reference computes them in bf16, and with
     BF16_ROUTE_WEIGHTS also each route's weighted output (bf16 output x bf16 router weight);
     the sum over routes stays float32.
-    Returns -1, or the first expert id >= num_experts (then y is untouched). `fmt` is a
-    compile-time constant: call it through FUSED_MOE[name]."""
+    Returns -1, or the first expert id >= num_experts (then y is untouched). `fmt` and
+    `down_fmt` are compile-time constants: call it through fused_moe_kernel(names)."""
     bad_id, experts, starts, routes = _group_routes(ids, num_experts)
     if bad_id >= 0:
         return bad_id
     # a row of n weights takes n * block_bytes / block_weights bytes: whole blocks when quantised
     h_row_bytes = hidden * fmt.block_bytes // fmt.block_weights
-    i_row_bytes = inter * fmt.block_bytes // fmt.block_weights
+    i_row_bytes = inter * down_fmt.block_bytes // down_fmt.block_weights
     num_routes = starts[-1]
     x_offs = (routes // top_k) * hidden  # [R] start of each route's token in x
     act_offs = np.arange(routes.shape[0]) * inter  # [R] start of each route's act row
-    act = np.empty(num_routes * inter, np.float32)  # [R, I] silu(gate) * up per route
+    code, alpha, limit = act
+    has_bias = gate_up_bias.shape[0] > 0
+    acts = np.empty(num_routes * inter, np.float32)  # [R, I] silu(gate) * up per route
     chunks = (inter + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
     for item in prange(experts.shape[0] * chunks):
         u, chunk = item // chunks, item % chunks
@@ -236,10 +297,17 @@ def _fused_moe(
         if act_bf16:
             _round_bf16(gate, count * rows)
             _round_bf16(up, count * rows)
-        _swiglu(gate, up, count * rows, act_bf16)
+        if has_bias:
+            bias_off = experts[u] * 2 * inter + i0
+            _add_bias(gate, gate_up_bias, bias_off, count, rows, act_bf16)
+            _add_bias(up, gate_up_bias, bias_off + inter, count, rows, act_bf16)
+        if code == CLAMPED_SWIGLU:
+            _clamped_swiglu(gate, up, count * rows, alpha, limit, act_bf16)
+        else:
+            _swiglu(gate, up, count * rows, act_bf16)
         for c in range(count):
             for r in range(rows):
-                act[(first + c) * inter + i0 + r] = gate[c * rows + r]
+                acts[(first + c) * inter + i0 + r] = gate[c * rows + r]
     max_count = np.max(starts[1:] - starts[:-1]) if num_routes else 0
     for chunk in prange((hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
         h0 = chunk * ROWS_PER_ITEM
@@ -248,9 +316,13 @@ def _fused_moe(
         for u in range(experts.shape[0]):
             first, count = starts[u], starts[u + 1] - starts[u]
             row_off = (experts[u] * hidden + h0) * i_row_bytes
-            _matmul(fmt, down, row_off, i_row_bytes, inter, rows, act, act_offs, first, count, out)
+            _matmul(
+                down_fmt, down, row_off, i_row_bytes, inter, rows, acts, act_offs, first, count, out
+            )
             if act_bf16:
                 _round_bf16(out, count * rows)
+            if has_bias:
+                _add_bias(out, down_bias, experts[u] * hidden + h0, count, rows, act_bf16)
             for c in range(count):
                 weight = route_weights[routes[first + c]]
                 for r in range(rows):
@@ -264,19 +336,63 @@ def _fused_moe(
     return -1
 
 
-def _fused_moe_entry(kernel: KernelFormat):
-    """The parallel entry point of _fused_moe for one format (same arguments, less `fmt`)."""
+def _fused_moe_entry(kernel: KernelFormat, down_kernel: KernelFormat):
+    """The parallel entry point of _fused_moe for gate/up in `kernel`'s format and down in
+    `down_kernel`'s (same arguments, less the formats)."""
 
-    def fused_moe(x, ids, weights, gate, up, rows, down, hidden, inter, experts, k, act_bf16, y):
+    def fused_moe(
+        x, ids, weights, gate, up, rows, down, hidden, inter, experts, k, act_bf16, act, gub, db, y
+    ):
         return _fused_moe(
-            kernel, x, ids, weights, gate, up, rows, down, hidden, inter, experts, k, act_bf16, y
+            kernel,
+            down_kernel,
+            x,
+            ids,
+            weights,
+            gate,
+            up,
+            rows,
+            down,
+            hidden,
+            inter,
+            experts,
+            k,
+            act_bf16,
+            act,
+            gub,
+            db,
+            y,
         )
 
-    fused_moe.__name__ = fused_moe.__qualname__ = f"fused_moe_{kernel.name}"  # own cache files
+    name = kernel.name if kernel == down_kernel else f"{kernel.name}_{down_kernel.name}"
+    fused_moe.__name__ = fused_moe.__qualname__ = f"fused_moe_{name}"  # own cache files
     return cached_njit(parallel=True, **_FLAGS)(fused_moe)
 
 
-FUSED_MOE = {name: _fused_moe_entry(fmt.kernel) for name, fmt in WEIGHT_FORMATS.items()}
+# One entry point a format, for banks whose projections share it (the usual case).
+FUSED_MOE = {name: _fused_moe_entry(fmt.kernel, fmt.kernel) for name, fmt in WEIGHT_FORMATS.items()}
+_CACHE_DIR = numba.config.CACHE_DIR  # the hashed directory (above); mixed pairs go there too
+_MIXED_LOCK = threading.Lock()
+_MIXED: dict[tuple[str, str], Dispatcher] = {}
+
+
+def fused_moe_kernel(gate_up_fmt: str, down_fmt: str):
+    """The entry point for gate/up in format `gate_up_fmt` and down in `down_fmt` (names):
+    FUSED_MOE[name] when they are one format, else made on first use (so only the pairs a
+    model uses are compiled and cached), in the same on-disk cache directory."""
+    if gate_up_fmt == down_fmt:
+        return FUSED_MOE[gate_up_fmt]
+    key = (gate_up_fmt, down_fmt)
+    with _MIXED_LOCK:
+        if key not in _MIXED:
+            kernels = (WEIGHT_FORMATS[name].kernel for name in key)
+            previous, numba.config.CACHE_DIR = numba.config.CACHE_DIR, _CACHE_DIR
+            try:  # numba picks the cache directory when a function is decorated
+                _MIXED[key] = _fused_moe_entry(*kernels)
+            finally:
+                numba.config.CACHE_DIR = previous
+        return _MIXED[key]
+
 
 # Numba's OpenMP layer streams ~2x faster than its portable 'workqueue' layer here, but an
 # OpenMP team spin-waits after each call by default, and those spinning threads take the
@@ -307,10 +423,16 @@ def max_threads() -> int:
     return numba.config.NUMBA_NUM_THREADS
 
 
-def run_fused_moe(fmt: str, threads: int | None, *args) -> int:
-    """FUSED_MOE[fmt](*args) on `threads` threads (None: all of numba's pool). The thread
-    count is per calling thread in numba, so it is set on every call."""
-    kernel = FUSED_MOE[fmt]
+def run_fused_moe(fmt: str | tuple[str, str], threads: int | None, *args) -> int:
+    """The entry point for `fmt` (one format's name, or the (gate/up, down) pair of names)
+    called with `args` on `threads` threads (None: all of numba's pool)."""
+    return launch(fused_moe_kernel(*((fmt, fmt) if isinstance(fmt, str) else fmt)), threads, *args)
+
+
+def launch(kernel, threads: int | None, *args):
+    """kernel(*args), a parallel kernel of the package, on `threads` threads (None: all of
+    numba's pool), under the launch lock with the pool started as above. The thread count is
+    per calling thread in numba, so it is set on every call."""
     with _LAUNCH_LOCK:
         start_pool()
         numba.set_num_threads(threads or max_threads())

@@ -13,9 +13,10 @@ prefill keeps the grouped reference.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from hybridmoe.quant.bank import ExpertBank
+from hybridmoe.quant.expert_math import activate, add_down_bias
+from hybridmoe.quant.formats import WeightFormat
 
 # Bound on the expanded weights (all three projections) one chunk of routes gathers.
 GATHER_CHUNK_BYTES = 256 * 2**20
@@ -28,8 +29,9 @@ DEQUANT_BYTES_PER_WEIGHT = 14
 def gathered_moe(
     x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, bank: ExpertBank
 ) -> torch.Tensor:
-    """Σ_k w[t,k] · down_e(silu(gate_e x_t) ⊙ up_e x_t) with e = expert_ids[t,k]; ids < 0
-    contribute nothing. x [T, H], expert_ids [T, K], weights [T, K], all on the bank's device
+    """Σ_k w[t,k] · down_e(silu(gate_e x_t) ⊙ up_e x_t) with e = expert_ids[t,k] (or the bank's
+    activation and biases, gathered per route: quant/expert_math.py); ids < 0 contribute
+    nothing. x [T, H], expert_ids [T, K], weights [T, K], all on the bank's device
     -> the float32 partial [T, H] of the accumulation contract (each route's MLP in x's dtype,
     the weighted sum over k in float32). Never reads a tensor on the host."""
     tokens, top_k = expert_ids.shape
@@ -61,34 +63,51 @@ def gathered_moe_peak_bytes(
     bank: ExpertBank, tokens: int, top_k: int, act_dtype: torch.dtype
 ) -> int:
     """Peak device bytes of the temporaries one gathered_moe call over `tokens` x `top_k` routes
-    allocates (its output excluded): one chunk's gate_up weights gathered and expanded (the
-    larger of the two projections, expanded one at a time), plus the per-route activations."""
+    allocates (its output excluded): the larger of its two phases for one chunk of routes
+    (gate and up gathered and expanded in gate_up_fmt, at most both at once; then down in
+    down_fmt), plus the per-route activations."""
     routes = tokens * top_k
     chunk = min(routes, routes_per_chunk(bank, act_dtype))
     hidden, inter = bank.hidden_size, bank.intermediate_size
-    weights = chunk * 2 * inter * hidden  # gate and up of one chunk (at most)
-    stored = chunk * (bank.gate[0].nbytes + bank.up[0].nbytes)  # the gathered stored rows
-    compute_bytes = bank.compute_dtype(act_dtype).itemsize
-    if bank.fmt.is_quantized:
-        expanded = weights * DEQUANT_BYTES_PER_WEIGHT
-    elif bank.fmt.storage_dtype != bank.compute_dtype(act_dtype):
-        expanded = weights * compute_bytes  # a cast of the gathered rows
-    else:
-        expanded = 0  # the gathered rows are the weights
+    compute_dtype = bank.compute_dtype(act_dtype)
+    gate_up = _gathered_bytes(
+        bank.gate_up_fmt, chunk * 2 * inter * hidden, compute_dtype, chunk * 2 * bank.gate[0].nbytes
+    )
+    down = _gathered_bytes(
+        bank.down_fmt, chunk * inter * hidden, compute_dtype, chunk * bank.down[0].nbytes
+    )
     act_bytes = act_dtype.itemsize
-    per_route = hidden * (2 * act_bytes + 2 * 4) + 2 * inter * (2 * act_bytes + compute_bytes)
-    return stored + expanded + routes * per_route
+    per_route = hidden * (2 * act_bytes + 2 * 4) + 2 * inter * (
+        2 * act_bytes + compute_dtype.itemsize
+    )
+    if bank.biases is not None:  # each route's gathered biases, and their sums
+        per_route += 2 * (2 * inter + hidden) * max(act_bytes, bank.biases.gate_up.itemsize)
+    return max(gate_up, down) + routes * per_route
+
+
+def _gathered_bytes(
+    fmt: WeightFormat, weights: int, compute_dtype: torch.dtype, stored_bytes: int
+) -> int:
+    """Bytes of `weights` weights of `fmt` gathered (`stored_bytes`) and expanded to
+    `compute_dtype`: blocks expanded with their temporaries, a dense dtype cast, or none."""
+    if fmt.is_quantized:
+        return stored_bytes + weights * DEQUANT_BYTES_PER_WEIGHT
+    if fmt.storage_dtype != compute_dtype:
+        return stored_bytes + weights * compute_dtype.itemsize  # a cast of the gathered rows
+    return stored_bytes  # the gathered rows are the weights
 
 
 def _routes_mlp(x: torch.Tensor, ids: torch.Tensor, bank: ExpertBank) -> torch.Tensor:
-    """x [c, H], ids [c] -> down(silu(gate x) * up x) [c, H] in x's dtype, route by route; each
-    projection from the exact weights, its output rounded to x's dtype (as bank_moe)."""
+    """x [c, H], ids [c] -> down(act(gate x, up x)) [c, H] in x's dtype, route by route; each
+    projection from the exact weights, its output rounded to x's dtype (as bank_moe), each
+    route's biases gathered by its id."""
     dtype = bank.compute_dtype(x.dtype)
     gate, up = _gate_up_routes(x.to(dtype)[:, :, None], ids, bank, dtype)  # 2 x [c, I]
     gate, up = gate.to(x.dtype), up.to(x.dtype)
-    act = (F.silu(gate) * up).to(dtype)
+    act = activate(gate, up, ids, bank.biases, bank.activation).to(dtype)
     down = bank.down_weights(ids, dtype)  # [c, H, I]
-    return torch.bmm(down, act[:, :, None])[..., 0].to(x.dtype)
+    out = torch.bmm(down, act[:, :, None])[..., 0].to(x.dtype)  # [c, H]
+    return add_down_bias(out, ids, bank.biases)
 
 
 def _gate_up_routes(

@@ -30,6 +30,10 @@ class AttentionLayer(Protocol):
 
     def dense_tensors(self) -> list[torch.Tensor]: ...
 
+    def projections(self) -> list[Linear]:
+        """The projections --dense-format quantises."""
+        ...
+
 
 # kind -> factory(cfg, layer index, source, the layer's attention prefix) -> AttentionLayer
 ATTENTIONS: dict[str, Callable[[ModelConfig, int, WeightSource, str], AttentionLayer]] = {}
@@ -51,23 +55,29 @@ def create_attention(
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, layer_idx: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: ForwardBatch,
+    layer_idx: int,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Rotary on q [B, T, heads, D] and k [B, T, kv_heads, D], then SDPA over this step's
-    keys and values (v [B, T, kv_heads, D]) and those `batch.kv` holds for layer `layer_idx`
-    -> [B, T, heads, D]."""
+    keys and values (v [B, T, kv_heads, D]) and those `batch.kv` holds for layer `layer_idx`,
+    within `window` positions (None: all) -> [B, T, heads, D]."""
     q = apply_rotary(q, batch.cos, batch.sin)
     k = apply_rotary(k, batch.cos, batch.sin)
     if batch.kv is None:
         k_all, v_all = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, T, D]
     else:
         k_all, v_all = batch.kv.update(layer_idx, batch, k, v)
+    mask, is_causal = batch.mask(window)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),  # [B, heads, T, D]
         k_all,
         v_all,
-        attn_mask=batch.attn_mask,
-        is_causal=batch.is_causal,
+        attn_mask=mask,
+        is_causal=is_causal,
         enable_gqa=q.shape[2] != k.shape[2],
     )  # [B, heads, T, D]
     return out.transpose(1, 2)
@@ -80,6 +90,7 @@ class GroupedQueryAttention:
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, source: WeightSource, prefix: str):
         self.cfg, self.layer_idx = cfg, layer_idx
+        self.window = cfg.layer_window(layer_idx)  # None: full attention
         hidden, bias = cfg.hidden_size, cfg.qkv_bias
         self.q_proj = Linear.load(source, f"{prefix}.q_proj", hidden, cfg.q_size, bias)
         self.k_proj = Linear.load(source, f"{prefix}.k_proj", hidden, cfg.kv_size, bias)
@@ -102,8 +113,29 @@ class GroupedQueryAttention:
         if cfg.qk_norm == "per_head":
             q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-        out = attend(q, k, v, batch, self.layer_idx)  # [B, T, heads, D]
-        return self.o_proj(out.reshape(B, T, cfg.q_size))
+        q = apply_rotary(q, batch.cos, batch.sin)
+        k = apply_rotary(k, batch.cos, batch.sin)
+        if batch.kv is None:
+            k_all, v_all = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, T, D]
+        else:
+            k_all, v_all = batch.kv.update(self.layer_idx, batch, k, v)
+        mask, is_causal = batch.mask(self.window)
+        out = self._attend(q.transpose(1, 2), k_all, v_all, mask, is_causal)  # [B, heads, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, cfg.q_size))
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool,
+    ) -> torch.Tensor:
+        """q [B, heads, T, D], k/v [B, kv_heads, S, D] -> [B, heads, T, D]."""
+        gqa = self.cfg.num_heads != self.cfg.num_kv_heads
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa
+        )
 
     def to(self, device: torch.device) -> None:
         for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
@@ -118,6 +150,9 @@ class GroupedQueryAttention:
             found += linear.dense_tensors()
         return found
 
+    def projections(self) -> list[Linear]:
+        return [self.q_proj, self.k_proj, self.v_proj, self.o_proj]
+
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -128,3 +163,68 @@ class GroupedQueryAttention:
             clip = cfg.clip_qkv
             q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)
         return q, k, v
+
+
+SINK_SCORES_BYTES = 256 * 2**20  # SinkAttention's scores per chunk of query rows
+
+
+def _rows(mask: torch.Tensor | None, first: int, count: int) -> torch.Tensor | None:
+    """Query rows first .. first + count of a mask [..., T, S] (None stays None)."""
+    return None if mask is None else mask[..., first : first + count, :]
+
+
+@register_attention("gqa_sinks")
+class SinkAttention(GroupedQueryAttention):
+    """gpt-oss: grouped-query attention whose softmax has one more logit per head, a learned
+    `sinks` [heads] column that takes probability mass and is dropped after (as
+    `transformers`' eager_attention_forward for GptOss computes it: max-subtracted softmax in
+    the scores' dtype over [scores, sink]). Computed eagerly: SDPA has no such column."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, source: WeightSource, prefix: str):
+        super().__init__(cfg, layer_idx, source, prefix)
+        self.sinks = source.get(f"{prefix}.sinks", (cfg.num_heads,))
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool,
+    ) -> torch.Tensor:
+        """q [B, heads, T, D], k/v [B, kv_heads, S, D] -> [B, heads, T, D], in chunks of
+        query rows whose float32 scores fit SINK_SCORES_BYTES (a long prefill's [T, S] scores
+        per head would not)."""
+        B, heads, T, _ = q.shape
+        S = k.shape[2]
+        if is_causal:  # the step is one sequence from position 0: T == S
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+        groups = heads // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        rows = max(1, SINK_SCORES_BYTES // (4 * B * heads * S))
+        chunks = [
+            self._attend_rows(q[:, :, i : i + rows], k, v, _rows(mask, i, rows))
+            for i in range(0, T, rows)
+        ]
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
+
+    def _attend_rows(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q [B, heads, t, D], k/v [B, heads, S, D], mask broadcasting to [B, heads, t, S]."""
+        B, heads, t, D = q.shape
+        scores = torch.matmul(q, k.transpose(2, 3)) * D**-0.5  # [B, heads, t, S]
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        sinks = self.sinks.reshape(1, heads, 1, 1).expand(B, heads, t, 1).to(scores.dtype)
+        logits = torch.cat([scores, sinks], dim=-1)  # [B, heads, t, S + 1]
+        logits = logits - logits.amax(dim=-1, keepdim=True)
+        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]  # the sink dropped
+        return torch.matmul(probs.to(v.dtype), v)
+
+    def to(self, device: torch.device) -> None:
+        super().to(device)
+        self.sinks = self.sinks.to(device)
+
+    def dense_tensors(self) -> list[torch.Tensor]:
+        return super().dense_tensors() + [self.sinks]

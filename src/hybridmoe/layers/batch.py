@@ -32,14 +32,27 @@ class ForwardBatch:
     rows: list[int]  # KV-cache row of each sequence
     row_index: torch.Tensor  # [B] int64 on the model's device, the same rows
     kv_len: int  # keys visible to this step: max position + 1 (read from the host positions)
-    attn_mask: torch.Tensor | None  # [B, 1, T, kv_len] bool, None when plain causal suffices
-    is_causal: bool  # only with attn_mask None: the step is one sequence from position 0
+    # sliding window (None: full attention) -> (mask [B, 1, T, kv_len] bool or None when plain
+    # causal suffices, is_causal: only with mask None, the step is one sequence from position
+    # 0), for every window some layer of the model attends with (build_attention_masks)
+    masks: dict[int | None, tuple[torch.Tensor | None, bool]]
     cos: torch.Tensor  # [B, T, D]
     sin: torch.Tensor  # [B, T, D]
     # None: no cache, keys are this step's own. A model with linear-attention layers needs a
     # store that is a RecurrentStore too (engine/kv_cache.KVCache is both).
     kv: KVStore | None
     is_decode: bool = False  # one new token per sequence: MoE layers use their decode target
+
+    def mask(self, window: int | None) -> tuple[torch.Tensor | None, bool]:
+        """(mask, is_causal) of a layer attending within `window` (None: every key)."""
+        return self.masks[window]
+
+
+def build_attention_masks(
+    positions: torch.Tensor, kv_len: int, windows: set[int | None]
+) -> dict[int | None, tuple[torch.Tensor | None, bool]]:
+    """build_attention_mask for each window in `windows`."""
+    return {window: build_attention_mask(positions, kv_len, window) for window in windows}
 
 
 def build_attention_mask(

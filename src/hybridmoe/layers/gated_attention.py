@@ -56,3 +56,7 @@ class GatedAttention:
         for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
             found += linear.dense_tensors()
         return found
+
+    def projections(self) -> list[Linear]:
+        """The projections --dense-format quantises."""
+        return [self.q_proj, self.k_proj, self.v_proj, self.o_proj]

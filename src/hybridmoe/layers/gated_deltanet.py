@@ -36,7 +36,7 @@ class GatedDeltaNet:
     def __init__(self, cfg: ModelConfig, layer_idx: int, weights: dict[str, torch.Tensor]):
         self.spec: LinearAttentionConfig = cfg.linear_attention
         self.layer_idx, self.eps = layer_idx, cfg.rms_norm_eps
-        self.in_proj = weights["in_proj"]
+        self.in_proj = Linear(weights["in_proj"])
         self.conv_weight = weights["conv"]  # [conv_dim, 1, kernel]
         self.dt_bias, self.A_log = weights["dt_bias"], weights["A_log"]  # [value_heads] each
         self.norm = weights["norm"]  # [value_head_dim]
@@ -57,7 +57,7 @@ class GatedDeltaNet:
         """x [B, T, H] -> [B, T, H]."""
         s = self.spec
         B, T, _ = x.shape
-        mixed, z, b, a = F.linear(x, self.in_proj).split(
+        mixed, z, b, a = self.in_proj(x).split(
             [s.conv_dim, s.value_dim, s.num_value_heads, s.num_value_heads], dim=-1
         )
         conv_rows, delta_rows = self._rows_state(batch)  # None: start from zeros
@@ -111,14 +111,19 @@ class GatedDeltaNet:
         return chunked_delta_rule(q * s.key_head_dim**-0.5, k, v, g, beta, state)
 
     def to(self, device: torch.device) -> None:
-        for name in ("in_proj", "conv_weight", "dt_bias", "A_log", "norm"):
+        for name in ("conv_weight", "dt_bias", "A_log", "norm"):
             setattr(self, name, getattr(self, name).to(device))
+        self.in_proj.to(device)
         self.out_proj.to(device)
 
     def dense_tensors(self) -> list[torch.Tensor]:
         """The weights to() moves."""
-        found = [self.in_proj, self.conv_weight, self.dt_bias, self.A_log, self.norm]
-        return found + self.out_proj.dense_tensors()
+        found = [self.conv_weight, self.dt_bias, self.A_log, self.norm]
+        return found + self.in_proj.dense_tensors() + self.out_proj.dense_tensors()
+
+    def projections(self) -> list[Linear]:
+        """The projections --dense-format quantises."""
+        return [self.in_proj, self.out_proj]
 
 
 @register_attention("gated_deltanet")

@@ -1,17 +1,18 @@
-"""Dense projections. Weights stay views into the memory-mapped checkpoint when dtypes agree."""
+"""Dense projections. Weights stay views into the memory-mapped checkpoint when dtypes agree
+(unless quantised at load: --dense-format)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from hybridmoe.kernels.projection import DenseProjection
 from hybridmoe.loader.weights import WeightSource
 
 
-class Linear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight = weight  # [out, in]
-        self.bias = bias  # [out] or None
+class Linear(DenseProjection):
+    """A checkpoint's dense projection (kernels/projection.py: the CPU kernel for decode
+    steps, torch otherwise)."""
 
     @classmethod
     def load(
@@ -20,15 +21,8 @@ class Linear:
         weight = source.get(f"{name}.weight", (out_features, in_features))
         return cls(weight, source.get(f"{name}.bias", (out_features,)) if bias else None)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-    def to(self, device: torch.device) -> None:
-        self.weight = self.weight.to(device)
-        self.bias = None if self.bias is None else self.bias.to(device)
-
     def dense_tensors(self) -> list[torch.Tensor]:
-        return [self.weight] if self.bias is None else [self.weight, self.bias]
+        return self.tensors()
 
 
 class GatedMLP:
@@ -62,3 +56,6 @@ class GatedMLP:
 
     def dense_tensors(self) -> list[torch.Tensor]:
         return [t for linear in (self.gate, self.up, self.down) for t in linear.dense_tensors()]
+
+    def projections(self) -> list[Linear]:
+        return [self.gate, self.up, self.down]

@@ -17,11 +17,15 @@ from hybridmoe.layers.linear import GatedMLP, Linear
 from hybridmoe.loader.weights import WeightSource
 from hybridmoe.moe.backends import ExpertBackend, ResidentExperts
 from hybridmoe.moe.routing import Router, RouterSpec, combine_experts, create_router
-from hybridmoe.quant.bank import ExpertWeights
+from hybridmoe.quant.bank import ExpertBank, ExpertWeights
 from hybridmoe.quant.merged_bank import load_experts
 
 if TYPE_CHECKING:  # layers sit below models: no import of them at run time
     from hybridmoe.config.model import ModelConfig
+
+# (cfg, source, the experts' prefix) -> the layer's routed experts, for a family whose
+# checkpoint does not store them per expert (gpt-oss: one fused tensor per projection)
+ExpertsLoader = Callable[["ModelConfig", WeightSource, str], ExpertWeights | ExpertBank]
 
 
 def moe_reference(
@@ -60,11 +64,23 @@ class SigmoidGatedSharedExpert:
     def dense_tensors(self) -> list[torch.Tensor]:
         return self.mlp.dense_tensors() + self.gate.dense_tensors()
 
+    def projections(self) -> list[Linear]:
+        """The MLP's (the [1, H] gate stays as stored, like the router)."""
+        return self.mlp.projections()
+
 
 # kind -> loader(source, MoE block prefix, cfg); the family's config says which kind it has
 SHARED_EXPERTS: dict[str, Callable[[WeightSource, str, ModelConfig], SigmoidGatedSharedExpert]] = {
     "sigmoid_gated": SigmoidGatedSharedExpert.load,
 }
+
+
+def _load_router(cfg: ModelConfig, source: WeightSource, prefix: str, kind: str) -> Router:
+    tensors = {"weight": source.get(f"{prefix}.weight", (cfg.num_experts, cfg.hidden_size))}
+    if cfg.router_bias:
+        tensors["bias"] = source.get(f"{prefix}.bias", (cfg.num_experts,))
+    spec = RouterSpec(cfg.top_k, cfg.norm_topk_prob, cfg.router_weights_fp32)
+    return create_router(kind, tensors, spec)
 
 
 class OffloadMoELayer:
@@ -97,14 +113,24 @@ class OffloadMoELayer:
         moe_idx: int,
         router_kind: str = "softmax_topk",
         shared_expert_kind: str | None = None,
+        router_name: str = "gate",
+        experts_loader: ExpertsLoader | None = None,
     ) -> OffloadMoELayer:
         """The MoE block at `prefix` with the family's router and shared-expert kinds; a shared
-        expert is loaded when the family has a kind and the config a width for it."""
-        router_weight = source.get(f"{prefix}.gate.weight", (cfg.num_experts, cfg.hidden_size))
-        spec = RouterSpec(cfg.top_k, cfg.norm_topk_prob, cfg.router_weights_fp32)
-        router = create_router(router_kind, {"weight": router_weight}, spec)
+        expert is loaded when the family has a kind and the config a width for it. The router
+        is `prefix`.`router_name` (with a bias when the config says so); the experts come from
+        `experts_loader` when the family has one, else one tensor per expert and projection."""
+        router = _load_router(cfg, source, f"{prefix}.{router_name}", router_kind)
         shape = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        experts = load_experts(source, f"{prefix}.experts", shape, names)
+        if experts_loader is not None:
+            experts = experts_loader(cfg, source, f"{prefix}.experts")
+        elif cfg.expert_bias or cfg.expert_activation != "silu":
+            raise ValueError(
+                f"{cfg.architecture}: experts with biases or a {cfg.expert_activation} "
+                "activation need the family's experts_loader"
+            )
+        else:
+            experts = load_experts(source, f"{prefix}.experts", shape, names)
         shared = None
         if shared_expert_kind is not None and cfg.shared_expert_intermediate_size:
             shared = SHARED_EXPERTS[shared_expert_kind](source, prefix, cfg)
@@ -126,6 +152,10 @@ class OffloadMoELayer:
         if self.shared_expert is not None:
             found += self.shared_expert.dense_tensors()
         return found
+
+    def projections(self) -> list[Linear]:
+        """The shared expert's (the router stays as stored: it picks the experts)."""
+        return [] if self.shared_expert is None else self.shared_expert.projections()
 
     def __call__(self, x: torch.Tensor, is_decode: bool = False) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]."""

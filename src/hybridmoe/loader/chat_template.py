@@ -53,23 +53,28 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """Render `messages` (and the `tools` offered, OpenAI's {"type": "function", ...} dicts,
-        as transformers passes them) to the prompt text; modifies neither.
+        as transformers passes them) to the prompt text; modifies neither. `variables` are
+        further names the template sees (transformers' extra keyword arguments, such as
+        `reasoning_effort`); they cannot replace the ones above.
 
         Raises CheckpointError if the template does not compile, and ValueError if it rejects the
         messages (its `raise_exception`) or fails to render them.
         """
         compiled = _compile(self.source, self.origin)
+        context = {
+            **{name: _plain_copy(value) for name, value in (variables or {}).items()},
+            "messages": normalize_messages(messages),
+            # None, not left undefined, when there are none: templates test `tools is not none`.
+            "tools": [_plain_copy(tool) for tool in tools] if tools else None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+            **self.special_tokens,
+        }
         try:
-            return compiled.render(
-                messages=normalize_messages(messages),
-                # None, not left undefined, when there are none: templates test `tools is not none`.
-                tools=[_plain_copy(tool) for tool in tools] if tools else None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-            )
+            return compiled.render(context)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template from {self.origin} failed to render: {e}") from e
 

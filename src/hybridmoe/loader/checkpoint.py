@@ -43,6 +43,12 @@ def refuse_quantized(raw_config: dict, config_path: Path) -> None:
     if quantization is None:
         return
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method == "mxfp4":
+        raise UnsupportedConfigError(
+            f"{config_path}: field 'quantization_config' (quant_method 'mxfp4') is not "
+            "supported yet: MXFP4 experts (gpt-oss's *_blocks / *_scales tensors) need the "
+            "mxfp4 expert weight format; use a checkpoint with bfloat16/float32 experts"
+        )
     raise UnsupportedConfigError(
         f"{config_path}: field 'quantization_config' (quant_method {method!r}) is not "
         "supported: quantised checkpoints cannot be loaded yet; use an unquantised "

@@ -6,8 +6,8 @@ token's type (control tokens are the special added ones, user-defined the other 
 the special ids, `add_bos_token`, the chat template, and the *name* of the pre-tokenizer
 (`tokenizer.ggml.pre`). What a name means (the split regex, a normalizer, whether whole words
 in the vocabulary skip the merges) is the tokenizer.json of the model family it names, so it is
-spelled here per name. Only byte-level BPE (`gpt2`) is rebuilt; SentencePiece (`llama`) is
-refused by name.
+spelled here per name. Byte-level BPE (`gpt2`) is rebuilt here; SentencePiece (`llama`: the
+pieces, their scores and types) in gguf_spm.py.
 """
 
 from __future__ import annotations
@@ -20,9 +20,13 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from hybridmoe.errors import CheckpointError
 from hybridmoe.loader.chat_template import ChatTemplate
 from hybridmoe.loader.gguf import GgufFile
+from hybridmoe.loader.gguf_spm import UNKNOWN, spm_backend
 from hybridmoe.loader.tokenizer import Tokenizer
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types of added tokens (special, plain)
+# tokenizer.ggml.model -> whether a BOS is added when the file has no `add_bos_token` (as
+# llama.cpp does: SentencePiece models add one)
+TOKENIZER_MODELS = {"gpt2": False, "llama": True}
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -56,19 +60,19 @@ def gguf_tokenizer(gguf: GgufFile) -> Tokenizer:
     """The Tokenizer of `gguf`; CheckpointError naming the key when a tokenizer key is missing
     or names something not supported."""
     kind = gguf.require("tokenizer.ggml.model", str)
-    if kind != "gpt2":
+    if kind not in TOKENIZER_MODELS:
         raise CheckpointError(
             f"{gguf.path}: metadata key 'tokenizer.ggml.model' = {kind!r} is not supported "
-            "(supported: 'gpt2', byte-level BPE)"
-        )
-    pre = gguf.get("tokenizer.ggml.pre", str, "default")
-    if pre not in PRE_TOKENIZERS:
-        raise CheckpointError(
-            f"{gguf.path}: metadata key 'tokenizer.ggml.pre' = {pre!r} is not supported "
-            f"(supported: {', '.join(PRE_TOKENIZERS)})"
+            "(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece)"
         )
     tokens = gguf.require("tokenizer.ggml.tokens", list)
-    backend = _backend(gguf, tokens, PRE_TOKENIZERS[pre])
+    types = _token_types(gguf, tokens, required=kind == "llama")
+    if kind == "gpt2":
+        backend = _backend(gguf, tokens, _pre_tokenizer(gguf))
+    else:
+        backend = spm_backend(gguf, tokens, types)
+    _add_added_tokens(backend, tokens, types)
+    backend.post_processor = _post_processor(gguf, tokens, TOKENIZER_MODELS[kind])
     special = _special_ids(gguf, len(tokens))
     return Tokenizer(
         directory=gguf.path,
@@ -78,6 +82,29 @@ def gguf_tokenizer(gguf: GgufFile) -> Tokenizer:
         pad_token_id=special["pad"],
         chat_template=_chat_template(gguf, tokens, special),
     )
+
+
+def _pre_tokenizer(gguf: GgufFile) -> PreTokenizerSpec:
+    pre = gguf.get("tokenizer.ggml.pre", str, "default")
+    if pre not in PRE_TOKENIZERS:
+        raise CheckpointError(
+            f"{gguf.path}: metadata key 'tokenizer.ggml.pre' = {pre!r} is not supported "
+            f"(supported: {', '.join(PRE_TOKENIZERS)})"
+        )
+    return PRE_TOKENIZERS[pre]
+
+
+def _token_types(gguf: GgufFile, tokens: list[str], required: bool) -> list[int]:
+    """`tokenizer.ggml.token_type`, one per token (absent and not `required`: all normal)."""
+    types = gguf.require("tokenizer.ggml.token_type", list) if required else None
+    if types is None:
+        types = gguf.get("tokenizer.ggml.token_type", list, [1] * len(tokens))
+    if len(types) != len(tokens):
+        raise CheckpointError(
+            f"{gguf.path}: 'tokenizer.ggml.token_type' has {len(types)} entries for "
+            f"{len(tokens)} tokens"
+        )
+    return types
 
 
 def _backend(gguf: GgufFile, tokens: list[str], spec: PreTokenizerSpec) -> tokenizers.Tokenizer:
@@ -102,33 +129,28 @@ def _backend(gguf: GgufFile, tokens: list[str], spec: PreTokenizerSpec) -> token
             ]
         )
     backend.decoder = decoders.ByteLevel()
-    _add_added_tokens(gguf, backend, tokens)
-    backend.post_processor = _post_processor(gguf, tokens)
     return backend
 
 
-def _add_added_tokens(gguf: GgufFile, backend: tokenizers.Tokenizer, tokens: list[str]) -> None:
-    """Control tokens become special added tokens, user-defined ones plain added tokens: both
-    are matched whole in the text, before the pre-tokenizer, as tokenizer.json's are."""
-    types = gguf.get("tokenizer.ggml.token_type", list)
-    if types is None:
-        return
-    if len(types) != len(tokens):
-        raise CheckpointError(
-            f"{gguf.path}: 'tokenizer.ggml.token_type' has {len(types)} entries for "
-            f"{len(tokens)} tokens"
-        )
+def _add_added_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
+    """Control tokens (and the unknown token) become special added tokens, user-defined ones
+    plain added tokens: both are matched whole in the text, before the pre-tokenizer, as
+    tokenizer.json's are."""
     for token, kind in zip(tokens, types, strict=True):
-        if kind in (CONTROL, USER_DEFINED):
-            added = AddedToken(token, special=kind == CONTROL, normalized=False)
-            (backend.add_special_tokens if kind == CONTROL else backend.add_tokens)([added])
+        if kind in (CONTROL, UNKNOWN):
+            backend.add_special_tokens([AddedToken(token, special=True, normalized=False)])
+        elif kind == USER_DEFINED:
+            backend.add_tokens([AddedToken(token, special=False, normalized=False)])
 
 
-def _post_processor(gguf: GgufFile, tokens: list[str]) -> processors.PostProcessor | None:
-    """BOS/EOS added around the text where the file says so (`add_bos_token`, absent: no)."""
+def _post_processor(
+    gguf: GgufFile, tokens: list[str], add_bos: bool
+) -> processors.PostProcessor | None:
+    """BOS/EOS added around the text where the file says so (`add_bos_token`, absent:
+    `add_bos`; `add_eos_token`, absent: no)."""
     ends = []
-    for end, flag in (("bos", "add_bos_token"), ("eos", "add_eos_token")):
-        if gguf.get(f"tokenizer.ggml.{flag}", bool, False):
+    for end, flag, default in (("bos", "add_bos_token", add_bos), ("eos", "add_eos_token", False)):
+        if gguf.get(f"tokenizer.ggml.{flag}", bool, default):
             token_id = gguf.require(f"tokenizer.ggml.{end}_token_id")
             ends.append((end, tokens[token_id], token_id))
     if not ends:

@@ -76,23 +76,17 @@ class GgufWeightSource:
 
     def merged_experts(self, prefix: str, names: tuple[str, str, str]) -> MergedExperts | None:
         """The layer's merged expert tensors, asked for as `prefix`.{gate,up,down name}.weight,
-        all of one type; CheckpointError if any is missing or their types differ."""
+        each in its own type (the bank checks they pair); CheckpointError if any is missing."""
         found = [self._tensor(f"{prefix}.{n}.weight") for n in names]
         gguf_names = [self._name_map(f"{prefix}.{n}.weight") for n in names]
         for tensor, gguf_name in zip(found, gguf_names, strict=True):
             if tensor is None:
                 raise CheckpointError(f"{self.gguf.path}: tensor '{gguf_name}' is missing")
-        types = {t.type_name for t in found}
-        if len(types) > 1:
-            listed = ", ".join(f"{t.name} is {t.type_name}" for t in found)
-            raise CheckpointError(
-                f"{found[0].path}: the experts of one layer must share one type ({listed}); "
-                "a bank with a format per projection is not supported yet"
-            )
         for tensor in found:
             self._mark_read(tensor)
         gate, up, down = (t.data for t in found)
-        return MergedExperts(gate, up, down, found[0].type_name, tuple(gguf_names), found[0].path)
+        types = tuple(t.type_name for t in found)
+        return MergedExperts(gate, up, down, types, tuple(gguf_names), found[0].path)
 
     def _mark_read(self, tensor: GgufTensor) -> None:
         if tensor.name not in self._read:

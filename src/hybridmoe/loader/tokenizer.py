@@ -105,11 +105,12 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        variables: dict | None = None,
     ) -> str:
-        """The prompt text for `messages` (and `tools`), as transformers'
-        `apply_chat_template(tokenize=False)` renders it. Raises CheckpointError if the
-        checkpoint has no chat template or it does not compile, and ValueError if the template
-        rejects the messages."""
+        """The prompt text for `messages` (and `tools`, and further template `variables`), as
+        transformers' `apply_chat_template(tokenize=False, **variables)` renders it. Raises
+        CheckpointError if the checkpoint has no chat template or it does not compile, and
+        ValueError if the template rejects the messages."""
         if self.chat_template is None and self.directory.is_file():  # a GGUF
             raise CheckpointError(
                 f"{self.directory} has no 'tokenizer.chat_template': this model cannot format "
@@ -120,7 +121,7 @@ class Tokenizer:
                 f"{self.directory / TOKENIZER_CONFIG_FILE} has no 'chat_template' (and there is "
                 f"no {CHAT_TEMPLATE_FILE}): this checkpoint cannot format chat messages"
             )
-        return self.chat_template.render(messages, add_generation_prompt, tools)
+        return self.chat_template.render(messages, add_generation_prompt, tools, variables)
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         """A fresh streaming decoder for one generated sequence."""

@@ -53,14 +53,15 @@ def find_safetensors_files(directory: Path) -> list[Path]:
 @dataclass(frozen=True)
 class MergedExperts:
     """One MoE layer's routed experts as a file stores them merged (GGUF's
-    `blk.N.ffn_{gate,up,down}_exps`): three tensors in the file's format `type_name` (a ggml
-    type name such as "Q8_0"), each [E, rows, row storage] (uint8 blocks, or the floats),
-    views of the file's mapping."""
+    `blk.N.ffn_{gate,up,down}_exps`): three tensors, each in the file's type for it in
+    `type_names` (ggml type names such as "Q8_0"; a Q4_K_M file stores Q4_K gate and up beside
+    Q6_K down), each [E, rows, row storage] (uint8 blocks, or the floats), views of the
+    file's mapping."""
 
     gate: torch.Tensor  # stored [E, I, row(H)]
     up: torch.Tensor  # stored [E, I, row(H)]
     down: torch.Tensor  # stored [E, H, row(I)]
-    type_name: str
+    type_names: tuple[str, str, str]  # gate's, up's, down's
     names: tuple[str, str, str]  # the three tensors' names in the file, for errors
     path: Path
 

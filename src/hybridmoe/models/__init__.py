@@ -1,4 +1,4 @@
 """Model families: importing this package registers every family in MODEL_REGISTRY
 (models/registry.py); a new family is one module here, imported below."""
 
-from hybridmoe.models import mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next  # noqa: F401
+from hybridmoe.models import gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next  # noqa: F401

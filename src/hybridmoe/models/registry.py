@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from hybridmoe.config.model import ConfigDefaults, HfConfigReader, ModelConfig
 from hybridmoe.errors import UnsupportedConfigError
 from hybridmoe.layers.attention import ATTENTIONS
-from hybridmoe.layers.moe import SHARED_EXPERTS
+from hybridmoe.layers.moe import SHARED_EXPERTS, ExpertsLoader
 from hybridmoe.layers.norm import NORMS
 from hybridmoe.loader.weights import WeightSource
 from hybridmoe.models.gguf_config import GgufSpec
@@ -39,6 +39,10 @@ class WeightNames:
     # Checkpoint tensors under these prefixes are not the text model's and are not read (a
     # vision tower, multi-token-prediction heads); loading says so in one line.
     ignored_prefixes: tuple[str, ...] = ()
+    router: str = "gate"  # model.layers.{i}.<moe_prefix>.<router>.weight
+    # reads the experts of a family that stores them otherwise than one tensor per expert and
+    # projection (then expert_names are unused)
+    experts_loader: ExpertsLoader | None = None
 
 
 @dataclass(frozen=True)

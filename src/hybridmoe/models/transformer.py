@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe.config.model import ModelConfig
+from hybridmoe.kernels.projection import DenseProjection
 from hybridmoe.layers.attention import create_attention
-from hybridmoe.layers.batch import ForwardBatch, KVStore, build_attention_mask
+from hybridmoe.layers.batch import ForwardBatch, KVStore, build_attention_masks
 from hybridmoe.layers.linear import GatedMLP
 from hybridmoe.layers.moe import OffloadMoELayer
 from hybridmoe.layers.norm import NORMS
@@ -17,6 +18,7 @@ from hybridmoe.layers.rotary import RotaryEmbedding
 from hybridmoe.loader.weights import WeightSource
 from hybridmoe.models.registry import ModelFamily
 from hybridmoe.platform.base import to_device_no_sync
+from hybridmoe.quant.formats import WeightFormat
 
 
 class DecoderLayer:
@@ -45,6 +47,8 @@ class DecoderLayer:
                 moe_idx,
                 router_kind=family.router,
                 shared_expert_kind=family.shared_expert,
+                router_name=family.weights.router,
+                experts_loader=family.weights.experts_loader,
             )
         else:
             self.mlp = GatedMLP.load(source, f"{prefix}.mlp", hidden, cfg.intermediate_size)
@@ -55,6 +59,11 @@ class DecoderLayer:
         self.post_attention_norm = self.post_attention_norm.to(device)
         self.attn.to(device)
         self.mlp.to(device)
+
+    def projections(self) -> list[DenseProjection]:
+        """The layer's quantisable projections: attention's, the dense MLP's or the shared
+        expert's (not the router)."""
+        return self.attn.projections() + self.mlp.projections()
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = x + self.attn(self.norm_kind.apply(x, self.input_norm, self.eps), batch)
@@ -77,7 +86,7 @@ class MoeCausalLM:
         ]
         self.norm_kind = NORMS[family.norm]
         self.norm = self.norm_kind.prepare(source.get(f"{prefix}.norm.weight", (cfg.hidden_size,)))
-        self.lm_head = self._lm_head(cfg, source)
+        self.lm_head = DenseProjection(self._lm_head(cfg, source))  # [V, H]
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
         self.device = torch.device("cpu")
 
@@ -94,9 +103,12 @@ class MoeCausalLM:
     def to(self, device: torch.device) -> None:
         """Moves every dense weight to `device`: embeddings, attention, norms, dense MLPs,
         routers and shared experts. Routed experts are the MoE runtime's (engine/moe_runtime)."""
-        tied = self.lm_head is self.embed
+        tied = self.lm_head.weight is self.embed
         self.embed = self.embed.to(device)
-        self.lm_head = self.embed if tied else self.lm_head.to(device)
+        if tied:
+            self.lm_head = DenseProjection(self.embed)
+        else:
+            self.lm_head.to(device)
         self.norm = self.norm.to(device)
         self.rotary.to(device)
         for layer in self.layers:
@@ -105,11 +117,22 @@ class MoeCausalLM:
 
     def dense_nbytes(self) -> int:
         """Bytes of every weight to() moves (the tied head counted once)."""
-        found = [self.embed, self.lm_head, self.norm]
+        found = [self.embed, *self.lm_head.tensors(), self.norm]
         for layer in self.layers:
             found += [layer.input_norm, layer.post_attention_norm]
             found += layer.attn.dense_tensors() + layer.mlp.dense_tensors()
         return sum(t.nbytes for t in {id(t): t for t in found}.values())
+
+    def quantize_dense(self, fmt: WeightFormat, head_fmt: WeightFormat) -> None:
+        """Store the dense projections in `fmt` (attention, dense MLPs, shared experts) and the
+        output head in `head_fmt`, quantised from the loaded values (call before to()). Norms,
+        embeddings, routers and the shared-expert gate stay as loaded. A tied head gets its
+        own quantised copy; the embeddings stay. ValueError if a row is not whole blocks."""
+        for layer in self.layers:
+            for projection in layer.projections():
+                projection.quantize(fmt)
+        self.lm_head = DenseProjection(self.lm_head.weight)  # never shares a tied head's object
+        self.lm_head.quantize(head_fmt)
 
     @property
     def moe_layers(self) -> list[OffloadMoELayer]:
@@ -122,12 +145,11 @@ class MoeCausalLM:
         device needs is copied there without the host waiting (docs/host-syncs.md)."""
         kv_len = int(positions.max()) + 1  # read on the host, before the copy
         positions = to_device_no_sync(positions, self.device)
-        mask, is_causal = build_attention_mask(positions, kv_len, self.cfg.sliding_window)
+        windows = {self.cfg.layer_window(i) for i in range(self.cfg.num_layers)}
+        masks = build_attention_masks(positions, kv_len, windows)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         row_index = to_device_no_sync(torch.tensor(rows), self.device)
-        return ForwardBatch(
-            positions, rows, row_index, kv_len, mask, is_causal, cos, sin, kv, is_decode
-        )
+        return ForwardBatch(positions, rows, row_index, kv_len, masks, cos, sin, kv, is_decode)
 
     @torch.inference_mode()
     def forward(
@@ -140,7 +162,8 @@ class MoeCausalLM:
             x = layer(x, batch)
         if last_only:
             x = x[:, -1]
-        logits = F.linear(self.norm_kind.apply(x, self.norm, self.cfg.rms_norm_eps), self.lm_head)
+        x = self.norm_kind.apply(x, self.norm, self.cfg.rms_norm_eps)
+        logits = self.lm_head(x)  # [B, (T,) V]
         return logits.float().cpu()  # waits for the step: the one sync sampling needs
 
     def logits(self, input_ids: list[int]) -> torch.Tensor:

@@ -106,7 +106,7 @@ class OffloadExperts(_HostBankExperts):
             return torch.cat([self.decode(x[r], ids[r], weights[r]) for r in rows])
         cache.ensure_experts(self.layer_idx, ids)
         cache.copy_missing()
-        return accelerator_experts(x, ids, weights, cache.slot_bank)
+        return accelerator_experts(x, ids, weights, cache.slot_bank_for(self.layer_idx))
 
 
 @dataclass(eq=False)
@@ -136,7 +136,7 @@ class HybridExperts(_HostBankExperts):
         self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """The accelerator side: routes [T, K] given as cache slots."""
-        return accelerator_experts(x, slots, weights, self.cache.slot_bank)
+        return accelerator_experts(x, slots, weights, self.cache.slot_bank_for(self.layer_idx))
 
 
 @dataclass

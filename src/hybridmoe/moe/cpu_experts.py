@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+import numpy as np
 import torch
 
 from hybridmoe.moe.routing import combine_experts
@@ -51,7 +52,8 @@ def create_cpu_expert_fn(name: str = "numba", threads: int | None = None) -> Cpu
 def bank_moe(
     x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, bank: ExpertBank
 ) -> torch.Tensor:
-    """Σ_k w[t,k] · down_e(silu(gate_e x_t) ⊙ up_e x_t) with e = expert_ids[t,k]; ids < 0 skipped.
+    """Σ_k w[t,k] · down_e(silu(gate_e x_t) ⊙ up_e x_t) with e = expert_ids[t,k]; ids < 0 skipped
+    (or the bank's activation and biases: quant/expert_math.py).
 
     x [T, H], expert_ids [T, K], weights [T, K], all on the bank's device -> the float32
     partial [T, H] of the accumulation contract (each expert's MLP in x's dtype, the weighted
@@ -84,10 +86,30 @@ def fused_cpu_moe(
     gate, up, expert_rows, down = bank.byte_views()  # stacked or separate gate and up
     act_bf16 = _bf16_rounding(x.dtype, weights.dtype)
     args = (x32, ids64, w32, gate, up, expert_rows, down, hidden, inter, num_experts, top_k)
-    bad_id = run_fused_moe(bank.fmt.name, threads, *args, act_bf16, y.view(-1).numpy())
+    formats = (bank.gate_up_fmt.name, bank.down_fmt.name)
+    extras = (act_bf16, _activation_args(bank), *_bias_arrays(bank, x.dtype))
+    bad_id = run_fused_moe(formats, threads, *args, *extras, y.view(-1).numpy())
     if bad_id >= 0:
         raise IndexError(f"expert id {bad_id} out of range: the bank has {num_experts} experts")
     return y
+
+
+def _activation_args(bank: ExpertBank) -> tuple:
+    """(code, alpha, limit) of the bank's activation for the numba kernel; alpha and limit
+    as float32, the precision torch computes them in (quant/expert_math.py)."""
+    activation = bank.activation
+    return (activation.code, np.float32(activation.alpha), np.float32(activation.limit))
+
+
+def _bias_arrays(bank: ExpertBank, act_dtype: torch.dtype) -> tuple:
+    """(gate_up [E*2I], down [E*H]) float32 numpy arrays of the bank's biases as the
+    activation dtype holds them; empty without biases."""
+    if bank.biases is None:
+        return _NO_BIAS, _NO_BIAS
+    return tuple(t.numpy() for t in bank.flat_float32_biases(act_dtype))
+
+
+_NO_BIAS = np.zeros(0, np.float32)
 
 
 def _bf16_rounding(act_dtype: torch.dtype, weights_dtype: torch.dtype) -> int:

@@ -112,12 +112,14 @@ def split_routes(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Complementary routes: (cpu_ids, gpu_slots, gpu_weights), each [T, K].
 
-    cpu_ids = original where slot < 0 else -1; gpu_slots = 0 where slot < 0 (safe: its weight
-    is zero) else slot; gpu_weights = 0 where slot < 0 else the router weight.
+    cpu_ids = original where slot < 0 else -1; gpu_slots = the slots, -1 where the route is
+    the CPU's (the accelerator side skips it: a slot may hold another layer's expert in other
+    formats, whose bytes read in this layer's formats need not be finite, so no slot is run
+    with weight 0 instead); gpu_weights = 0 where slot < 0 else the router weight.
     `on_cpu` is `slots < 0` when the caller has it already.
     """
     on_cpu = slots < 0 if on_cpu is None else on_cpu
     cpu_ids = original_ids.masked_fill(~on_cpu, -1)
-    gpu_slots = slots.clamp(min=0)
+    gpu_slots = slots
     gpu_weights = weights.masked_fill(on_cpu, 0)
     return cpu_ids, gpu_slots, gpu_weights

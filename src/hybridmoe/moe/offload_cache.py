@@ -18,6 +18,7 @@ from hybridmoe.moe.fetch_policy import FetchPolicy
 from hybridmoe.platform.base import Platform
 from hybridmoe.platform.cpu import CpuPlatform
 from hybridmoe.quant.bank import ExpertBank
+from hybridmoe.quant.slot_banks import SlotBanks
 
 
 class OffloadMoeCache:
@@ -51,15 +52,26 @@ class OffloadMoeCache:
             raise ValueError(f"max_fetch must be >= 0 (0: never fetch in hybrid); got {max_fetch}")
         self.num_slots = num_slots
         self.max_fetch = max_fetch
-        self.expert_nbytes = banks[0].expert_nbytes
-        # Slots hold experts in the banks' format (a fetch copies the stored bytes). Zeros, not
-        # empty: a CPU route runs slot 0 with weight 0 on the accelerator side, and 0 * NaN
-        # from uninitialised memory would poison the sum.
+        # Slots hold experts in their layer's formats (a fetch copies the stored bytes), each
+        # slot sized for the largest; laid out as the banks: a fetch copies contiguous gate_up
+        # (or gate, up) and down. Zeros, not empty: a CPU route runs slot 0 with weight 0 on
+        # the accelerator side, and 0 * NaN from uninitialised memory would poison the sum.
         self.platform = platform if platform is not None else CpuPlatform()
-        # laid out as layer 0's bank: a fetch copies contiguous gate_up (or gate, up) and down
-        self.slot_bank = banks[0].empty_slots(num_slots, self.platform.device)
+        self.slots: SlotBanks | None = SlotBanks(banks, num_slots, self.platform.device)
+        self._slot_banks = [self.slots.bank_for(bank) for bank in banks]  # per layer
         self._ids_pinned: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # see _write_back
         self.reset()
+
+    def slot_bank_for(self, layer_idx: int) -> ExpertBank:
+        """The slots as a bank in layer `layer_idx`'s formats: what its decode computes on
+        (slot s holds whichever layer's expert the cache put there)."""
+        self._check_layer(layer_idx)
+        return self._slot_banks[layer_idx]
+
+    @property
+    def slot_bank(self) -> ExpertBank:
+        """The slots as a bank in layer 0's formats (every layer's, in a uniform model)."""
+        return self.slot_bank_for(0)
 
     @property
     def gate_up_slots(self) -> torch.Tensor:
@@ -106,7 +118,7 @@ class OffloadMoeCache:
         copies = []
         for slot, flat in self._pending.items():
             layer, expert = divmod(flat, self.num_experts)
-            copies += self.banks[layer].expert_copies(expert, self.slot_bank, slot)
+            copies += self.banks[layer].expert_copies(expert, self.slot_bank_for(layer), slot)
         self.platform.finish_copies(self.platform.start_copies(copies))
         self._pending.clear()
 
@@ -122,7 +134,8 @@ class OffloadMoeCache:
     def close(self) -> None:
         """Release the slots (device memory on an accelerator) now, without waiting for the
         garbage collector; the cache cannot be used afterwards."""
-        self.slot_bank = None
+        self.slots = None
+        self._slot_banks = []
         self._pending.clear()
         self._ids_pinned.clear()
 
@@ -141,7 +154,7 @@ class OffloadMoeCache:
         slot_of_expert = self._touch_hits(base, counts)
         hits = [e for e in counts if e in slot_of_expert]
         fetched = self._fetch_misses(layer_idx, counts, slot_of_expert, fetch_cap)
-        self._record(self.stats_by_layer[layer_idx], counts, hits, fetched)
+        self._record(layer_idx, counts, hits, fetched)
         rewritten = [slot_of_expert.get(e, -1) for e in flat_ids]  # ids < 0 are never keys
         self._write_back(topk_ids, rewritten)
 
@@ -218,15 +231,16 @@ class OffloadMoeCache:
         return slot
 
     def _record(
-        self, stats: ExpertCacheStats, counts: Counter[int], hits: list[int], fetched: list[int]
+        self, layer_idx: int, counts: Counter[int], hits: list[int], fetched: list[int]
     ) -> None:
+        stats = self.stats_by_layer[layer_idx]
         on_slot = set(hits) | set(fetched)
         stats.routes += sum(counts.values())
         stats.hits += sum(counts[e] for e in hits)
         stats.fetched_routes += sum(counts[e] for e in fetched)
         stats.cpu_routes += sum(n for e, n in counts.items() if e not in on_slot)
         stats.fetched += len(fetched)
-        stats.bytes_copied += len(fetched) * self.expert_nbytes
+        stats.bytes_copied += len(fetched) * self.banks[layer_idx].expert_nbytes
 
     def _check_layer(self, layer_idx: int) -> None:
         if not 0 <= layer_idx < len(self.banks):
@@ -234,29 +248,32 @@ class OffloadMoeCache:
 
 
 def _check_banks(banks: Sequence[ExpertBank]) -> None:
-    """ValueError naming the first layer whose bank's format or shapes differ from layer 0's."""
+    """ValueError naming the first layer whose bank's layout or logical shapes differ from
+    layer 0's (formats may differ: each slot is sized for the largest), or whose stored
+    shapes do not match its own formats."""
     if not banks:
         raise ValueError("OffloadMoeCache needs one ExpertBank per MoE layer; got none")
     first = banks[0]
-    num_experts, hidden, inter = first.num_experts, first.hidden_size, first.intermediate_size
-    logical = ((num_experts, inter, hidden), (num_experts, hidden, inter))
-    stored = tuple(first.fmt.stored_shape(shape) for shape in logical)
-    if (first.gate.shape, first.down.shape) != stored:
-        raise ValueError(
-            f"layer 0: bank gate {tuple(first.gate.shape)} [E, I, H] does not match "
-            f"down {tuple(first.down.shape)} [E, H, I]"
-        )
-    shapes = (first.gate.shape, first.down.shape)
+    shape = (first.num_experts, first.hidden_size, first.intermediate_size)
     for layer, bank in enumerate(banks):
-        if bank.fmt != first.fmt or bank.gate.dtype != first.gate.dtype:
+        num_experts, hidden, inter = bank.num_experts, bank.hidden_size, bank.intermediate_size
+        stored = (
+            bank.gate_up_fmt.stored_shape((num_experts, inter, hidden)),
+            bank.down_fmt.stored_shape((num_experts, hidden, inter)),
+        )
+        if (bank.gate.shape, bank.down.shape) != stored:
             raise ValueError(
-                f"layer {layer}: bank format {bank.fmt.name} ({bank.gate.dtype}) differs from "
-                f"layer 0's {first.fmt.name} ({first.gate.dtype}); all MoE layers must share "
-                "one expert format"
+                f"layer {layer}: bank gate {tuple(bank.gate.shape)} [E, I, H] does not match "
+                f"down {tuple(bank.down.shape)} [E, H, I]"
             )
-        if (bank.gate.shape, bank.down.shape) != shapes:
+        if (num_experts, hidden, inter) != shape or bank.stacked != first.stacked:
             raise ValueError(
-                f"layer {layer}: bank shapes gate {tuple(bank.gate.shape)}, down "
-                f"{tuple(bank.down.shape)} differ from layer 0's {tuple(shapes[0])}, "
-                f"{tuple(shapes[1])}; all MoE layers must share expert shapes"
+                f"layer {layer}: bank {bank} differs from layer 0's {first} in its shapes "
+                "or layout; all MoE layers must share expert shapes and layout"
+            )
+        if (bank.biases is None) != (first.biases is None) or bank.activation != first.activation:
+            raise ValueError(
+                f"layer {layer}: bank experts (biases: {bank.biases is not None}, "
+                f"{bank.activation}) differ from layer 0's (biases: {first.biases is not None}, "
+                f"{first.activation}); the shared slots hold one kind of expert"
             )

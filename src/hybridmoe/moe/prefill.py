@@ -24,23 +24,25 @@ import torch
 from hybridmoe.moe.cpu_experts import CpuExpertFn, bank_moe
 from hybridmoe.platform.base import Platform
 from hybridmoe.quant.bank import ExpertBank
+from hybridmoe.quant.slot_banks import SlotBanks
 
 
 class LayerStreamer:
-    """Two accelerator buffers, each one layer's bank, filled layer by layer on the copy stream."""
+    """Two accelerator buffers, each one layer's bank, filled layer by layer on the copy stream;
+    each sized for the largest layer's formats, read in the formats of the layer it holds."""
 
     def __init__(self, banks: Sequence[ExpertBank], platform: Platform):
         self.banks, self.platform = list(banks), platform
-        first = self.banks[0]
-        self.buffers = [first.empty_slots(first.num_experts, platform.device) for _ in range(2)]
+        num_experts = self.banks[0].num_experts
+        self.buffers = [SlotBanks(self.banks, num_experts, platform.device) for _ in range(2)]
         self._layer_in = [-1, -1]  # the layer each buffer holds (or is being filled with)
         self._copies = [None, None]  # CopyHandle of each buffer's last fill
         self.layers_copied = 0
 
     @staticmethod
-    def nbytes(bank: ExpertBank) -> int:
-        """Accelerator bytes a streamer over banks like `bank` takes."""
-        return 2 * bank.nbytes
+    def nbytes(banks: Sequence[ExpertBank]) -> int:
+        """Accelerator bytes a streamer over `banks` takes."""
+        return 2 * banks[0].num_experts * SlotBanks.slot_nbytes(banks)
 
     def bank_for(self, layer_idx: int) -> ExpertBank:
         """Layer `layer_idx`'s bank on the accelerator, safe for work issued next; starts the
@@ -53,11 +55,11 @@ class LayerStreamer:
         # unless that would refill the buffer this layer is about to read (an odd layer count)
         if following % 2 != buffer and self._layer_in[following % 2] != following:
             self._start(following)
-        return self.buffers[buffer]
+        return self.buffers[buffer].bank_for(self.banks[layer_idx])
 
     def _start(self, layer_idx: int) -> None:
         buffer, bank = layer_idx % 2, self.banks[layer_idx]
-        target = self.buffers[buffer]
+        target = self.buffers[buffer].bank_for(bank)
         self._copies[buffer] = self.platform.start_copies(bank.copies_into(target))
         self._layer_in[buffer] = layer_idx
         self.layers_copied += 1

@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from hybridmoe.kernels.projection import DenseProjection
 from hybridmoe.registry import registering
 
 
@@ -54,25 +55,60 @@ class SoftmaxTopKRouter:
     """Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE: a linear gate, softmax in float32, top-k, the k
     weights optionally renormalised."""
 
-    weight: torch.Tensor  # [E, H]
+    gate: DenseProjection  # [E, H], kept as stored (never quantised: it picks the experts)
     spec: RouterSpec
 
     @classmethod
     def create(cls, tensors: dict[str, torch.Tensor], spec: RouterSpec) -> SoftmaxTopKRouter:
-        return cls(tensors["weight"], spec)
+        if set(tensors) != {"weight"}:
+            raise ValueError(f"the softmax_topk router has a weight only, got {sorted(tensors)}")
+        return cls(DenseProjection(tensors["weight"]), spec)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.spec
-        return route(F.linear(x, self.weight), spec.top_k, spec.norm_topk_prob, spec.weights_fp32)
+        logits = self.gate(x)  # [T, E] in x's dtype
+        return route(logits, spec.top_k, spec.norm_topk_prob, spec.weights_fp32)
 
     def to(self, device: torch.device) -> None:
-        self.weight = self.weight.to(device)
+        self.gate.to(device)
 
     def dense_tensors(self) -> list[torch.Tensor]:
-        return [self.weight]
+        return self.gate.tensors()
 
 
 register_router("softmax_topk")(SoftmaxTopKRouter.create)
+
+
+@dataclass(eq=False)
+class TopKSoftmaxRouter:
+    """gpt-oss: a linear gate with a bias, top-k of the logits, softmax over the k chosen in
+    the logits' dtype (as GptOssTopKRouter: its weights round to the activation dtype)."""
+
+    weight: torch.Tensor  # [E, H]
+    bias: torch.Tensor  # [E]
+    spec: RouterSpec
+
+    @classmethod
+    def create(cls, tensors: dict[str, torch.Tensor], spec: RouterSpec) -> TopKSoftmaxRouter:
+        if set(tensors) != {"weight", "bias"}:
+            raise ValueError(
+                f"the topk_softmax router has a weight and a bias, got {sorted(tensors)}"
+            )
+        return cls(tensors["weight"], tensors["bias"], spec)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight, self.bias)  # [T, E]
+        top_logits, topk_ids = torch.topk(logits, self.spec.top_k, dim=-1)  # [T, K]
+        return topk_ids, F.softmax(top_logits, dim=-1, dtype=top_logits.dtype)
+
+    def to(self, device: torch.device) -> None:
+        self.weight, self.bias = self.weight.to(device), self.bias.to(device)
+
+    def dense_tensors(self) -> list[torch.Tensor]:
+        return [self.weight, self.bias]
+
+
+register_router("topk_softmax")(TopKSoftmaxRouter.create)
 
 
 def route(

@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from hybridmoe.loader.weights import WeightSource, aligned
+from hybridmoe.quant.expert_math import (
+    SILU,
+    ExpertActivation,
+    ExpertBiases,
+    activate,
+    add_down_bias,
+)
 from hybridmoe.quant.formats import WeightFormat, dense_format
 
 
@@ -31,6 +38,8 @@ class ExpertWeights:
     gate: list[torch.Tensor]  # E x [I, H]
     up: list[torch.Tensor]  # E x [I, H]
     down: list[torch.Tensor]  # E x [H, I]
+    biases: ExpertBiases | None = None  # the family's expert biases, if it has them
+    activation: ExpertActivation = field(default=SILU)
 
     @property
     def num_experts(self) -> int:
@@ -66,13 +75,18 @@ class ExpertWeights:
         )
 
     def expert_mlp(self, h: torch.Tensor, expert: int) -> torch.Tensor:
-        """h [n, H] -> down(silu(gate h) * up h) [n, H] in h's dtype (the weights' dtype)."""
-        act = F.silu(F.linear(h, self.gate[expert])) * F.linear(h, self.up[expert])
-        return F.linear(act, self.down[expert])
+        """h [n, H] -> down(act(gate h, up h)) [n, H] in h's dtype (the weights' dtype), biases
+        and activation as quant/expert_math.py's contract says."""
+        gate, up = F.linear(h, self.gate[expert]), F.linear(h, self.up[expert])
+        act = activate(gate, up, expert, self.biases, self.activation)
+        return add_down_bias(F.linear(act, self.down[expert]), expert, self.biases)
 
 
 class ExpertBank:
-    """One layer's routed experts: gate and up [E, I, H] and down [E, H, I], each in `fmt`.
+    """One layer's routed experts: gate and up [E, I, H] in `gate_up_fmt` (one format for both:
+    they are computed side by side) and down [E, H, I] in `down_fmt`, which may differ (a
+    Q4_K_M GGUF stores Q4_K gate/up beside Q6_K down). `formats` is the pair; `fmt` the one
+    format of a bank whose projections share it.
 
     Built from one stacked gate_up [E, 2I, H] (gate rows, then up rows: `ExpertBank(gate_up,
     down, fmt)`, what stacking a checkpoint makes) or from two separate tensors
@@ -91,9 +105,15 @@ class ExpertBank:
         *,
         gate: torch.Tensor | None = None,
         up: torch.Tensor | None = None,
+        down_fmt: WeightFormat | None = None,
+        biases: ExpertBiases | None = None,
+        activation: ExpertActivation = SILU,
     ) -> None:
-        """`fmt` None: the dense format of the tensors' dtype. TypeError unless given exactly
-        one of gate_up or (gate, up), and down; ValueError for shapes that do not pair."""
+        """`fmt`: gate and up's format (None: the dense format of their dtype); `down_fmt`:
+        down's (None: `fmt` when given, else the dense format of down's dtype). TypeError
+        unless given exactly one of gate_up or (gate, up), and down; ValueError for shapes
+        that do not pair. `biases` and `activation`: what the experts compute besides their
+        matrices (quant/expert_math.py); they travel with the bank (slots, copies, devices)."""
         if down is None or (gate_up is None) == (gate is None or up is None):
             raise TypeError("ExpertBank takes down and either gate_up, or both gate and up")
         if gate_up is not None:
@@ -111,13 +131,68 @@ class ExpertBank:
             )
         self.gate, self.up, self.down = gate, up, down
         self._gate_up = gate_up
-        self.fmt = fmt if fmt is not None else dense_format(gate.dtype)
+        self.biases, self.activation = biases, activation
+        if biases is not None and tuple(biases.gate_up.shape) != (gate.shape[0], 2 * gate.shape[1]):
+            raise ValueError(
+                f"ExpertBank: gate_up biases {tuple(biases.gate_up.shape)} do not match "
+                f"{gate.shape[0]} experts of width {gate.shape[1]}"
+            )
+        self.gate_up_fmt = fmt if fmt is not None else dense_format(gate.dtype)
+        if down_fmt is None:
+            down_fmt = fmt if fmt is not None else dense_format(down.dtype)
+        self.down_fmt = down_fmt
         self._byte_views: tuple | None = None
+        self._flat_biases: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._check_stored_shapes()
+
+    def _check_stored_shapes(self) -> None:
+        """ValueError unless gate/up [E, I, row(H)] are what gate_up_fmt stores for H and down
+        [E, H, row(I)] what down_fmt stores for I (whole blocks of it), in its storage dtype."""
+        if self.down.dim() != 3 or self.gate.dim() != 3:
+            raise ValueError(
+                f"ExpertBank: gate {tuple(self.gate.shape)} and down {tuple(self.down.shape)} "
+                "are not [E, rows, stored row]"
+            )
+        num, hidden, inter = self.num_experts, self.hidden_size, self.intermediate_size
+        for name, tensor, fmt, rows, row in (
+            ("gate/up", self.gate, self.gate_up_fmt, inter, hidden),
+            ("down", self.down, self.down_fmt, hidden, inter),
+        ):
+            fmt.check_row_length(row, f"ExpertBank: {name} rows of {fmt.name}")
+            expected = fmt.stored_shape((num, rows, row))
+            if tuple(tensor.shape) != expected or tensor.dtype != fmt.storage_dtype:
+                raise ValueError(
+                    f"ExpertBank: {name} {tuple(tensor.shape)} {tensor.dtype} does not hold "
+                    f"E, H, I = {num, hidden, inter} in {fmt.name}: expected {expected} "
+                    f"{fmt.storage_dtype}"
+                )
 
     def __repr__(self) -> str:
         layout = "stacked" if self.stacked else "separate"
         shape = (self.num_experts, self.hidden_size, self.intermediate_size)
-        return f"ExpertBank({self.fmt.name}, E, H, I = {shape}, {layout} gate/up, {self.device})"
+        names = "/".join(dict.fromkeys(f.name for f in self.formats))
+        return f"ExpertBank({names}, E, H, I = {shape}, {layout} gate/up, {self.device})"
+
+    @property
+    def formats(self) -> tuple[WeightFormat, WeightFormat]:
+        """(gate_up_fmt, down_fmt)."""
+        return self.gate_up_fmt, self.down_fmt
+
+    @property
+    def fmt(self) -> WeightFormat:
+        """The format of every projection; ValueError for a bank whose down differs (read
+        gate_up_fmt and down_fmt there)."""
+        if self.gate_up_fmt != self.down_fmt:
+            raise ValueError(
+                f"this ExpertBank stores gate/up as {self.gate_up_fmt.name} and down as "
+                f"{self.down_fmt.name}: it has no one format"
+            )
+        return self.gate_up_fmt
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether any projection is stored in blocks of more than one weight."""
+        return self.gate_up_fmt.is_quantized or self.down_fmt.is_quantized
 
     @property
     def stacked(self) -> bool:
@@ -149,37 +224,50 @@ class ExpertBank:
 
     @property
     def expert_nbytes(self) -> int:
-        """Bytes one expert occupies (what fetching it copies)."""
-        return self.gate[0].nbytes + self.up[0].nbytes + self.down[0].nbytes
+        """Bytes one expert occupies (what fetching it copies), its biases included."""
+        bias_bytes = 0 if self.biases is None else self.biases.nbytes_per_expert
+        return self.gate[0].nbytes + self.up[0].nbytes + self.down[0].nbytes + bias_bytes
 
     @property
     def nbytes(self) -> int:
-        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+        """Bytes of the whole bank, its biases included."""
+        bias_bytes = sum(t.nbytes for t in self.bias_tensors())
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes + bias_bytes
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors holding the bank's bytes, each once: [gate_up, down] when stacked, else
         [gate, up, down] (what page-locking and copying a whole bank go through)."""
         return [self._gate_up, self.down] if self.stacked else [self.gate, self.up, self.down]
 
+    def bias_tensors(self) -> list[torch.Tensor]:
+        """The biases' tensors ([] without biases): page-locked with the bank's tensors."""
+        return [] if self.biases is None else self.biases.tensors()
+
     def compute_dtype(self, act_dtype: torch.dtype) -> torch.dtype:
         """The dtype the experts' projections are computed in for activations of `act_dtype`:
-        `act_dtype` when the bank stores exactly that dtype, else float32, in which every
+        `act_dtype` when every projection stores exactly that dtype, else float32, in which every
         stored format (quantised blocks, f32, bf16) expands exactly. Either way each
         projection's output is then rounded to `act_dtype` (the accumulation contract)."""
-        if not self.fmt.is_quantized and self.fmt.storage_dtype == act_dtype:
-            return act_dtype
-        return torch.float32
+        return act_dtype if self._stores_exactly(act_dtype) else torch.float32
+
+    def _stores_exactly(self, dtype: torch.dtype) -> bool:
+        """Whether every projection is stored as plain `dtype` values."""
+        return all(not f.is_quantized and f.storage_dtype == dtype for f in self.formats)
 
     def expert_mlp(self, h: torch.Tensor, expert: int) -> torch.Tensor:
-        """h [n, H] -> down(silu(gate h) * up h) [n, H] in h's dtype; each projection from
-        the exact weights, its output rounded to h's dtype."""
-        if not self.fmt.is_quantized and self.gate.dtype == h.dtype:  # no casts to make
+        """h [n, H] -> down(act(gate h, up h)) [n, H] in h's dtype; each projection from the
+        exact weights, its output rounded to h's dtype; biases and activation as
+        quant/expert_math.py's contract says."""
+        biases, activation = self.biases, self.activation
+        if self._stores_exactly(h.dtype):  # no casts to make
             gate, up = self._gate_up_linear(h, expert, h.dtype)  # 2 x [n, I]
-            return F.linear(F.silu(gate) * up, self.down[expert])
+            act = activate(gate, up, expert, biases, activation)
+            return add_down_bias(F.linear(act, self.down[expert]), expert, biases)
         dtype = self.compute_dtype(h.dtype)  # float32: every stored value expands exactly
         gate, up = (p.to(h.dtype) for p in self._gate_up_linear(h.to(dtype), expert, dtype))
-        act = (F.silu(gate) * up).to(dtype)
-        return F.linear(act, self.down_weights(expert, dtype)).to(h.dtype)
+        act = activate(gate, up, expert, biases, activation).to(dtype)
+        out = F.linear(act, self.down_weights(expert, dtype)).to(h.dtype)
+        return add_down_bias(out, expert, biases)
 
     def _gate_up_linear(
         self, h: torch.Tensor, expert: int, dtype: torch.dtype
@@ -194,21 +282,32 @@ class ExpertBank:
     def gate_up_weights(self, expert: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A stacked bank's gate_up [2I, H] of expert `expert` as `dtype` (a view when already
         so stored); for a tensor of n expert indices (on the bank's device), [n, 2I, H]."""
-        return _as_float(self.fmt, self.gate_up[expert], dtype)
+        return _as_float(self.gate_up_fmt, self.gate_up[expert], dtype)
 
     def gate_weights(self, expert: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Expert `expert`'s gate [I, H] as `dtype` (a view when already so stored); for a
         tensor of n expert indices, their gate [n, I, H]."""
-        return _as_float(self.fmt, self.gate[expert], dtype)
+        return _as_float(self.gate_up_fmt, self.gate[expert], dtype)
 
     def up_weights(self, expert: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """As gate_weights, for up [I, H]."""
-        return _as_float(self.fmt, self.up[expert], dtype)
+        return _as_float(self.gate_up_fmt, self.up[expert], dtype)
 
     def down_weights(self, expert: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Expert `expert`'s down [H, I] as `dtype` (a view when already so stored); for a
         tensor of n expert indices, their down [n, H, I]."""
-        return _as_float(self.fmt, self.down[expert], dtype)
+        return _as_float(self.down_fmt, self.down[expert], dtype)
+
+    def flat_float32_biases(self, act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The biases (gate_up [E*2I], down [E*H]) flat in float32 holding their values as
+        `act_dtype` holds them (cast to it, then widened exactly), for the fused CPU kernel
+        (host banks with biases only); made once per dtype."""
+        if act_dtype not in self._flat_biases:
+            self._flat_biases[act_dtype] = tuple(
+                t.to(act_dtype).to(torch.float32).contiguous().view(-1)
+                for t in self.biases.tensors()
+            )
+        return self._flat_biases[act_dtype]
 
     def byte_views(self) -> tuple:
         """(gate, up, expert_rows, down) for the fused CPU kernel (host banks only): flat
@@ -235,33 +334,50 @@ class ExpertBank:
         at a time first. ValueError if H or I is not a whole number of fmt's blocks."""
         fmt.check_row_length(self.hidden_size, "hidden_size (gate/up rows)")
         fmt.check_row_length(self.intermediate_size, "moe_intermediate_size (down rows)")
-        out = self._empty_like(fmt, self.num_experts, self.device)
-        for source, target in zip(self.tensors(), out.tensors(), strict=True):
+        out = self._empty_like((fmt, fmt), self.num_experts, self.device, with_biases=False)
+        sources = zip(self.tensors(), self._tensor_formats(), out.tensors(), strict=True)
+        for source, source_fmt, target in sources:
             for expert in range(self.num_experts):
-                target[expert] = fmt.quantize(self._float_rows(source[expert]))
+                target[expert] = fmt.quantize(_float_rows(source_fmt, source[expert]))
+        out.biases = self.biases  # biases are never quantised
         return out
 
-    def _float_rows(self, stored: torch.Tensor) -> torch.Tensor:
-        """Stored rows [..., row_bytes] as a float tensor a quantiser reads: themselves when
-        dense, else expanded to float32."""
-        return stored if not self.fmt.is_quantized else self.fmt.dequantize(stored, torch.float32)
+    def _tensor_formats(self) -> list[WeightFormat]:
+        """The format of each of tensors(), in its order."""
+        gate_up = [self.gate_up_fmt] * (len(self.tensors()) - 1)
+        return [*gate_up, self.down_fmt]
 
-    def _empty_like(self, fmt: WeightFormat, num: int, device) -> ExpertBank:
-        """Uninitialised storage for `num` experts of this bank's shapes in `fmt`, laid out as
-        this bank (stacked or not), on `device`."""
+    def _empty_like(
+        self,
+        formats: tuple[WeightFormat, WeightFormat],
+        num: int,
+        device,
+        with_biases: bool = True,
+    ) -> ExpertBank:
+        """Uninitialised storage for `num` experts of this bank's shapes in `formats`
+        (gate_up's, down's), laid out as this bank (stacked or not), on `device`, with this
+        bank's activation and (zero) biases when it has them and `with_biases`."""
         hidden, inter = self.hidden_size, self.intermediate_size
-        down = self.empty_like_tensor(fmt, (num, hidden, inter), device)
+        gate_up_fmt, down_fmt = formats
+        down = self.empty_like_tensor(down_fmt, (num, hidden, inter), device)
+        with_biases = with_biases and self.biases is not None
+        extras = dict(
+            down_fmt=down_fmt,
+            biases=self.biases.empty(num, device) if with_biases else None,
+            activation=self.activation,
+        )
         if self.stacked:
-            return ExpertBank(
-                self.empty_like_tensor(fmt, (num, 2 * inter, hidden), device), down, fmt
-            )
-        gate, up = (self.empty_like_tensor(fmt, (num, inter, hidden), device) for _ in range(2))
-        return ExpertBank(gate=gate, up=up, down=down, fmt=fmt)
+            gate_up = self.empty_like_tensor(gate_up_fmt, (num, 2 * inter, hidden), device)
+            return ExpertBank(gate_up, down, gate_up_fmt, **extras)
+        gate, up = (
+            self.empty_like_tensor(gate_up_fmt, (num, inter, hidden), device) for _ in range(2)
+        )
+        return ExpertBank(gate=gate, up=up, down=down, fmt=gate_up_fmt, **extras)
 
     def empty_slots(self, num_slots: int, device: torch.device | str) -> ExpertBank:
-        """A zero-filled bank of `num_slots` experts in this bank's format and layout, on
+        """A zero-filled bank of `num_slots` experts in this bank's formats and layout, on
         `device`."""
-        slots = self._empty_like(self.fmt, num_slots, device)
+        slots = self._empty_like(self.formats, num_slots, device)
         for tensor in slots.tensors():
             tensor.zero_()
         return slots
@@ -271,14 +387,22 @@ class ExpertBank:
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(source, destination) pairs that copy expert `expert`'s stored bytes into slot `slot`
         of `slots` (same format), for Platform.start_copies: each pair contiguous."""
-        return [(src[expert], dst[slot]) for src, dst in self._pairs(slots)]
+        copies = [(src[expert], dst[slot]) for src, dst in self._pairs(slots)]
+        if self.biases is not None:
+            copies += self.biases.expert_copies(expert, slots.biases, slot)
+        return copies
 
     def copies_into(self, target: ExpertBank) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(source, destination) pairs that copy the whole bank into `target` (same format and
-        shapes), for Platform.start_copies; contiguous pairs when both share a layout."""
-        return self._pairs(target)
+        """(source, destination) pairs that copy the whole bank, biases included, into
+        `target` (same format and shapes), for Platform.start_copies; contiguous pairs when
+        both share a layout."""
+        return self._pairs(target) + list(
+            zip(self.bias_tensors(), target.bias_tensors(), strict=True)
+        )
 
     def _pairs(self, other: ExpertBank) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if other.formats != self.formats:
+            raise ValueError(f"cannot copy the bytes of {self} into {other}: formats differ")
         if self.stacked and other.stacked:
             return list(zip(self.tensors(), other.tensors(), strict=True))
         return [(self.gate, other.gate), (self.up, other.up), (self.down, other.down)]
@@ -298,9 +422,13 @@ class ExpertBank:
     def _with(self, place) -> ExpertBank:
         """A bank of the same layout and format holding place(tensor) for each tensor."""
         placed = [place(tensor) for tensor in self.tensors()]
+        biases = None if self.biases is None else self.biases.placed(place)
+        gate_up_fmt, down_fmt = self.formats
+        extras = dict(down_fmt=down_fmt, biases=biases, activation=self.activation)
         if self.stacked:
-            return ExpertBank(*placed, self.fmt)
-        return ExpertBank(gate=placed[0], up=placed[1], down=placed[2], fmt=self.fmt)
+            return ExpertBank(*placed, gate_up_fmt, **extras)
+        gate, up, down = placed
+        return ExpertBank(gate=gate, up=up, down=down, fmt=gate_up_fmt, **extras)
 
     @staticmethod
     def empty_like_tensor(fmt: WeightFormat, shape: Sequence[int], device) -> torch.Tensor:
@@ -322,11 +450,13 @@ class ExpertBank:
             gate_up[e, :inter] = fmt.quantize(experts.gate[e])
             gate_up[e, inter:] = fmt.quantize(experts.up[e])
             down[e] = fmt.quantize(experts.down[e])
-        return cls(gate_up, down, fmt)
+        return cls(gate_up, down, fmt, biases=experts.biases, activation=experts.activation)
 
     def views(self) -> ExpertWeights:
-        """Per-expert views of this (dense) bank's matrices."""
-        return ExpertWeights(list(self.gate), list(self.up), list(self.down))
+        """Per-expert views of this (dense) bank's matrices, with its biases and activation."""
+        return ExpertWeights(
+            list(self.gate), list(self.up), list(self.down), self.biases, self.activation
+        )
 
 
 def _flat_bytes(tensor: torch.Tensor):
@@ -344,6 +474,12 @@ def _in_own_pages(tensor: torch.Tensor) -> torch.Tensor:
     owned = raw[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
     owned.copy_(tensor)
     return owned
+
+
+def _float_rows(fmt: WeightFormat, stored: torch.Tensor) -> torch.Tensor:
+    """Stored rows [..., row_bytes] as a float tensor a quantiser reads: themselves when dense,
+    else expanded to float32."""
+    return stored if not fmt.is_quantized else fmt.dequantize(stored, torch.float32)
 
 
 def _as_float(fmt: WeightFormat, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

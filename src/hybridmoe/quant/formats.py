@@ -4,7 +4,7 @@ Names are GGUF's type names in lower case. A format packs each row of n weights 
 n // block_size blocks of block_bytes bytes, held in a tensor of `storage_dtype`; f32, bf16
 and f16 are the degenerate case of one weight a block, the k-quants (q2_k ... q6_k) pack
 super-blocks of 256 weights. Each format is one module (dense.py: f32, bf16 and f16; q8_0.py;
-q4_0.py; ...; q6_k.py, the k-quants sharing _kquants.py) that defines its `WeightFormat`,
+q4_0.py; ...; q6_k.py, the k-quants sharing _kquants.py; mxfp4.py) that defines its `WeightFormat`,
 torch reference and kernel IR, and registers it with `register_format`. The package
 (quant/__init__.py) imports those modules, in the order CLI choices list them, so the
 registry is complete once anything of `hybridmoe.quant` is imported, this module included.
@@ -90,9 +90,11 @@ class WeightFormat:
     quantize_fn: Callable[[torch.Tensor], torch.Tensor] | None = field(repr=False)
     dequantize_fn: Callable[..., torch.Tensor] = field(repr=False)  # (q, dtype) -> float
     kernel: KernelFormat = field(repr=False)
-    # byte offsets in a block of its fp16 scales (d, and m or dmin where it has one): any
-    # bytes with finite values there are valid weights (what tests and benchmarks fill)
+    # byte offsets in a block of its scales (d, and m or dmin where it has one), each a
+    # `scale_dtype` (fp16; mxfp4's exponent byte: float8_e8m0fnu): any bytes with small finite
+    # values there are valid weights (what tests and benchmarks fill)
     scale_offsets: tuple[int, ...] = ()
+    scale_dtype: torch.dtype = torch.float16
 
     def __post_init__(self) -> None:
         if self.block_bytes % self.storage_dtype.itemsize:

@@ -26,25 +26,35 @@ def load_experts(
 
 
 def bank_from_merged(merged: MergedExperts, shape: tuple[int, int, int]) -> ExpertBank:
-    """A bank over a file's merged experts (shape = (E, H, I)) in the file's format, which
-    must be a registered weight format: experts are never converted at load."""
-    fmt = merged_format(merged)
+    """A bank over a file's merged experts (shape = (E, H, I)) in the file's formats, each a
+    registered weight format (experts are never converted at load): gate and up in one
+    format (they are computed side by side), down in its own."""
+    gate_type, up_type, down_type = merged.type_names
+    if gate_type != up_type:
+        raise CheckpointError(
+            f"{merged.path}: tensor '{merged.names[0]}' is {gate_type} but '{merged.names[1]}' "
+            f"is {up_type}; a layer's expert gate and up must share one type"
+        )
+    gate_up_fmt = merged_format(merged, 0)
+    down_fmt = merged_format(merged, 2)
     num, hidden, inter = shape
     gate, up = (
-        _stored_as(t, fmt, (num, inter, hidden), name)
+        _stored_as(t, gate_up_fmt, (num, inter, hidden), name)
         for t, name in zip((merged.gate, merged.up), merged.names[:2], strict=True)
     )
-    down = _stored_as(merged.down, fmt, (num, hidden, inter), merged.names[2])
-    return _bank_of(gate, up, down, fmt)
+    down = _stored_as(merged.down, down_fmt, (num, hidden, inter), merged.names[2])
+    return _bank_of(gate, up, down, gate_up_fmt, down_fmt)
 
 
-def merged_format(merged: MergedExperts) -> WeightFormat:
-    """The registered format named like the file's type (GGUF names, lower case);
-    CheckpointError naming the tensor and its type when there is none."""
-    fmt = WEIGHT_FORMATS.get(merged.type_name.lower())
+def merged_format(merged: MergedExperts, index: int) -> WeightFormat:
+    """The registered format named like the type of the file's tensor `index` (0 gate, 1 up,
+    2 down; GGUF names, lower case); CheckpointError naming the tensor and its type when
+    there is none."""
+    type_name = merged.type_names[index]
+    fmt = WEIGHT_FORMATS.get(type_name.lower())
     if fmt is None:
         raise CheckpointError(
-            f"{merged.path}: tensor '{merged.names[0]}' has type {merged.type_name}, which no "
+            f"{merged.path}: tensor '{merged.names[index]}' has type {type_name}, which no "
             f"expert weight format stores (supported: "
             f"{', '.join(f.upper() for f in WEIGHT_FORMATS)}); experts are not converted at load"
         )
@@ -66,12 +76,18 @@ def _stored_as(
 
 
 def _bank_of(
-    gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fmt: WeightFormat
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_fmt: WeightFormat,
+    down_fmt: WeightFormat,
 ) -> ExpertBank:
     """The one place a file's bank is assembled from its three merged tensors: views of the
     mapping, no copy. A dense (f32/bf16/f16) tensor not 64-byte aligned in the file is copied
     (`aligned`: torch's GEMMs may round by address); block formats are read by kernels whose
     result does not depend on where a row starts, so they stay views wherever they lie."""
-    if not fmt.is_quantized:
-        gate, up, down = aligned(gate), aligned(up), aligned(down)
-    return ExpertBank(gate=gate, up=up, down=down, fmt=fmt)
+    if not gate_up_fmt.is_quantized:
+        gate, up = aligned(gate), aligned(up)
+    if not down_fmt.is_quantized:
+        down = aligned(down)
+    return ExpertBank(gate=gate, up=up, down=down, fmt=gate_up_fmt, down_fmt=down_fmt)

@@ -22,6 +22,7 @@ from hybridmoe.server.generation import Generation, ServedModel, start_chat, sta
 from hybridmoe.server.limits import BodyLimit, RequestLimits, until_deadline
 from hybridmoe.server.metrics import CONTENT_TYPE, MeteredBridge, ServerMetrics
 from hybridmoe.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from hybridmoe.server.reasoning import resolve_reasoning
 from hybridmoe.server.security import ApiKeyCheck, HostCheck, allowed_host_names
 from hybridmoe.server.warmup import warm_up
 
@@ -40,10 +41,13 @@ def create_app(
     the scheduler on a background thread; without, the caller warms up (warmup.warm_up), calls
     mark_ready and runs `scheduler.run()` on a thread of its choice: until mark_ready, /health
     answers 503 "loading" and generation requests 503. The lifespan's end closes the
-    scheduler; closing the engine stays the caller's job."""
+    scheduler; closing the engine stays the caller's job. Raises CheckpointError when
+    `config.reasoning_format` does not fit the checkpoint."""
     config = config or ServerConfig()
     metrics = ServerMetrics(model_id, lambda: _stats_since_ready(app))
-    served = ServedModel(model_id, engine, int(time.time()), MeteredBridge(metrics))
+    reasoning, stop_ids = resolve_reasoning(engine.tokenizer, config.reasoning_format)
+    bridge = MeteredBridge(metrics)
+    served = ServedModel(model_id, engine, int(time.time()), bridge, reasoning, stop_ids)
     scheduler = served.scheduler
 
     @asynccontextmanager

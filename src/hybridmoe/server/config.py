@@ -7,7 +7,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hybridmoe.server.reasoning import AUTO, NONE, REASONING_FORMATS
+
 MIB = 2**20
+REASONING_FORMAT_CHOICES = (AUTO, NONE, *REASONING_FORMATS)
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,9 @@ class ServerConfig:
     read_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     max_connections: int = 1024  # beyond this many open connections, requests get 503
+    # How chat replies' reasoning becomes reasoning_content (reasoning.py); auto: by the
+    # checkpoint's chat template (harmony when it writes <|channel|>, think when <think>)
+    reasoning_format: str = AUTO
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -44,6 +50,11 @@ class ServerConfig:
             _check_positive_int(name, getattr(self, name))
         for name in ("request_timeout_s", "read_timeout_s", "keep_alive_timeout_s"):
             _check_positive_seconds(name, getattr(self, name))
+        if self.reasoning_format not in REASONING_FORMAT_CHOICES:
+            raise ValueError(
+                f"reasoning_format must be one of {', '.join(REASONING_FORMAT_CHOICES)}, "
+                f"got {self.reasoning_format!r}"
+            )
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
 

@@ -17,8 +17,9 @@ from hybridmoe.server.errors import ApiError, generation_error
 from hybridmoe.server.limits import check_prompt_chars
 from hybridmoe.server.logprobs import TokenText
 from hybridmoe.server.protocol import ChatCompletionRequest, CompletionRequest
+from hybridmoe.server.reasoning import ReasoningFormat
+from hybridmoe.server.reply import ReplyParsing
 from hybridmoe.server.structured import plan_chat
-from hybridmoe.server.tools import ToolCallParsing
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -59,12 +60,16 @@ class OutputBridge:
 
 @dataclass(frozen=True)
 class ServedModel:
-    """The one model this server serves, under the name clients ask for it by."""
+    """The one model this server serves, under the name clients ask for it by; chat replies'
+    reasoning is split out in `reasoning`'s format, whose end-of-reply tokens are
+    `reasoning_stop_ids` (reasoning.resolve_reasoning)."""
 
     id: str
     engine: Engine
     created: int  # unix time the server started
     bridge: OutputBridge = field(default_factory=OutputBridge)  # attached at app startup
+    reasoning: ReasoningFormat | None = None
+    reasoning_stop_ids: frozenset[int] = frozenset()
 
     @property
     def scheduler(self) -> Scheduler:
@@ -83,8 +88,8 @@ class ServedModel:
 
 class Generation:
     """One request in flight, seen from the event loop: its outputs arrive in a queue.
-    `tool_parsing` (chat with tools) parses tool calls out of its text; `vocab` spells the
-    tokens of its logprobs."""
+    `reply` (chat with reasoning or tools) splits its text into reasoning, content and tool
+    calls; `vocab` spells the tokens of its logprobs."""
 
     def __init__(
         self,
@@ -92,9 +97,9 @@ class Generation:
         bridge: OutputBridge,
         prompt_ids: list[int],
         params: SamplingParams,
-        tool_parsing: ToolCallParsing | None = None,
+        reply: ReplyParsing | None = None,
     ) -> None:
-        self.tool_parsing = tool_parsing
+        self.reply = reply
         self.vocab: TokenText | None = None
         if params.logprobs is not None:  # read before the request is queued: it may fail
             tokenizer = engine.require_tokenizer()
@@ -167,7 +172,9 @@ def start_chat(served: ServedModel, request: ChatCompletionRequest) -> Generatio
             request.parallel_tool_calls,
             source,
         )
-        text = tokenizer.apply_chat_template(messages, tools=plan.template_tools)
+        text = tokenizer.apply_chat_template(
+            messages, tools=plan.template_tools, variables=request.template_variables
+        )
     except (CheckpointError, ValueError) as exc:
         raise ApiError(400, str(exc), param="messages") from exc
     # The rendered template already holds every special token the model expects.
@@ -177,9 +184,10 @@ def start_chat(served: ServedModel, request: ChatCompletionRequest) -> Generatio
     max_tokens = request.completion_limit or room
     logprobs = request.top_logprobs_count
     constraint = (plan.grammar, plan.grammar_param)
-    return _start(
-        served, request, prompt_ids, max_tokens, "messages", logprobs, constraint, plan.tool_parsing
-    )
+    reply = None
+    if served.reasoning is not None or plan.tool_parsing is not None:
+        reply = ReplyParsing(served.reasoning, text, plan.tool_parsing)
+    return _start(served, request, prompt_ids, max_tokens, "messages", logprobs, constraint, reply)
 
 
 def _start(
@@ -190,9 +198,11 @@ def _start(
     prompt_field: str,
     logprobs: int | None,
     constraint: tuple[Grammar | None, str | None] = (None, None),
-    tool_parsing: ToolCallParsing | None = None,
+    reply: ReplyParsing | None = None,
 ) -> Generation:
-    """`constraint`: the grammar the output must match, and the request field it came from."""
+    """`constraint`: the grammar the output must match, and the request field it came from;
+    a `reply` with a reasoning format ends at its stop tokens and keeps the special tokens it
+    reads."""
     _check_context(served.scheduler.max_seq_len, len(prompt_ids), max_tokens, prompt_field)
     grammar, grammar_param = constraint
     if grammar is not None and request.ignore_eos:
@@ -207,9 +217,10 @@ def _start(
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
         grammar=grammar,
+        **_reasoning_params(served, reply),
     )
     try:
-        return Generation(served.engine, served.bridge, prompt_ids, params, tool_parsing)
+        return Generation(served.engine, served.bridge, prompt_ids, params, reply)
     except GrammarError as exc:
         raise ApiError(400, f"invalid '{grammar_param}': {exc}", param=grammar_param) from exc
     except CheckpointError as exc:  # a vocabulary whose token bytes cannot be read
@@ -217,6 +228,16 @@ def _start(
         raise ApiError(400, f"'{param}' is not available: {exc}", param=param) from exc
     except SchedulerClosed as exc:
         raise generation_error(exc) from exc
+
+
+def _reasoning_params(served: ServedModel, reply: ReplyParsing | None) -> dict:
+    reasoning = reply.reasoning if reply is not None else None
+    if reasoning is None:
+        return {}
+    return {
+        "stop_token_ids": served.reasoning_stop_ids,
+        "skip_special_tokens": not reasoning.keeps_special_tokens,
+    }
 
 
 def _check_context(

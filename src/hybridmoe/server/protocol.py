@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from hybridmoe.engine.logprobs import MAX_TOP_LOGPROBS
+from hybridmoe.loader.chat_template import SPECIAL_TOKEN_NAMES
 from hybridmoe.server.errors import LONE_SURROGATE
 from hybridmoe.server.logprobs import ChatLogprobs, CompletionLogprobs
 from hybridmoe.server.structured import (
@@ -27,6 +28,14 @@ from hybridmoe.server.structured import (
 from hybridmoe.server.text import lone_surrogate_path
 
 _MAX_SEED = 2**64
+# What the server itself gives a chat template; chat_template_kwargs cannot set these.
+_TEMPLATE_OWN_NAMES = {
+    "messages",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    *SPECIAL_TOKEN_NAMES,
+}
 # Values of the unimplemented /v1/completions fields that ask for nothing.
 _COMPLETION_NEUTRAL = {
     "echo": (False,),
@@ -186,9 +195,22 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    # Reaches the chat template as its `reasoning_effort` variable (gpt-oss's "Reasoning: high");
+    # left undefined there when not given, so the template's own default holds.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # Further chat template variables, as vLLM and SGLang take them (Qwen3's enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's deprecated spelling of tools: refused, so that it is not quietly ignored.
     functions: list[Any] | None = None
     function_call: Any = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_the_templates_own(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(kwargs or {}) & _TEMPLATE_OWN_NAMES)
+        if taken:
+            raise ValueError(f"{taken} are set by the server (use messages, tools, ...)")
+        return kwargs
 
     @field_validator("functions", "function_call")
     @classmethod
@@ -242,6 +264,15 @@ class ChatCompletionRequest(_GenerationRequest):
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def template_variables(self) -> dict[str, Any]:
+        """The chat template's variables beyond messages and tools (reasoning_effort over the
+        same name in chat_template_kwargs)."""
+        effort = self.reasoning_effort
+        return (self.chat_template_kwargs or {}) | (
+            {} if effort is None else {"reasoning_effort": effort}
+        )
+
 
 # --- responses ---------------------------------------------------------------------------------
 
@@ -287,6 +318,8 @@ class Completion(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # The reply's reasoning (reasoning.py), as vLLM and SGLang name it; None without any.
+    reasoning_content: str | None = None
     tool_calls: list[ResponseToolCall] | None = None
 
 
@@ -308,7 +341,8 @@ class ChatCompletion(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
-    # {"role": ...} first, then {"content": ...} or {"tool_calls": [...]}, {} with finish_reason
+    # {"role": ...} first, then {"content": ...}, {"reasoning_content": ...} or
+    # {"tool_calls": [...]}, and {} with the finish_reason
     delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None

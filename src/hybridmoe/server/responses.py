@@ -28,8 +28,10 @@ from hybridmoe.server.protocol import (
     CompletionChoice,
     Usage,
 )
+from hybridmoe.server.reasoning import Reasoning
+from hybridmoe.server.reply import parse_reply
 from hybridmoe.server.structured import FunctionCall, ResponseToolCall
-from hybridmoe.server.tools import ToolCall, parse_tool_calls
+from hybridmoe.server.tools import ToolCall
 
 
 class _Ids:
@@ -79,10 +81,14 @@ async def completion_body(generation: Generation, model: str) -> Completion:
 
 async def chat_body(generation: Generation, model: str) -> ChatCompletion:
     text, finish_reason, entries = await collect(generation)
-    content, calls = text, []
-    if generation.tool_parsing is not None:
-        content, calls = parse_tool_calls(generation.tool_parsing, text)
-    message = AssistantMessage(content=content, tool_calls=[_tool_call(c) for c in calls] or None)
+    reasoning, content, calls = None, text, []
+    if generation.reply is not None:
+        reasoning, content, calls = parse_reply(generation.reply, text)
+    message = AssistantMessage(
+        content=content,
+        reasoning_content=reasoning,
+        tool_calls=[_tool_call(c) for c in calls] or None,
+    )
     logprobs = chat_logprobs(entries, generation.vocab) if generation.vocab else None
     reason = _finish_reason(finish_reason, bool(calls))
     choice = ChatChoice(message=message, logprobs=logprobs, finish_reason=reason)
@@ -139,11 +145,11 @@ async def chat_chunks(
 
 
 class _ChatDeltas:
-    """The chunk deltas of each output: its text as content or, with a tool format, the
-    content and tool calls its parser completes (`calls` counts those so far)."""
+    """The chunk deltas of each output: its text as content or, with reply parsing, the
+    reasoning, content and tool calls its parser decides (`calls` counts those so far)."""
 
     def __init__(self, generation: Generation) -> None:
-        parsing = generation.tool_parsing
+        parsing = generation.reply
         self._parser = parsing.stream() if parsing is not None else None
         self.calls = 0
 
@@ -157,6 +163,8 @@ class _ChatDeltas:
             if isinstance(event, ToolCall):
                 deltas += _tool_call_deltas(event, self.calls)
                 self.calls += 1
+            elif isinstance(event, Reasoning):
+                deltas.append({"reasoning_content": event.text})
             else:
                 deltas.append({"content": event})
         return deltas

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from hybridmoe.engine.constraints import Grammar
+from hybridmoe.engine.constraints import Grammar, GrammarError
 from hybridmoe.server.errors import ApiError
 from hybridmoe.server.tools import ToolCallFormat, ToolCallParsing, ToolSpec, format_for_template
 
@@ -143,11 +143,18 @@ def plan_chat(
     if choice == "auto":
         return ChatPlan(template_tools, None, None, parsing)
     if choice == "required":
-        grammar = fmt.grammar(specs, parallel_tool_calls)
+        grammar = _enforced(fmt, specs, parallel_tool_calls)
         return ChatPlan(template_tools, grammar, "tools", parsing)
     named = [s for s in specs if s.name == choice.function.name]
-    grammar = fmt.grammar(named, parallel=False)
+    grammar = _enforced(fmt, named, parallel=False)
     return ChatPlan(template_tools, grammar, "tool_choice", ToolCallParsing(fmt, parallel=False))
+
+
+def _enforced(fmt: ToolCallFormat, specs: list[ToolSpec], parallel: bool) -> Grammar:
+    try:
+        return fmt.grammar(specs, parallel)
+    except GrammarError as exc:
+        raise ApiError(400, str(exc), param="tool_choice") from exc
 
 
 def _tool_format(template_source: str) -> ToolCallFormat:

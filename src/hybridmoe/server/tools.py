@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from hybridmoe.engine.constraints import JSON_OPTIONS, Grammar
+from hybridmoe.engine.constraints import JSON_OPTIONS, Grammar, GrammarError
 from hybridmoe.registry import registering
 
 
@@ -54,7 +54,8 @@ class ToolCallFormat(Protocol):
 
     def grammar(self, tools: Sequence[ToolSpec], parallel: bool) -> Grammar:
         """Output that is one tool call (or several, when `parallel`) to one of `tools`, each
-        with arguments valid for that tool's parameters schema."""
+        with arguments valid for that tool's parameters schema; GrammarError when the syntax
+        cannot be enforced."""
         ...
 
     def stream(self) -> ToolCallStream: ...
@@ -148,7 +149,7 @@ class TaggedJsonStream:
             else:
                 start = self._buffer.find(self.open_tag)
                 if start < 0:
-                    keep = _pending_prefix(self._buffer, self.open_tag)
+                    keep = pending_prefix_len(self._buffer, self.open_tag)
                     cut = len(self._buffer) - keep
                     yield from self._content(self._buffer[:cut])
                     self._buffer = self._buffer[cut:]
@@ -173,7 +174,7 @@ class TaggedJsonStream:
         return [out]
 
 
-def _pending_prefix(text: str, tag: str) -> int:
+def pending_prefix_len(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):
@@ -227,3 +228,37 @@ def _call_schema(tool: ToolSpec) -> dict[str, Any]:
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+@registering(TOOL_CALL_FORMATS, "tool-call format", "harmony")
+class HarmonyToolCalls:
+    """gpt-oss (harmony): a call is a `commentary` message `to=functions.NAME`, ended by the stop
+    token `<|call|>`, so one call per reply. Its markers are special tokens, which the harmony
+    reasoning parser (reasoning.py) reads before this stage: content passes here unchanged.
+    No grammar can write special tokens, so calls cannot be enforced."""
+
+    name = "harmony"
+    CALL = "<|call|>"  # how its templates end an assistant's call in the history
+
+    @classmethod
+    def detects(cls, template_source: str) -> bool:
+        return cls.CALL in template_source
+
+    @classmethod
+    def grammar(cls, tools: Sequence[ToolSpec], parallel: bool) -> Grammar:
+        raise GrammarError(
+            'a harmony model\'s calls cannot be enforced (tool_choice "required" or a named '
+            'function); use tool_choice "auto"'
+        )
+
+    @classmethod
+    def stream(cls) -> ToolCallStream:
+        return _ContentOnly()
+
+
+class _ContentOnly:
+    def feed(self, text: str) -> list[Event]:
+        return [text] if text else []
+
+    def finish(self) -> list[Event]:
+        return []

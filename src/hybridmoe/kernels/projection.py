@@ -1,0 +1,73 @@
+"""DenseProjection: one dense weight (+ bias) stored in a weight format, x -> x W^T + b.
+
+On the CPU a decode step's few tokens (at most DECODE_MAX_TOKENS) go through the numba kernel
+(kernels/numba_dense.py), which reads each weight row once for all tokens; anything else (a
+long prefill, an accelerator) through torch (kernels/torch_dense.py). Both follow one
+contract (float32 sums of the exact weights, the bias in float32, one rounding), so which one
+ran moves a value only where float32 summation order tips a rounding; and every decode target
+of a CPU machine shares these projections.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridmoe import env
+from hybridmoe.kernels.torch_dense import dense_linear_torch
+from hybridmoe.quant.formats import WeightFormat, dense_format
+
+# tokens up to which the CPU kernel beats torch's GEMM (benchmarks/bench_dense.py)
+DECODE_MAX_TOKENS = 16
+
+
+class DenseProjection:
+    """weight: the stored tensor in `fmt` ([out, in] for a dense format, [out, row bytes] of
+    blocks for a block format); bias [out] in the activation dtype, or None."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        fmt: WeightFormat | None = None,
+        in_features: int | None = None,
+    ):
+        self.weight, self.bias = weight, bias
+        self.fmt = dense_format(weight.dtype) if fmt is None else fmt
+        if in_features is None and self.fmt.is_quantized:
+            raise ValueError(f"a {self.fmt.name} projection needs in_features")
+        self.in_features = weight.shape[-1] if in_features is None else in_features
+        self.out_features = weight.shape[0]
+        self._host = None  # (weight bytes, float32 bias) for the CPU kernel, made on first use
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype."""
+        tokens = x.numel() // max(1, x.shape[-1])
+        on_cpu = x.device.type == "cpu" and self.weight.device.type == "cpu"
+        if on_cpu and tokens <= DECODE_MAX_TOKENS and env.dense_kernel():
+            return self._kernel(x)
+        return dense_linear_torch(x, self.weight, self.fmt, self.bias)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        from hybridmoe.kernels import numba_dense  # numba loads on the first CPU decode
+
+        if self._host is None:
+            bias_f32 = None if self.bias is None else self.bias.float().contiguous().numpy()
+            self._host = (numba_dense.weight_bytes(self.weight), bias_f32)
+        w_bytes, bias_f32 = self._host
+        return numba_dense.dense_linear(self.fmt, w_bytes, self.out_features, x, bias_f32)
+
+    def quantize(self, fmt: WeightFormat) -> None:
+        """Store the weight in `fmt` from now on (quantised by fmt.quantize from the stored
+        values); the bias stays. ValueError (naming the shape) if a row is not whole blocks."""
+        if self.fmt.is_quantized:
+            raise ValueError(f"a {self.fmt.name} projection is quantised already")
+        fmt.check_row_length(self.in_features, f"a {tuple(self.weight.shape)} projection")
+        self.weight, self.fmt, self._host = fmt.quantize(self.weight), fmt, None
+
+    def to(self, device: torch.device) -> None:
+        self.weight = self.weight.to(device)
+        self.bias = None if self.bias is None else self.bias.to(device)
+        self._host = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight] if self.bias is None else [self.weight, self.bias]

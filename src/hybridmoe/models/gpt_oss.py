@@ -1,0 +1,130 @@
+"""gpt-oss (`GptOssForCausalLM`): attention with q/k/v/o biases and per-head learned sinks,
+`layer_types` alternating sliding-window and full layers, YaRN RoPE, a router with a bias
+(top-k of the logits, softmax over the k), experts with biases and the clamped SwiGLU
+(quant/expert_math.py), stored fused: `experts.gate_up_proj` [E, H, 2I] with gate and up
+interleaved in the last dimension, `down_proj` [E, I, H], and their biases.
+
+GPT_OSS_DEFAULTS holds the value `transformers.GptOssConfig` (version 5) gives every field the
+parser `get`s when config.json lacks it (tests/models/test_config_defaults.py checks each);
+size fields without a meaningful default are required instead. Checkpoints with MXFP4 experts
+(`quantization_config.quant_method == "mxfp4"`) are refused at load (loader/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import torch
+
+from hybridmoe.config.model import HfConfigReader, ModelConfig
+from hybridmoe.loader.weights import WeightSource, release_pages
+from hybridmoe.models.parsing import decoder_config
+from hybridmoe.models.registry import ModelFamily, WeightNames, register
+from hybridmoe.models.transformer import MoeCausalLM
+from hybridmoe.quant.bank import ExpertBank
+from hybridmoe.quant.expert_math import ExpertActivation, ExpertBiases
+
+# GptOssConfig.__post_init__'s rope_parameters when config.json has none
+GPT_OSS_ROPE = MappingProxyType(
+    {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    }
+)
+
+GPT_OSS_DEFAULTS = MappingProxyType(  # transformers.GptOssConfig
+    {
+        "hidden_act": "silu",  # unused by its experts (the clamped SwiGLU), but checked
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000.0,  # GptOssConfig.default_theta
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "sliding_window": 128,
+        "attention_bias": True,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "eos_token_id": None,
+    }
+)
+
+LAYER_TYPES = {"sliding_attention": True, "full_attention": False}  # -> attends in the window
+
+
+def parse_gpt_oss(r: HfConfigReader) -> ModelConfig:
+    if not r.raw.get("rope_scaling") and not r.raw.get("rope_parameters"):
+        r = HfConfigReader({**r.raw, "rope_parameters": dict(GPT_OSS_ROPE)}, r.source, r.defaults)
+    width = r.require("intermediate_size")
+    bias = r.get("attention_bias", bool)
+    window = r.get("sliding_window")
+    r.refuse_if("sliding_window", window < 1, "must be >= 1")
+    return decoder_config(
+        r,
+        "GptOssForCausalLM",
+        intermediate_size=width,  # no dense layers
+        moe_intermediate_size=width,
+        norm_topk_prob=False,  # the softmax over the k chosen logits already sums to 1
+        qkv_bias=bias,
+        o_bias=bias,
+        sliding_window=window,
+        sliding_layers=_sliding_layers(r),
+        router_bias=True,
+        expert_bias=True,
+        expert_activation="clamped_swiglu",
+        swiglu_alpha=r.get("swiglu_alpha", float),
+        swiglu_limit=r.get("swiglu_limit", float),
+    )
+
+
+def _sliding_layers(r: HfConfigReader) -> tuple[bool, ...]:
+    """`layer_types` as per-layer sliding flags; absent: sliding, full, sliding, ... (layer 0
+    sliding), as GptOssConfig fills it in."""
+    layers = r.require("num_hidden_layers")
+    types = r.raw.get("layer_types")
+    if types is None:
+        return tuple(i % 2 == 0 for i in range(layers))
+    known = isinstance(types, list) and all(t in LAYER_TYPES for t in types)
+    r.refuse_if("layer_types", not known, f"entries must be one of {sorted(LAYER_TYPES)}")
+    return tuple(LAYER_TYPES[t] for t in types)
+
+
+def load_gpt_oss_experts(cfg: ModelConfig, source: WeightSource, prefix: str) -> ExpertBank:
+    """The layer's experts from the fused tensors at `prefix` as one stacked bank in the source
+    dtype: gate_up [E, 2I, H] (the interleaved columns of gate_up_proj [E, H, 2I] split into
+    gate's I rows, then up's I), down [E, H, I] (down_proj [E, I, H] transposed) and the biases
+    reordered likewise. One expert at a time is copied, then the file's pages are released."""
+    num, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    fused = source.get(f"{prefix}.gate_up_proj", (num, hidden, 2 * inter), align=False)
+    down_in = source.get(f"{prefix}.down_proj", (num, inter, hidden), align=False)
+    gate_up = torch.empty((num, 2 * inter, hidden), dtype=source.dtype)  # [E, 2I, H]
+    down = torch.empty((num, hidden, inter), dtype=source.dtype)  # [E, H, I]
+    for e in range(num):
+        gate_up[e, :inter] = fused[e, :, 0::2].T
+        gate_up[e, inter:] = fused[e, :, 1::2].T
+        down[e] = down_in[e].T
+    release_pages([fused, down_in])
+    bias = source.get(f"{prefix}.gate_up_proj_bias", (num, 2 * inter))  # [E, 2I] interleaved
+    biases = ExpertBiases(
+        torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1),  # [E, 2I]: gate's, then up's
+        source.get(f"{prefix}.down_proj_bias", (num, hidden)),
+    )
+    activation = ExpertActivation("clamped_swiglu", cfg.swiglu_alpha, cfg.swiglu_limit)
+    return ExpertBank(gate_up, down, biases=biases, activation=activation)
+
+
+GPT_OSS = register(
+    ModelFamily(
+        architecture="GptOssForCausalLM",
+        parse_config=parse_gpt_oss,
+        defaults=GPT_OSS_DEFAULTS,
+        build=MoeCausalLM,
+        weights=WeightNames(router="router", experts_loader=load_gpt_oss_experts),
+        router="topk_softmax",
+        attention="gqa_sinks",
+    )
+)

@@ -1,0 +1,87 @@
+"""The CPU dense projection (kernels/numba_dense.py) against its reference, torch's F.linear on
+the weight's exact values (kernels/torch_dense.py): decode-batch token counts, rows and
+columns that are not whole 32-weight blocks or work items, with and without a bias."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmoe.kernels.numba_dense import dense_linear, weight_bytes
+from hybridmoe.kernels.torch_dense import dense_linear_torch
+from hybridmoe.quant.formats import weight_format
+from random_weights import random_stored
+from rounding import assert_same_rounding
+
+# (weight format, activation dtype, rows, columns): odd widths for the dense formats (a
+# partial last block, a partial last work item), whole blocks for the block formats
+CASES = [
+    ("bf16", torch.bfloat16, 77, 200),
+    ("f32", torch.float32, 77, 200),
+    ("bf16", torch.bfloat16, 3, 31),
+    ("f32", torch.float32, 65, 96),
+    ("bf16", torch.float32, 40, 70),
+    ("f16", torch.bfloat16, 33, 45),
+    ("q8_0", torch.bfloat16, 70, 96),
+    ("q8_0", torch.float32, 33, 64),
+    ("q4_0", torch.bfloat16, 70, 96),
+    ("q4_0", torch.float32, 31, 160),
+    ("q4_k", torch.bfloat16, 18, 512),
+]
+
+
+def check(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.dtype == torch.bfloat16:
+        assert_same_rounding(actual.float(), expected.float())
+    else:
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize(("name", "act_dtype", "rows", "cols"), CASES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_matches_torch(name, act_dtype, rows, cols, with_bias):
+    fmt = weight_format(name)
+    gen = torch.Generator().manual_seed(rows * cols)
+    stored = random_stored(fmt, (rows, cols), gen)
+    bias = (torch.randn(rows, generator=gen) * 3).to(act_dtype) if with_bias else None
+    bias_f32 = None if bias is None else bias.float().numpy()
+    w_bytes = weight_bytes(stored)
+    for tokens in range(1, 17):
+        x = torch.randn(1, tokens, cols, generator=gen).to(act_dtype)  # [B, T, n]
+        actual = dense_linear(fmt, w_bytes, rows, x, bias_f32)
+        check(actual, dense_linear_torch(x, stored, fmt, bias))
+
+
+def test_kernel_exact_where_no_rounding_can_tip():
+    """Small integers: every product and sum is exact in float32, so the kernel and torch must
+    agree bit for bit (a wrong row, token or tail weight cannot hide in a tolerance)."""
+    gen = torch.Generator().manual_seed(0)
+    for name, act_dtype in (("bf16", torch.bfloat16), ("f32", torch.float32)):
+        w = torch.randint(-4, 5, (45, 99), generator=gen).to(act_dtype)
+        x = torch.randint(-4, 5, (5, 99), generator=gen).to(act_dtype)
+        bias = torch.randint(-8, 9, (45,), generator=gen).to(act_dtype)
+        actual = dense_linear(weight_format(name), weight_bytes(w), 45, x, bias.float().numpy())
+        assert torch.equal(actual, torch.nn.functional.linear(x, w, bias))
+
+
+def test_kernel_threads_agree():
+    """One thread and two give the same bits: each output is one work item's sum."""
+    fmt = weight_format("bf16")
+    gen = torch.Generator().manual_seed(1)
+    stored = random_stored(fmt, (300, 128), gen)
+    x = torch.randn(4, 128, generator=gen).bfloat16()
+    one = dense_linear(fmt, weight_bytes(stored), 300, x, threads=1)
+    assert torch.equal(one, dense_linear(fmt, weight_bytes(stored), 300, x, threads=2))
+
+
+def test_bad_sizes_are_refused():
+    fmt = weight_format("q8_0")
+    stored = fmt.quantize(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="weight bytes"):
+        dense_linear(fmt, weight_bytes(stored), 9, torch.randn(1, 64))
+    with pytest.raises(ValueError, match="not a multiple"):
+        dense_linear(fmt, weight_bytes(stored), 8, torch.randn(1, 60))
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        dense_linear(fmt, weight_bytes(stored), 8, torch.randn(1, 64).half())

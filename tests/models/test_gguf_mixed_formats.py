@@ -1,0 +1,114 @@
+"""A GGUF whose experts mix k-quant types as a Q4_K_M file does: Q4_K gate/up beside Q6_K down
+in one layer and Q5_K down in the other. It loads in the file's types, layer by layer, and
+gives transformers' greedy tokens (float32, on the dequantised float model) on every decode
+target; a layer whose gate and up differ in type is refused in one line naming both."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from gguf_checkpoints import write_encoded_checkpoint, write_gguf
+from hf_checkpoints import PROMPT_IDS, hf_greedy, hf_logits, top2_gap, write_custom_checkpoint
+from hybridmoe.engine import Engine, EngineConfig, SamplingParams
+from hybridmoe.errors import CheckpointError
+from hybridmoe.models.loading import load_model
+from hybridmoe.moe.backends import DECODE_TARGETS
+from hybridmoe.moe.config import OffloadConfig
+from hybridmoe.quant.formats import weight_format
+from random_weights import random_stored
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+N_GREEDY = 10
+GREEDY = SamplingParams(max_tokens=N_GREEDY, temperature=0.0, ignore_eos=True)
+# per layer: the ggml type of gate, up and down (Q4_K_M: down gets more bits)
+LAYER_TYPES = {0: ("Q4_K", "Q4_K", "Q6_K"), 1: ("Q4_K", "Q4_K", "Q5_K")}
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# widths of one k-quant super-block (256), so every expert row is whole blocks
+WIDE_QWEN3 = dict(
+    hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+    intermediate_size=128, norm_topk_prob=True,
+)  # fmt: skip
+
+
+def random_kquants(types: dict[int, tuple[str, str, str]]):
+    """An ExpertEncoder storing each layer's projections as seeded random blocks of `types`
+    (finite scales, weights up to 0.08: of the float model's scale)."""
+
+    def encode(layer: str, proj: str, stacked: np.ndarray) -> tuple[np.ndarray, QType]:
+        type_name = types[int(layer.split(".")[2])][PROJECTIONS.index(proj)]
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{layer}.{proj}".encode()))
+        stored = random_stored(weight_format(type_name.lower()), stacked.shape, gen, 0.08)
+        return stored.numpy(), QType[type_name]
+
+    return encode
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], torch.Tensor]:
+    """(the GGUF, transformers' greedy tokens and logits on the float model it stands for)."""
+    root = tmp_path_factory.mktemp("gguf-mixed")
+    hf_dir = write_custom_checkpoint("qwen3_moe", WIDE_QWEN3, root / "hf", seed=0)
+    encoder = random_kquants(LAYER_TYPES)
+    float_dir = write_encoded_checkpoint(hf_dir, root / "float", encoder)
+    gguf_path = write_gguf(hf_dir, root / "model.gguf", experts=encoder)
+    tokens = hf_greedy(float_dir, PROMPT_IDS, N_GREEDY)
+    logits = hf_logits(float_dir, PROMPT_IDS + tokens[:-1])
+    gaps = top2_gap(logits[len(PROMPT_IDS) - 1 :])
+    assert gaps.min() >= 1e-3, f"near-tie in the reference: {gaps.tolist()}"
+    assert len(set(tokens)) > 1, tokens
+    return gguf_path, tokens, logits
+
+
+def test_banks_hold_each_layers_file_types(mixed) -> None:
+    model = load_model(mixed[0])
+    for layer, types in LAYER_TYPES.items():
+        bank = model.moe_layers[layer].experts.store
+        assert bank.gate_up_fmt == weight_format(types[0].lower())
+        assert bank.down_fmt == weight_format(types[2].lower())
+        with pytest.raises(ValueError, match="no one format"):
+            bank.fmt  # noqa: B018
+
+
+@pytest.mark.parametrize("target", list(DECODE_TARGETS))
+def test_mixed_gguf_greedy_matches_transformers(mixed, target: str) -> None:
+    gguf_path, tokens, reference_logits = mixed
+    offload = OffloadConfig(decode_target=target)
+    with Engine.from_pretrained(gguf_path, EngineConfig(dtype="float32", offload=offload)) as e:
+        [ours] = e.generate_ids([PROMPT_IDS], GREEDY)
+        logits = e.model.logits(PROMPT_IDS + tokens[:-1])
+    assert ours == tokens
+    torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "target", [dict(decode_target="hybrid", expert_cache_slots=2, max_fetch=1),
+               dict(decode_target="offload", expert_cache_slots=3)],
+)  # fmt: skip
+def test_mixed_gguf_small_caches_share_slots_between_formats(mixed, target: dict) -> None:
+    """Slots too few for one layer's experts: each is refilled by either layer, in its types."""
+    gguf_path, tokens, _ = mixed
+    offload = OffloadConfig(**target)
+    with Engine.from_pretrained(gguf_path, EngineConfig(dtype="float32", offload=offload)) as e:
+        [ours] = e.generate_ids([PROMPT_IDS], GREEDY)
+        assert e.moe_runtime.cache.total_stats().evictions > 0
+    assert ours == tokens
+
+
+def test_gate_and_up_of_different_types_are_refused(tmp_path: Path) -> None:
+    hf_dir = write_custom_checkpoint("qwen3_moe", WIDE_QWEN3, tmp_path / "hf")
+    types = {0: ("Q4_K", "Q5_K", "Q6_K"), 1: ("Q4_K", "Q4_K", "Q6_K")}
+    path = write_gguf(hf_dir, tmp_path / "bad.gguf", experts=random_kquants(types))
+    with pytest.raises(CheckpointError) as error:
+        load_model(path)
+    message = str(error.value)
+    assert "\n" not in message
+    assert "'blk.0.ffn_gate_exps.weight' is Q4_K but 'blk.0.ffn_up_exps.weight' is Q5_K" in message

@@ -107,7 +107,7 @@ def _batch(cfg, positions: torch.Tensor, rows: list[int], kv, is_decode: bool) -
     B, T = positions.shape
     empty = torch.zeros(B, T, 0)
     return ForwardBatch(
-        positions, rows, torch.tensor(rows), int(positions.max()) + 1, None, False,
+        positions, rows, torch.tensor(rows), int(positions.max()) + 1, {None: (None, False)},
         empty, empty, kv, is_decode,
     )  # fmt: skip
 

@@ -370,3 +370,32 @@ def test_context_manager_closes(banks):
         executor.decode_submit(2, x, ids, weights)
         executor.decode_sync(2)
     assert set(threading.enumerate()) == before
+
+
+def test_the_default_kernel_is_compiled_before_any_job(make_executor):
+    # a first numba call compiles (minutes on a shared machine): that must happen while the
+    # executor is built, not inside a job's timeout_s. This (gate/up, down) pair's kernel is
+    # made on first use and no other test uses it, so only the build can have compiled it.
+    from hybridmoe.kernels.numba_moe import fused_moe_kernel
+    from hybridmoe.quant.formats import weight_format
+
+    torch.manual_seed(0)
+    gate, up = (torch.randn(2, 32, 64, dtype=torch.bfloat16) for _ in range(2))
+    down = torch.randn(2, 64, 32)
+    bank = ExpertBank(
+        gate=gate, up=up, down=down, fmt=weight_format("bf16"), down_fmt=weight_format("f32")
+    )
+    assert not fused_moe_kernel("bf16", "f32").signatures
+    make_executor([bank])
+    assert fused_moe_kernel("bf16", "f32").signatures
+
+
+def test_a_given_expert_fn_is_not_called_at_build(make_executor, banks):
+    calls = []
+
+    def counting(x, ids, weights, bank):
+        calls.append(bank)
+        return bank_moe(x, ids, weights, bank)
+
+    make_executor(banks, expert_fn=counting)
+    assert calls == []

@@ -77,7 +77,10 @@ class CpuMoeExecutor:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.banks = list(banks)
         self.timeout_s = timeout_s
-        self.expert_fn = expert_fn if expert_fn is not None else create_cpu_expert_fn()
+        if expert_fn is None:
+            expert_fn = create_cpu_expert_fn()
+            _compile_kernels(expert_fn, self.banks)
+        self.expert_fn = expert_fn
         self.sync = sync if sync is not None else create_device_sync("cpu")
         self.stats: dict[int, CpuLayerStats] = {}
         self._pending: dict[int, _Job] = {}
@@ -198,6 +201,22 @@ class CpuMoeExecutor:
             job.error = err
         finally:
             job.done.release()
+
+
+def _compile_kernels(expert_fn: CpuExpertFn, banks: Sequence[ExpertBank]) -> None:
+    """Call `expert_fn` once per kind of bank (formats, layout, biases, activation) on one
+    route of weight 0, before any job. The numba kernel compiles, or loads from its disk cache,
+    on its first call: minutes on a slow or shared machine, which a job must not spend inside
+    `timeout_s` (that bounds a hung worker, not a compiler); here it takes what it takes, while
+    the engine is built."""
+    seen = set()
+    for bank in banks:
+        key = (*(f.name for f in bank.formats), bank.stacked, bank.biases is None, bank.activation)
+        if key in seen:
+            continue
+        seen.add(key)
+        x = torch.zeros(1, bank.hidden_size)  # [1, H]
+        expert_fn(x, torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1), bank)
 
 
 def _check_shapes(

@@ -35,24 +35,21 @@ def stored_dtype(raw_config: dict) -> torch.dtype:
     return torch.bfloat16 if stored == "bfloat16" else torch.float32
 
 
-def refuse_quantized(raw_config: dict, config_path: Path) -> None:
+def refuse_quantized(raw_config: dict, config_path: Path, readable: tuple[str, ...] = ()) -> None:
     """UnsupportedConfigError for a checkpoint that declares a `quantization_config` (null counts
-    as absent, as in transformers): no quantised format is supported yet, and reading its
-    weights without their scales would compute garbage."""
+    as absent, as in transformers) whose `quant_method` is not in `readable` (the methods the
+    family loads as stored: gpt-oss's "mxfp4" experts); reading other quantised weights without
+    their scales would compute garbage."""
     quantization = raw_config.get("quantization_config")
     if quantization is None:
         return
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-    if method == "mxfp4":
-        raise UnsupportedConfigError(
-            f"{config_path}: field 'quantization_config' (quant_method 'mxfp4') is not "
-            "supported yet: MXFP4 experts (gpt-oss's *_blocks / *_scales tensors) need the "
-            "mxfp4 expert weight format; use a checkpoint with bfloat16/float32 experts"
-        )
+    if method in readable:
+        return
     raise UnsupportedConfigError(
         f"{config_path}: field 'quantization_config' (quant_method {method!r}) is not "
-        "supported: quantised checkpoints cannot be loaded yet; use an unquantised "
-        "(bfloat16/float16/float32) checkpoint of the model"
+        "supported for this model: use an unquantised (bfloat16/float16/float32) checkpoint "
+        "of it, or a GGUF file"
     )
 
 

@@ -97,6 +97,26 @@ class WeightSource:
     def has(self, name: str) -> bool:
         return name in self._file_of
 
+    def get_stored(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Tensor `name` exactly as stored (the file's view, no cast), which must be `dtype`:
+        the bytes of a quantised format (e.g. MXFP4 blocks and exponents, uint8). CheckpointError
+        if it is missing, mis-shaped or stored as another dtype."""
+        path = self._file_of.get(name)
+        if path is None:
+            raise CheckpointError(f"tensor '{name}' is missing from the checkpoint")
+        self._read.add(name)
+        try:
+            tensor = self._handles[path].get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"{path}: cannot read tensor '{name}' ({exc})") from exc
+        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{path}: tensor '{name}' is {_dtype_name(tensor.dtype)} {tuple(tensor.shape)}, "
+                f"config.json implies {_dtype_name(dtype)} {tuple(shape)}"
+            )
+        self._bar.update()
+        return tensor
+
     def get(self, name: str, shape: Sequence[int], align: bool = True) -> torch.Tensor:
         """Tensor `name` in the source dtype; CheckpointError if it is missing or mis-shaped.
         With `align=False` a tensor in the source dtype stays the file's view wherever it lies

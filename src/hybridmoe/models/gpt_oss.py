@@ -7,7 +7,9 @@ interleaved in the last dimension, `down_proj` [E, I, H], and their biases.
 GPT_OSS_DEFAULTS holds the value `transformers.GptOssConfig` (version 5) gives every field the
 parser `get`s when config.json lacks it (tests/models/test_config_defaults.py checks each);
 size fields without a meaningful default are required instead. Checkpoints with MXFP4 experts
-(`quantization_config.quant_method == "mxfp4"`) are refused at load (loader/checkpoint.py).
+(`quantization_config.quant_method == "mxfp4"`: `gate_up_proj_blocks` / `_scales` and
+`down_proj_blocks` / `_scales`, as published) load as stored, in the mxfp4 format
+(quant/mxfp4_hf.py rearranges the bytes; nothing is dequantised).
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ from types import MappingProxyType
 import torch
 
 from hybridmoe.config.model import HfConfigReader, ModelConfig
+from hybridmoe.errors import CheckpointError
 from hybridmoe.loader.weights import WeightSource, release_pages
 from hybridmoe.models.parsing import decoder_config
 from hybridmoe.models.registry import ModelFamily, WeightNames, register
 from hybridmoe.models.transformer import MoeCausalLM
 from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.expert_math import ExpertActivation, ExpertBiases
+from hybridmoe.quant.formats import weight_format
+from hybridmoe.quant.mxfp4_hf import bank_from_hf_mxfp4
+
+MXFP4 = weight_format("mxfp4")
 
 # GptOssConfig.__post_init__'s rope_parameters when config.json has none
 GPT_OSS_ROPE = MappingProxyType(
@@ -94,11 +101,21 @@ def _sliding_layers(r: HfConfigReader) -> tuple[bool, ...]:
 
 
 def load_gpt_oss_experts(cfg: ModelConfig, source: WeightSource, prefix: str) -> ExpertBank:
-    """The layer's experts from the fused tensors at `prefix` as one stacked bank in the source
-    dtype: gate_up [E, 2I, H] (the interleaved columns of gate_up_proj [E, H, 2I] split into
-    gate's I rows, then up's I), down [E, H, I] (down_proj [E, I, H] transposed) and the biases
-    reordered likewise. One expert at a time is copied, then the file's pages are released."""
+    """The layer's experts from the fused tensors at `prefix` as one stacked bank: float experts
+    in the source dtype, gate_up [E, 2I, H] (the interleaved columns of gate_up_proj [E, H, 2I]
+    split into gate's I rows, then up's I), down [E, H, I] (down_proj [E, I, H] transposed);
+    MXFP4 experts in the mxfp4 format (the same rows); the biases reordered likewise. One expert
+    at a time is copied, then the file's pages are released."""
     num, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    bias = source.get(f"{prefix}.gate_up_proj_bias", (num, 2 * inter))  # [E, 2I] interleaved
+    biases = ExpertBiases(
+        torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1),  # [E, 2I]: gate's, then up's
+        source.get(f"{prefix}.down_proj_bias", (num, hidden)),
+    )
+    activation = ExpertActivation("clamped_swiglu", cfg.swiglu_alpha, cfg.swiglu_limit)
+    if source.has(f"{prefix}.gate_up_proj_blocks"):
+        gate_up, down = _mxfp4_experts(cfg, source, prefix).tensors()
+        return ExpertBank(gate_up, down, MXFP4, biases=biases, activation=activation)
     fused = source.get(f"{prefix}.gate_up_proj", (num, hidden, 2 * inter), align=False)
     down_in = source.get(f"{prefix}.down_proj", (num, inter, hidden), align=False)
     gate_up = torch.empty((num, 2 * inter, hidden), dtype=source.dtype)  # [E, 2I, H]
@@ -108,13 +125,32 @@ def load_gpt_oss_experts(cfg: ModelConfig, source: WeightSource, prefix: str) ->
         gate_up[e, inter:] = fused[e, :, 1::2].T
         down[e] = down_in[e].T
     release_pages([fused, down_in])
-    bias = source.get(f"{prefix}.gate_up_proj_bias", (num, 2 * inter))  # [E, 2I] interleaved
-    biases = ExpertBiases(
-        torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1),  # [E, 2I]: gate's, then up's
-        source.get(f"{prefix}.down_proj_bias", (num, hidden)),
-    )
-    activation = ExpertActivation("clamped_swiglu", cfg.swiglu_alpha, cfg.swiglu_limit)
     return ExpertBank(gate_up, down, biases=biases, activation=activation)
+
+
+def _mxfp4_experts(cfg: ModelConfig, source: WeightSource, prefix: str) -> ExpertBank:
+    """The layer's MXFP4 experts (HF layout: blocks [E, rows, n / 32, 16] and exponents
+    [E, rows, n / 32], uint8) as a stacked mxfp4 bank; CheckpointError naming a tensor whose
+    dtype or shape is not the layout's (a row length not a multiple of 32 included)."""
+    num, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    for name, n in (("moe_intermediate_size", inter), ("hidden_size", hidden)):
+        if n % 32:
+            raise CheckpointError(
+                f"{prefix}: MXFP4 experts need {name} to be a multiple of 32, got {n}"
+            )
+    tensors = {}
+    for proj, rows, n in (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)):
+        for part, shape in (("blocks", (num, rows, n // 32, 16)), ("scales", (num, rows, n // 32))):
+            name = f"{prefix}.{proj}_{part}"
+            tensors[f"{proj}_{part}"] = source.get_stored(name, shape, torch.uint8)
+    bank = bank_from_hf_mxfp4(
+        tensors["gate_up_proj_blocks"],
+        tensors["gate_up_proj_scales"],
+        tensors["down_proj_blocks"],
+        tensors["down_proj_scales"],
+    )
+    release_pages(list(tensors.values()))
+    return bank
 
 
 GPT_OSS = register(
@@ -124,6 +160,7 @@ GPT_OSS = register(
         defaults=GPT_OSS_DEFAULTS,
         build=MoeCausalLM,
         weights=WeightNames(router="router", experts_loader=load_gpt_oss_experts),
+        quant_methods=("mxfp4",),
         router="topk_softmax",
         attention="gqa_sinks",
     )

@@ -53,8 +53,8 @@ def load_hf_model(
         raise CheckpointError(f"{directory}: checkpoint directory does not exist")
     config_path = directory / "config.json"
     raw = read_json_object(config_path)
-    refuse_quantized(raw, config_path)
     family = family_for(raw, str(config_path))
+    refuse_quantized(raw, config_path, family.quant_methods)
     cfg = family.config_from(raw, str(config_path))
     source = WeightSource.from_dir(directory, dtype or stored_dtype(raw), progress)
     return _build(family, cfg, source, config_path)

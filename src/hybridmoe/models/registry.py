@@ -59,6 +59,8 @@ class ModelFamily:
     linear_attention: str | None = None
     norm: str = "rms"  # a kind in layers.norm.NORMS
     gguf: GgufSpec | None = None  # how the family is stored in GGUF files, if it can be
+    # `quantization_config.quant_method`s whose checkpoints the family reads as stored
+    quant_methods: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for role, kind, kinds in (

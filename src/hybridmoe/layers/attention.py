@@ -54,6 +54,21 @@ def create_attention(
     return ATTENTIONS[kind](cfg, layer_idx, source, prefix)
 
 
+# (q [B, heads, T, D], k/v [B, kv_heads, S, D], mask or None, is_causal) -> [B, heads, T, D]
+AttendFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool], torch.Tensor
+]
+
+
+def sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool
+) -> torch.Tensor:
+    """The AttendFn of plain attention: torch's SDPA, grouped-query when heads differ."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -61,10 +76,11 @@ def attend(
     batch: ForwardBatch,
     layer_idx: int,
     window: int | None = None,
+    attend_fn: AttendFn = sdpa,
 ) -> torch.Tensor:
-    """Rotary on q [B, T, heads, D] and k [B, T, kv_heads, D], then SDPA over this step's
-    keys and values (v [B, T, kv_heads, D]) and those `batch.kv` holds for layer `layer_idx`,
-    within `window` positions (None: all) -> [B, T, heads, D]."""
+    """Rotary on q [B, T, heads, D] and k [B, T, kv_heads, D], then `attend_fn` over this
+    step's keys and values (v [B, T, kv_heads, D]) and those `batch.kv` holds for layer
+    `layer_idx`, within `window` positions (None: all) -> [B, T, heads, D]."""
     q = apply_rotary(q, batch.cos, batch.sin)
     k = apply_rotary(k, batch.cos, batch.sin)
     if batch.kv is None:
@@ -72,14 +88,7 @@ def attend(
     else:
         k_all, v_all = batch.kv.update(layer_idx, batch, k, v)
     mask, is_causal = batch.mask(window)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),  # [B, heads, T, D]
-        k_all,
-        v_all,
-        attn_mask=mask,
-        is_causal=is_causal,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )  # [B, heads, T, D]
+    out = attend_fn(q.transpose(1, 2), k_all, v_all, mask, is_causal)  # [B, heads, T, D]
     return out.transpose(1, 2)
 
 
@@ -113,15 +122,8 @@ class GroupedQueryAttention:
         if cfg.qk_norm == "per_head":
             q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-        q = apply_rotary(q, batch.cos, batch.sin)
-        k = apply_rotary(k, batch.cos, batch.sin)
-        if batch.kv is None:
-            k_all, v_all = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, T, D]
-        else:
-            k_all, v_all = batch.kv.update(self.layer_idx, batch, k, v)
-        mask, is_causal = batch.mask(self.window)
-        out = self._attend(q.transpose(1, 2), k_all, v_all, mask, is_causal)  # [B, heads, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, cfg.q_size))
+        out = attend(q, k, v, batch, self.layer_idx, self.window, self._attend)  # [B, T, heads, D]
+        return self.o_proj(out.reshape(B, T, cfg.q_size))
 
     def _attend(
         self,
@@ -131,11 +133,8 @@ class GroupedQueryAttention:
         mask: torch.Tensor | None,
         is_causal: bool,
     ) -> torch.Tensor:
-        """q [B, heads, T, D], k/v [B, kv_heads, S, D] -> [B, heads, T, D]."""
-        gqa = self.cfg.num_heads != self.cfg.num_kv_heads
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa
-        )
+        """This kind's AttendFn (SinkAttention overrides it)."""
+        return sdpa(q, k, v, mask, is_causal)
 
     def to(self, device: torch.device) -> None:
         for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):

@@ -97,18 +97,23 @@ class WeightSource:
     def has(self, name: str) -> bool:
         return name in self._file_of
 
-    def get_stored(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """Tensor `name` exactly as stored (the file's view, no cast), which must be `dtype`:
-        the bytes of a quantised format (e.g. MXFP4 blocks and exponents, uint8). CheckpointError
-        if it is missing, mis-shaped or stored as another dtype."""
+    def _read_tensor(self, name: str) -> tuple[Path, torch.Tensor]:
+        """(its file, tensor `name` as stored), marked read; CheckpointError if missing or
+        unreadable."""
         path = self._file_of.get(name)
         if path is None:
             raise CheckpointError(f"tensor '{name}' is missing from the checkpoint")
         self._read.add(name)
         try:
-            tensor = self._handles[path].get_tensor(name)
+            return path, self._handles[path].get_tensor(name)
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise CheckpointError(f"{path}: cannot read tensor '{name}' ({exc})") from exc
+
+    def get_stored(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Tensor `name` exactly as stored (the file's view, no cast), which must be `dtype`:
+        the bytes of a quantised format (e.g. MXFP4 blocks and exponents, uint8). CheckpointError
+        if it is missing, mis-shaped or stored as another dtype."""
+        path, tensor = self._read_tensor(name)
         if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(
                 f"{path}: tensor '{name}' is {_dtype_name(tensor.dtype)} {tuple(tensor.shape)}, "
@@ -121,14 +126,7 @@ class WeightSource:
         """Tensor `name` in the source dtype; CheckpointError if it is missing or mis-shaped.
         With `align=False` a tensor in the source dtype stays the file's view wherever it lies
         (for weights the caller copies anyway, or aligns itself: see `aligned`)."""
-        path = self._file_of.get(name)
-        if path is None:
-            raise CheckpointError(f"tensor '{name}' is missing from the checkpoint")
-        self._read.add(name)
-        try:
-            tensor = self._handles[path].get_tensor(name)
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise CheckpointError(f"{path}: cannot read tensor '{name}' ({exc})") from exc
+        path, tensor = self._read_tensor(name)
         if tensor.dtype not in READABLE_DTYPES:
             raise CheckpointError(
                 f"{path}: tensor '{name}' is stored as {_dtype_name(tensor.dtype)}, which cannot "

@@ -189,8 +189,9 @@ def _redraw_weights(model: torch.nn.Module, seed: int) -> None:
     def normal(shape: torch.Size) -> torch.Tensor:
         return torch.randn(shape, generator=generator)
 
+    in_out = model.config.model_type == "gpt_oss"  # its fused experts are [E, in, out]
     for name, param in model.named_parameters():  # a tied lm_head is listed once, as embed
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, in, out]
+        if in_out and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             param.copy_(normal(param.shape) / param.shape[-2] ** 0.5)
         elif name.endswith("sinks"):  # per-head logits: big enough to take a share of mass
             param.copy_(normal(param.shape))

@@ -151,3 +151,31 @@ def test_a_bank_carries_its_biases_through_moves_and_conversions() -> None:
 def test_activation_rejects_unknown_kinds() -> None:
     with pytest.raises(ValueError, match="unknown expert activation 'gelu'"):
         ExpertActivation("gelu")
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        dict(bias=False),  # a layer without biases
+        dict(activation=SILU),  # a layer with another activation
+    ],
+)
+def test_the_cache_refuses_banks_of_two_kinds_naming_the_layer(other) -> None:
+    from hybridmoe.moe.offload_cache import OffloadMoeCache
+    from hybridmoe.quant.slot_banks import SlotBanks
+
+    banks = [make_bank(), make_bank(seed=1, **other)]
+    with pytest.raises(ValueError, match="layer 1: bank experts .* differ from layer 0's"):
+        OffloadMoeCache(banks, num_slots=2, max_fetch=1)
+    with pytest.raises(ValueError, match="layer 1: bank experts .* differ from layer 0's"):
+        SlotBanks(banks, 2, "cpu")
+
+
+def test_the_cache_refuses_biases_of_another_dtype() -> None:
+    from hybridmoe.quant.slot_banks import SlotBanks
+
+    bank = make_bank()
+    other = make_bank(seed=1)
+    other.biases = ExpertBiases(other.biases.gate_up.bfloat16(), other.biases.down)
+    with pytest.raises(ValueError, match="layer 1: bank experts .* biases"):
+        SlotBanks([bank, other], 2, "cpu")

@@ -18,7 +18,7 @@ from hybridmoe.moe.fetch_policy import FetchPolicy
 from hybridmoe.platform.base import Platform
 from hybridmoe.platform.cpu import CpuPlatform
 from hybridmoe.quant.bank import ExpertBank
-from hybridmoe.quant.slot_banks import SlotBanks
+from hybridmoe.quant.slot_banks import SlotBanks, check_expert_kinds
 
 
 class OffloadMoeCache:
@@ -249,8 +249,8 @@ class OffloadMoeCache:
 
 def _check_banks(banks: Sequence[ExpertBank]) -> None:
     """ValueError naming the first layer whose bank's layout or logical shapes differ from
-    layer 0's (formats may differ: each slot is sized for the largest), or whose stored
-    shapes do not match its own formats."""
+    layer 0's (formats may differ: each slot is sized for the largest), whose stored shapes do
+    not match its own formats, or whose kind of expert differs (check_expert_kinds)."""
     if not banks:
         raise ValueError("OffloadMoeCache needs one ExpertBank per MoE layer; got none")
     first = banks[0]
@@ -271,9 +271,4 @@ def _check_banks(banks: Sequence[ExpertBank]) -> None:
                 f"layer {layer}: bank {bank} differs from layer 0's {first} in its shapes "
                 "or layout; all MoE layers must share expert shapes and layout"
             )
-        if (bank.biases is None) != (first.biases is None) or bank.activation != first.activation:
-            raise ValueError(
-                f"layer {layer}: bank experts (biases: {bank.biases is not None}, "
-                f"{bank.activation}) differ from layer 0's (biases: {first.biases is not None}, "
-                f"{first.activation}); the shared slots hold one kind of expert"
-            )
+    check_expert_kinds(banks)

@@ -84,8 +84,7 @@ class TopKSoftmaxRouter:
     """gpt-oss: a linear gate with a bias, top-k of the logits, softmax over the k chosen in
     the logits' dtype (as GptOssTopKRouter: its weights round to the activation dtype)."""
 
-    weight: torch.Tensor  # [E, H]
-    bias: torch.Tensor  # [E]
+    gate: DenseProjection  # [E, H] + bias [E], kept as stored (never quantised)
     spec: RouterSpec
 
     @classmethod
@@ -94,18 +93,18 @@ class TopKSoftmaxRouter:
             raise ValueError(
                 f"the topk_softmax router has a weight and a bias, got {sorted(tensors)}"
             )
-        return cls(tensors["weight"], tensors["bias"], spec)
+        return cls(DenseProjection(tensors["weight"], tensors["bias"]), spec)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight, self.bias)  # [T, E]
+        logits = self.gate(x)  # [T, E] in x's dtype
         top_logits, topk_ids = torch.topk(logits, self.spec.top_k, dim=-1)  # [T, K]
         return topk_ids, F.softmax(top_logits, dim=-1, dtype=top_logits.dtype)
 
     def to(self, device: torch.device) -> None:
-        self.weight, self.bias = self.weight.to(device), self.bias.to(device)
+        self.gate.to(device)
 
     def dense_tensors(self) -> list[torch.Tensor]:
-        return [self.weight, self.bias]
+        return self.gate.tensors()
 
 
 register_router("topk_softmax")(TopKSoftmaxRouter.create)

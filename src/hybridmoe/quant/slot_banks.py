@@ -38,14 +38,9 @@ class SlotBanks:
     def _slot_biases(
         banks: Sequence[ExpertBank], num_slots: int, device: torch.device | str
     ) -> ExpertBiases | None:
-        """Zero biases for the slots when the banks' experts have them (every bank alike: one
-        shape and dtype), else None; every view shares them."""
-        kinds = {
-            None if b.biases is None else tuple((t.shape[1:], t.dtype) for t in b.biases.tensors())
-            for b in banks
-        }
-        if len(kinds) != 1:
-            raise ValueError("SlotBanks: the banks' experts differ in their biases")
+        """Zero biases for the slots when the banks' experts have them, else None; every view
+        shares them. ValueError as check_expert_kinds."""
+        check_expert_kinds(banks)
         first = banks[0].biases
         return None if first is None else first.empty(num_slots, device)
 
@@ -97,3 +92,23 @@ class SlotBanks:
             return ExpertBank(views[0], views[1], gate_up_fmt, **extras)
         gate, up, down = views
         return ExpertBank(gate=gate, up=up, down=down, fmt=gate_up_fmt, **extras)
+
+
+def check_expert_kinds(banks: Sequence[ExpertBank]) -> None:
+    """ValueError naming the first layer whose experts differ from layer 0's in their
+    activation or biases (present or not, shapes, dtype): one set of slots holds one kind of
+    expert, whichever layer it serves."""
+
+    def kind(bank: ExpertBank) -> tuple:
+        biases = bank.biases
+        shapes = None if biases is None else [(t.shape[1:], t.dtype) for t in biases.tensors()]
+        return bank.activation, shapes
+
+    first = kind(banks[0])
+    for layer, bank in enumerate(banks):
+        if kind(bank) != first:
+            raise ValueError(
+                f"layer {layer}: bank experts ({bank.activation}, biases "
+                f"{kind(bank)[1]}) differ from layer 0's ({first[0]}, biases {first[1]}); "
+                "the shared slots hold one kind of expert"
+            )

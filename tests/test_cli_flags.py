@@ -44,6 +44,7 @@ FREE_TEXT_SAMPLES = {
     "device": "cpu",
     "host": "localhost",
     "api_key": "secret",
+    "api_key_file": __file__,  # any readable file whose first line is not empty
     "gguf_file": "Q4_K_M",
 }  # str fields without choices
 PARSED_SAMPLES = {"max_fetch": "auto"}  # fields of more than one type (FlagDoc.parse)

@@ -160,6 +160,7 @@ FLAG_DOCS: dict[str, FlagDoc] = {
     "host": FlagDoc("address to listen on (default: loopback)"),
     "port": FlagDoc("0 = any free port"),
     "api_key": FlagDoc("require 'Authorization: Bearer <key>' on /v1 requests"),
+    "api_key_file": FlagDoc("read the --api-key from this file's first line (not shown by ps)"),
     "allowed_hosts": FlagDoc(
         "Host header name to accept (repeatable; '*' = any; default: the --host name, plus "
         "localhost/127.0.0.1/[::1] on loopback)"

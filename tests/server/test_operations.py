@@ -153,7 +153,11 @@ def test_a_request_past_its_timeout_is_cancelled(engine_without_scheduler):
 @pytest.fixture(scope="module")
 def keyed_server(demo_checkpoint, tmp_path_factory) -> Iterator[LiveServer]:
     log_dir = tmp_path_factory.mktemp("keyed-log")
-    live = start_server(demo_checkpoint, log_dir, "--api-key", "s3cret", "--max-seq-len", "64")
+    key_file = log_dir / "api-key"
+    key_file.write_text("s3cret\n")  # from a file: the key stays out of the process list
+    live = start_server(
+        demo_checkpoint, log_dir, "--api-key-file", str(key_file), "--max-seq-len", "64"
+    )
     yield live
     stop_server(live)
 

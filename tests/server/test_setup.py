@@ -42,6 +42,19 @@ def test_server_config_refuses_bad_values(config, fields, word):
         config(**fields)
 
 
+def test_the_api_key_can_come_from_a_file(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("  s3cret \nsecond line\n")
+    assert ServerConfig(api_key_file=str(key_file)).api_key == "s3cret"
+    with pytest.raises(ValueError, match="not both"):
+        ServerConfig(api_key="x", api_key_file=str(key_file))
+    with pytest.raises(ValueError, match="api_key_file .*missing.* cannot be read"):
+        ServerConfig(api_key_file=str(tmp_path / "missing"))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="api_key_file .*empty.*first line is empty"):
+        ServerConfig(api_key_file=str(tmp_path / "empty"))
+
+
 def test_max_seq_len_defaults_to_the_context_window_capped():
     assert EngineConfig().resolve_max_seq_len(2048) == 2048
     assert EngineConfig().resolve_max_seq_len(32768) == DEFAULT_MAX_SEQ_LEN == 4096

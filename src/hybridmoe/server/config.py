@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from hybridmoe.server.reasoning import AUTO, NONE, REASONING_FORMATS
 
@@ -21,6 +22,8 @@ class ServerConfig:
     # Bearer token every /v1 request must carry; None: no authentication (/health, /metrics
     # stay open either way)
     api_key: str | None = None
+    # A file whose first line is that token (kept out of the process list, unlike --api-key)
+    api_key_file: str | None = None
     # Host header names accepted (DNS rebinding); (): the bound host, plus localhost,
     # 127.0.0.1 and [::1] when that is a loopback address; "*": any (security.py)
     allowed_hosts: tuple[str, ...] = ()
@@ -41,6 +44,10 @@ class ServerConfig:
             raise ValueError("host must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key_file is not None:
+            if self.api_key is not None:
+                raise ValueError("give api_key or api_key_file, not both")
+            object.__setattr__(self, "api_key", read_api_key(self.api_key_file))
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it out for no authentication)")
         object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))  # argparse: a list
@@ -67,3 +74,16 @@ def _check_positive_int(name: str, value: int | None) -> None:
 def _check_positive_seconds(name: str, value: float | None) -> None:
     if value is not None and not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+
+
+def read_api_key(path: str) -> str:
+    """The first line of `path`, stripped; ValueError naming the file if it cannot be read or
+    that line is empty."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"api_key_file {path!r} cannot be read: {error}") from None
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise ValueError(f"api_key_file {path!r}: its first line is empty")
+    return key

@@ -11,7 +11,7 @@ the kernel reads each super-block as 8 pieces of 32 weights (KernelFormat.pieces
 
 from __future__ import annotations
 
-from functools import partial
+from functools import cache, partial
 
 import torch
 
@@ -63,5 +63,12 @@ def fp16_at(blocks: torch.Tensor, offset: int) -> torch.Tensor:
 
 def shifted(packed: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
     """(packed [b, g, n] >> s) & mask for each s of shifts -> [b, g, len(shifts), n] uint8."""
-    by = torch.tensor(shifts, dtype=torch.uint8, device=packed.device)[None, None, :, None]
+    by = _shift_amounts(tuple(shifts), packed.device)  # [1, 1, len(shifts), 1]
     return (packed[:, :, None, :] >> by) & mask
+
+
+@cache
+def _shift_amounts(shifts: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The shifts as a uint8 tensor on `device`, made once: a decode step on an accelerator
+    copies nothing from the host for them (and a captured graph sees no new tensor)."""
+    return torch.tensor(shifts, dtype=torch.uint8, device=device)[None, None, :, None]

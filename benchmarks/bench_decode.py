@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import statistics
 import time
@@ -117,7 +118,7 @@ def ensure_checkpoint(shape: Qwen3MoeShape, directory: Path) -> Path:
     config_path = directory / "config.json"
     if config_path.exists() and json.loads(config_path.read_text()) == shape.config_json():
         return directory
-    staging = directory.with_name(directory.name + ".partial")
+    staging = directory.with_name(f"{directory.name}.{os.getpid()}.partial")  # one per run
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     _write_shards(shape, staging)

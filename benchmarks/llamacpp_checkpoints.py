@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import gguf
@@ -61,7 +62,7 @@ def ensure_files(shape_name: str, root: Path, formats: tuple[str, ...]) -> dict[
     for fmt in formats:
         path = root / shape_name / f"model-{fmt}.gguf"
         if not path.exists():
-            partial = path.with_suffix(".partial")
+            partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # one per run
             write_gguf(directory, partial, fmt)
             partial.rename(path)
         files[fmt] = path

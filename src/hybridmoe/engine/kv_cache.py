@@ -142,6 +142,11 @@ class KVCache:
         """update() of a ring layer: the step's last `window` positions go to their slots."""
         k_ring, v_ring = self.k[layer_idx], self.v[layer_idx]  # [rows, kv_heads, W, D]
         window, tokens = self.ring_sizes[layer_idx], k.shape[1]
+        if len(batch.starts) != len(batch.rows):
+            raise ValueError(
+                f"a ring layer needs each row's first position: batch.starts has "
+                f"{len(batch.starts)} for {len(batch.rows)} rows (MoeCausalLM.make_batch sets it)"
+            )
         layout = ring_layout(tokens, batch.starts)
         if self.keep_prefill_kv and not batch.is_decode:
             self.prefill_kv[layer_idx] = PrefillKV(batch.rows, batch.starts, k, v)

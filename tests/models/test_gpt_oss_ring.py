@@ -20,6 +20,9 @@ from hf_checkpoints import (
 )
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.engine.kv_cache import KVCache
+from hybridmoe.engine.placement import plan_device_memory
+from hybridmoe.models.loading import load_hf_model
+from hybridmoe.platform.cpu import CpuPlatform
 
 CASES = [case for case in ORACLE_CASES if case[0] == "gpt_oss"]
 LONG = 36  # decode steps: past 3 windows of 8 (and 7 of 5) after a 12-token prompt
@@ -109,3 +112,17 @@ def test_prefix_cache_with_prefixes_longer_than_the_window(checkpoint) -> None:
         got = [engine.generate_ids([p], greedy(12)) for p in prompts]
         assert engine.scheduler.stats().cached_prompt_tokens == 32 + 31
     assert got == [[hf_greedy(checkpoint, p, 12)] for p in prompts]
+
+
+def test_the_memory_plan_counts_the_rings(checkpoint) -> None:
+    model = load_hf_model(checkpoint)
+    config = EngineConfig(gpu_memory=1.0, max_batch=4, max_seq_len=64, prefix_cache_tokens=0)
+    plan = plan_device_memory(model, config, CpuPlatform())
+    cfg, dtype = model.cfg, model.dtype
+    assert (
+        plan.kv_bytes
+        == KVCache.nbytes(cfg, 4, 64, dtype)
+        < KVCache.nbytes(cfg, 4, 64, dtype, ring=False)
+    )
+    allocated = KVCache(cfg, 4, 64, dtype)
+    assert plan.kv_bytes == sum(t.nbytes for t in allocated.k + allocated.v)

@@ -26,7 +26,8 @@ class EngineConfig:
     gpu_memory: float | None = None
     # KV-cache positions per sequence (prompt + completion), the one source for placement and
     # the server; None: the model's context window, at most DEFAULT_MAX_SEQ_LEN. See
-    # resolve_max_seq_len. The cache holds max_batch rows of this many positions.
+    # resolve_max_seq_len. The cache holds max_batch rows of this many positions (a sliding
+    # layer's row: its window, when shorter).
     max_seq_len: int | None = None
     # Prompt tokens whose KV the prefix cache keeps for later requests that share them (engine/
     # prefix_cache.py), rounded up to whole blocks of PREFIX_BLOCK_TOKENS; 0: off; None:

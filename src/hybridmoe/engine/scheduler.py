@@ -98,7 +98,14 @@ class Scheduler:
             )
         self.model, self.moe_runtime = model, moe_runtime
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        self.cache = KVCache(model.cfg, max_batch, max_seq_len, model.dtype, model.device)
+        self.cache = KVCache(  # ring layers keep a prefill's keys for the prefix cache
+            model.cfg,
+            max_batch,
+            max_seq_len,
+            model.dtype,
+            model.device,
+            keep_prefill_kv=prefix_cache_blocks > 0,
+        )
         self.prefix_cache = None
         if prefix_cache_blocks:
             args = (model.cfg, prefix_cache_blocks, model.dtype, model.device)
@@ -245,6 +252,8 @@ class Scheduler:
             heapq.heappush(self.free_rows, row)
             self._fail(request, exc)
             return
+        finally:
+            self.cache.release_prefill_kv()
         request.cached_tokens = cached
         self._counters.prefill_s += time.perf_counter() - start
         self._counters.prompt_tokens += len(seq.prompt_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -9,11 +10,16 @@ import torch
 
 
 class KVStore(Protocol):
+    # windows whose layers keep only their last `window` positions per row: a ring, position p
+    # at slot p % window (engine/kv_cache.KVCache); their keys come in ring_layout's order
+    ring_windows: frozenset[int]
+
     def update(
         self, layer_idx: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, T, kv_heads, D] at batch.positions of batch.rows; return every key and
-        value those rows can see: [B, kv_heads, batch.kv_len, D] each."""
+        value those rows can see: [B, kv_heads, batch.kv_len, D] each, or on a layer whose
+        window is a ring, [B, kv_heads, S, D] as ring_layout says."""
         ...
 
 
@@ -42,6 +48,7 @@ class ForwardBatch:
     # store that is a RecurrentStore too (engine/kv_cache.KVCache is both).
     kv: KVStore | None
     is_decode: bool = False  # one new token per sequence: MoE layers use their decode target
+    starts: tuple[int, ...] = ()  # each row's first position this step (positions[:, 0], host)
 
     def mask(self, window: int | None) -> tuple[torch.Tensor | None, bool]:
         """(mask, is_causal) of a layer attending within `window` (None: every key)."""
@@ -49,10 +56,60 @@ class ForwardBatch:
 
 
 def build_attention_masks(
-    positions: torch.Tensor, kv_len: int, windows: set[int | None]
+    positions: torch.Tensor,
+    kv_len: int,
+    windows: set[int | None],
+    rings: frozenset[int] = frozenset(),
+    starts: Sequence[int] = (),
 ) -> dict[int | None, tuple[torch.Tensor | None, bool]]:
-    """build_attention_mask for each window in `windows`."""
-    return {window: build_attention_mask(positions, kv_len, window) for window in windows}
+    """For each window in `windows`: build_ring_mask where the KV store keeps that window as a
+    ring (`rings`; rows starting at `starts`), else build_attention_mask."""
+    return {
+        window: build_ring_mask(positions, kv_len, window, starts)
+        if window in rings
+        else build_attention_mask(positions, kv_len, window)
+        for window in windows
+    }
+
+
+RING = "ring"
+CHUNK = "chunk"
+RING_AND_CHUNK = "ring_and_chunk"
+
+
+def ring_layout(tokens: int, starts: Sequence[int]) -> str:
+    """The keys a layer keeping a ring of `window` positions per row (position p at slot
+    p % window) attends to, in a step of `tokens` tokens per row whose rows start at `starts`:
+    RING: one token per row, written first; the keys are the ring's first min(kv_len, window)
+      slots (slot s holds the row's latest position congruent to s, written by the row's
+      occupant when s <= its position).
+    CHUNK: every row starts at position 0: the step's own `tokens` keys, as without a cache.
+    RING_AND_CHUNK: a row resumes after earlier positions (a prefix-cache hit): the ring's
+      `window` slots as they were before the step (positions start - window .. start - 1),
+      then the step's own keys."""
+    if tokens == 1:
+        return RING
+    return RING_AND_CHUNK if any(starts) else CHUNK
+
+
+def build_ring_mask(
+    positions: torch.Tensor, kv_len: int, window: int, starts: Sequence[int]
+) -> tuple[torch.Tensor | None, bool]:
+    """(mask [B, 1, T, S] or None, is_causal) for queries at `positions` [B, T] over the keys
+    ring_layout orders (S: min(kv_len, window), kv_len or window + T)."""
+    layout = ring_layout(positions.shape[1], starts)
+    if layout == RING:  # the ring holds the last `window` positions: no window to apply
+        return build_attention_mask(positions, min(kv_len, window), None)
+    if layout == CHUNK:
+        return build_attention_mask(positions, kv_len, window)
+    query_pos = positions[:, None, :, None]  # [B, 1, T, 1]
+    last = positions[:, :1] - 1  # [B, 1]: each row's last position before the step
+    slots = torch.arange(window, device=positions.device)  # [W]
+    held = (last - (last - slots) % window)[:, None, None, :]  # [B, 1, 1, W]: each slot's position
+    ring = (held >= 0) & (held > query_pos - window)  # [B, 1, T, W]
+    key_pos = positions[:, None, None, :]  # [B, 1, 1, T]
+    chunk = (key_pos <= query_pos) & (key_pos > query_pos - window)  # [B, 1, T, T]
+    return torch.cat([ring, chunk], dim=-1), False
 
 
 def build_attention_mask(

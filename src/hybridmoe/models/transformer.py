@@ -144,12 +144,16 @@ class MoeCausalLM:
         """The step's shared facts for host `positions` [B, T] and KV-cache `rows`; what the
         device needs is copied there without the host waiting (docs/host-syncs.md)."""
         kv_len = int(positions.max()) + 1  # read on the host, before the copy
+        starts = tuple(positions[:, 0].tolist())
         positions = to_device_no_sync(positions, self.device)
         windows = {self.cfg.layer_window(i) for i in range(self.cfg.num_layers)}
-        masks = build_attention_masks(positions, kv_len, windows)
+        rings = frozenset() if kv is None else kv.ring_windows
+        masks = build_attention_masks(positions, kv_len, windows, rings, starts)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         row_index = to_device_no_sync(torch.tensor(rows), self.device)
-        return ForwardBatch(positions, rows, row_index, kv_len, masks, cos, sin, kv, is_decode)
+        return ForwardBatch(
+            positions, rows, row_index, kv_len, masks, cos, sin, kv, is_decode, starts
+        )
 
     @torch.inference_mode()
     def forward(

@@ -6,8 +6,9 @@ time of a ~1 GB random Qwen3-MoE checkpoint converted to --expert-format, side b
 
 The first form quantises one layer's worth of experts at the Qwen3-30B-A3B shape (gate_up
 [2I, H] and down [H, I] per expert, H=2048, I=768) from bf16 and from float32, fast and
-reference in interleaved rounds, and prints G weights/s and the ratio. The second loads the
-checkpoint (written once into --checkpoint-dir, bench_decode.py's layout, 6 layers) with
+reference in interleaved rounds, and prints G weights/s (of wall time, and per CPU second of
+all the process's threads) and the ratios. The second loads the checkpoint (written once
+into --checkpoint-dir, bench_decode.py's layout, 6 layers) with
 `--decode-target cpu --expert-format FORMAT` in a fresh process per round for each source tree
 (PYTHONPATH=tree), interleaved, and prints the seconds Engine.from_pretrained took (imports
 excluded; one warm-up load per tree first, so compiled kernels come from the cache). The load
@@ -58,24 +59,30 @@ def bench_quantisers(args: argparse.Namespace) -> None:
     down = torch.randn(args.experts, HIDDEN, INTER, generator=g) * 0.02
     weights = gate_up.numel() + down.numel()
     print(f"{weights / 1e6:.0f} M weights a round; torch threads {torch.get_num_threads()}")
+    print("G weights/s of wall time, and per CPU second (all threads: holds on a busy machine)")
     for dtype in (torch.bfloat16, torch.float32):
         tensors = (gate_up.to(dtype), down.to(dtype))
         for name, (fast, reference) in pairs.items():
             fast(tensors[1][:1])  # compile (or load from the cache)
-            times: dict[str, list[float]] = {"numba": [], "torch reference": []}
+            times: dict[str, list[tuple[float, float]]] = {"numba": [], "torch reference": []}
             for _ in range(args.rounds):
                 print(f"  load average {load_average()}", flush=True)
                 for label, fn in (("numba", fast), ("torch reference", reference)):
-                    start = time.perf_counter()
+                    start, start_cpu = time.perf_counter(), time.process_time()
                     for t in tensors:
                         fn(t)
-                    times[label].append(time.perf_counter() - start)
-            rates = {label: weights / statistics.median(ts) / 1e9 for label, ts in times.items()}
+                    elapsed = time.perf_counter() - start, time.process_time() - start_cpu
+                    times[label].append(elapsed)
+            rates = {  # label -> (wall, CPU) G weights/s of the median round
+                label: tuple(weights / statistics.median(c) / 1e9 for c in zip(*ts, strict=True))
+                for label, ts in times.items()
+            }
+            (fast_wall, fast_cpu), (ref_wall, ref_cpu) = rates["numba"], rates["torch reference"]
             print(
                 f"{name} from {str(dtype).removeprefix('torch.'):8}: numba "
-                f"{rates['numba']:6.3f} G weights/s, torch reference "
-                f"{rates['torch reference']:6.3f} G weights/s, ratio "
-                f"{rates['numba'] / rates['torch reference']:5.1f}x",
+                f"{fast_wall:6.3f} G/s ({fast_cpu:6.3f} G/CPU-s), torch reference "
+                f"{ref_wall:6.3f} G/s ({ref_cpu:6.3f} G/CPU-s), ratio "
+                f"{fast_wall / ref_wall:5.1f}x wall, {fast_cpu / ref_cpu:5.1f}x CPU",
                 flush=True,
             )
 

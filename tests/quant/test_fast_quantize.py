@@ -110,3 +110,56 @@ def test_fp16_scale_rounds_as_torch():
 def test_kernels_release_the_gil_and_run_in_parallel():
     for kernel in (numba_quantize.quantize_q8_0_blocks, numba_quantize.quantize_q4_0_blocks):
         assert kernel.targetoptions["nogil"] and kernel.targetoptions["parallel"]
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+@pytest.mark.parametrize(
+    "shape", [(32,), (1, 32), (3, 96), (BLOCKS_PER_ITEM + 1, 32), (5, 7, 64), (0, 64)]
+)
+def test_odd_sizes_equal_the_reference(name, shape):
+    """One block, fewer blocks than a work item, a work item and one block more, 1-D and 3-D,
+    no rows: every block count the parallel loop can meet."""
+    g = torch.Generator().manual_seed(len(shape))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(shape, generator=g).to(dtype)
+        assert torch.equal(FAST[name](x), REFERENCE[name](x))
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_rows_of_partial_blocks_are_refused_as_the_reference(name):
+    x = torch.randn(4, 48)
+    with pytest.raises(ValueError) as expected:
+        REFERENCE[name](x)
+    with pytest.raises(ValueError, match="row length 48 is not a multiple") as got:
+        numba_quantize.quantize(name, x)
+    assert str(got.value) == str(expected.value)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_bit_patterns_equal_the_reference(name, dtype):
+    """Weights of random bits (every sign, mantissa and exponent up to 2^10, subnormals
+    included), blocks scaled apart: no pattern the block arithmetic treats differently."""
+    g = np.random.default_rng(7)
+    bits = g.integers(0, 1 << 32, size=(64, 1024), dtype=np.uint64).astype(np.uint32)
+    exponent = (bits >> 23) & 0xFF
+    bits = np.where(exponent > 137, bits & ~np.uint32(0x40000000), bits)  # |x| < 2^11
+    x = torch.from_numpy(bits.view(np.float32)).to(dtype)
+    assert x.isfinite().all()
+    assert torch.equal(FAST[name](x), REFERENCE[name](x))
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_blocks_written_into_given_rows(name):
+    """`out`: a bank's rows (a contiguous slice of a larger tensor), filled in place with the
+    reference's bytes and nothing around them touched; a bad `out` is refused."""
+    x = hard_weights(3, torch.bfloat16, rows=16, n=256)
+    expected = REFERENCE[name](x)  # [16, row_bytes]
+    bank = torch.full((3, 16, expected.shape[1]), 0xAA, dtype=torch.uint8)
+    rows = bank[1]
+    assert numba_quantize.quantize(name, x, out=rows) is rows
+    assert torch.equal(bank[1], expected)
+    assert (bank[0] == 0xAA).all() and (bank[2] == 0xAA).all()
+    for bad in (bank[:, :15], bank[1, :, :-1], bank[1].to(torch.int8), bank.transpose(0, 1)[1]):
+        with pytest.raises(ValueError, match="out is"):
+            numba_quantize.quantize(name, x, out=bad)

@@ -164,10 +164,9 @@ def _build_offloaded(
         parts.cache = OffloadMoeCache(
             banks, slots, _max_fetch(config, banks[0], platform), platform
         )
-    if prefill_mode is not None or target.uses_cpu_executor:
-        expert_fn = create_cpu_expert_fn(config.cpu_kernel, config.cpu_threads)
-    if prefill_mode is None:
-        parts.prefill = InPlacePrefill(banks)
+    expert_fn = create_cpu_expert_fn(config.cpu_kernel, config.cpu_threads)
+    if prefill_mode is None:  # a short prompt's first token by the fused kernel, not torch's
+        parts.prefill = InPlacePrefill(banks, expert_fn)
     else:
         parts.prefill = ExpertPrefill(
             banks, platform, expert_fn, prefill_mode, config.prefill_cpu_tokens

@@ -66,15 +66,18 @@ class LayerStreamer:
 
 
 class InPlacePrefill:
-    """Prefill on the cpu device: the grouped reference on the layer's host bank, in place."""
+    """Prefill on the cpu device: the layer's host bank computed in place by `expert_fn` (the
+    CPU expert kernel the decode steps use: the fused numba kernel reads each weight row once
+    for a short prompt's tokens and hands a long prompt to the grouped reference; default the
+    grouped reference itself)."""
 
-    def __init__(self, banks: Sequence[ExpertBank]):
-        self.banks = list(banks)
+    def __init__(self, banks: Sequence[ExpertBank], expert_fn: CpuExpertFn = bank_moe):
+        self.banks, self.expert_fn = list(banks), expert_fn
 
     def __call__(
         self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        return bank_moe(x, topk_ids, topk_weights, self.banks[layer_idx])
+        return self.expert_fn(x, topk_ids, topk_weights, self.banks[layer_idx])
 
 
 class ExpertPrefill:

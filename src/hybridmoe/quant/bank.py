@@ -1,24 +1,23 @@
 """ExpertBank: one MoE layer's routed experts [E, ...] in one weight format, wherever they live
 (host memory, a memory-mapped file, or the accelerator: its cache slots and prefill buffers
-are banks too, in the same format and layout as the host banks they copy from); and
-ExpertWeights, the checkpoint's per-expert matrices before they are stacked.
+are banks too, in the same format and layout as the host banks they copy from).
 
 A bank is the single home of a layer's expert weights: stacked from a checkpoint one layer at
 a time (the mapped file pages then released), or a file's merged expert tensors themselves,
 so no second full copy stays resident. A bank in a quantised format holds GGUF blocks: each
 row of n weights is n / 32 blocks of bytes, so gate is uint8 [E, I, row_bytes(H)].
+ExpertWeights (quant/expert_weights.py) is re-exported here; stacking writes each matrix into
+its rows through quant/stacking.py.
 """
 
 from __future__ import annotations
 
 import mmap
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.loader.weights import WeightSource, aligned
 from hybridmoe.quant.expert_math import (
     SILU,
     ExpertActivation,
@@ -26,60 +25,9 @@ from hybridmoe.quant.expert_math import (
     activate,
     add_down_bias,
 )
+from hybridmoe.quant.expert_weights import ExpertWeights
 from hybridmoe.quant.formats import WeightFormat, dense_format
-
-
-@dataclass
-class ExpertWeights:
-    """One MoE layer's routed experts, each matrix a view into the checkpoint: the `resident`
-    target on the cpu device computes from them in place; every other target stacks them into
-    a ExpertBank."""
-
-    gate: list[torch.Tensor]  # E x [I, H]
-    up: list[torch.Tensor]  # E x [I, H]
-    down: list[torch.Tensor]  # E x [H, I]
-    biases: ExpertBiases | None = None  # the family's expert biases, if it has them
-    activation: ExpertActivation = field(default=SILU)
-
-    @property
-    def num_experts(self) -> int:
-        return len(self.gate)
-
-    @classmethod
-    def load(
-        cls,
-        source: WeightSource,
-        prefix: str,
-        shape: tuple[int, int, int],
-        names: tuple[str, str, str],
-    ) -> ExpertWeights:
-        """`prefix`.{e}.{name}.weight for e < E; shape = (E, H, I)."""
-        num_experts, hidden, inter = shape
-        shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
-        # Unaligned views: most targets copy them into a bank (aligned) anyway, and one that
-        # computes from them in place aligns them first (align()).
-        per_projection = [
-            [
-                source.get(f"{prefix}.{e}.{name}.weight", shape, align=False)
-                for e in range(num_experts)
-            ]
-            for name, shape in zip(names, shapes, strict=True)
-        ]
-        return cls(*per_projection)
-
-    def align(self) -> None:
-        """Make every matrix 64-byte aligned (loader.weights.aligned: a CPU kernel's result may
-        depend on its weight's address), copying the few that are not."""
-        self.gate, self.up, self.down = (
-            [aligned(w) for w in ws] for ws in (self.gate, self.up, self.down)
-        )
-
-    def expert_mlp(self, h: torch.Tensor, expert: int) -> torch.Tensor:
-        """h [n, H] -> down(act(gate h, up h)) [n, H] in h's dtype (the weights' dtype), biases
-        and activation as quant/expert_math.py's contract says."""
-        gate, up = F.linear(h, self.gate[expert]), F.linear(h, self.up[expert])
-        act = activate(gate, up, expert, self.biases, self.activation)
-        return add_down_bias(F.linear(act, self.down[expert]), expert, self.biases)
+from hybridmoe.quant.stacking import quantize_into
 
 
 class ExpertBank:
@@ -338,7 +286,7 @@ class ExpertBank:
         sources = zip(self.tensors(), self._tensor_formats(), out.tensors(), strict=True)
         for source, source_fmt, target in sources:
             for expert in range(self.num_experts):
-                target[expert] = fmt.quantize(_float_rows(source_fmt, source[expert]))
+                quantize_into(fmt, _float_rows(source_fmt, source[expert]), target[expert])
         out.biases = self.biases  # biases are never quantised
         return out
 
@@ -446,10 +394,10 @@ class ExpertBank:
         fmt.check_row_length(inter, "moe_intermediate_size (down rows)")
         gate_up = cls.empty_like_tensor(fmt, (num, 2 * inter, hidden), "cpu")  # [E, 2I, H]
         down = cls.empty_like_tensor(fmt, (num, hidden, inter), "cpu")  # [E, H, I]
-        for e in range(num):
-            gate_up[e, :inter] = fmt.quantize(experts.gate[e])
-            gate_up[e, inter:] = fmt.quantize(experts.up[e])
-            down[e] = fmt.quantize(experts.down[e])
+        for e in range(num):  # each matrix read once, written into its rows (quantize_into)
+            quantize_into(fmt, experts.gate[e], gate_up[e, :inter])
+            quantize_into(fmt, experts.up[e], gate_up[e, inter:])
+            quantize_into(fmt, experts.down[e], down[e])
         return cls(gate_up, down, fmt, biases=experts.biases, activation=experts.activation)
 
     def views(self) -> ExpertWeights:

@@ -16,14 +16,18 @@ from hybridmoe.quant.activation_q8 import q8_linear
 from hybridmoe.quant.formats import weight_format
 
 
-@numba.njit
-def _tile_4x2(fmt, w, row_bytes, nb, q, d, offs, out):
-    tile_dot_q8(fmt, 4, 2, w, 0, row_bytes, nb, q, d, offs, 0, out, 0, 4)
+def _tiles(kernel):
+    """((tile, wrows, xrows), ...) for `kernel` (a compile-time constant: closed over)."""
 
+    @numba.njit
+    def tile_4x2(w, row_bytes, nb, q, d, offs, out):
+        tile_dot_q8(kernel, 4, 2, w, 0, row_bytes, nb, q, d, offs, 0, out, 0, 4)
 
-@numba.njit
-def _tile_1x3(fmt, w, row_bytes, nb, q, d, offs, out):
-    tile_dot_q8(fmt, 1, 3, w, 0, row_bytes, nb, q, d, offs, 0, out, 0, 1)
+    @numba.njit
+    def tile_1x3(w, row_bytes, nb, q, d, offs, out):
+        tile_dot_q8(kernel, 1, 3, w, 0, row_bytes, nb, q, d, offs, 0, out, 0, 1)
+
+    return ((tile_4x2, 4, 2), (tile_1x3, 1, 3))
 
 
 def _check(fmt, tile, wrows: int, xrows: int, blocks: int) -> list[str]:
@@ -34,7 +38,7 @@ def _check(fmt, tile, wrows: int, xrows: int, blocks: int) -> list[str]:
     quantize_rows(x.reshape(-1).numpy(), x.numel(), q, d)
     out = np.zeros(wrows * xrows, np.float32)
     offs = np.arange(xrows, dtype=np.int64) * 32 * blocks
-    tile(fmt.kernel, stored.reshape(-1).numpy(), stored.shape[1], blocks, q, d, offs, out)
+    tile(stored.reshape(-1).numpy(), stored.shape[1], blocks, q, d, offs, out)
     expected = q8_linear(x, stored, fmt).reshape(-1).numpy()  # [c * wrows + r]
     return [] if np.array_equal(out, expected) else [f"{fmt.name} {wrows}x{xrows} nb={blocks}"]
 
@@ -42,7 +46,7 @@ def _check(fmt, tile, wrows: int, xrows: int, blocks: int) -> list[str]:
 def main() -> None:
     failures = []
     for name in ("q8_0", "q4_0"):
-        for tile, wrows, xrows in ((_tile_4x2, 4, 2), (_tile_1x3, 1, 3)):
+        for tile, wrows, xrows in _tiles(weight_format(name).kernel):
             for blocks in (1, 8, 11, 19):
                 failures += _check(weight_format(name), tile, wrows, xrows, blocks)
     print(json.dumps({"path": dot_path(), "failures": failures}))

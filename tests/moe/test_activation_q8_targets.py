@@ -5,10 +5,14 @@ cpu target's numba q8 kernel, offload's and hybrid's slot banks beside it."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hf_checkpoints import PROMPT_IDS, SHORT_PROMPT_IDS, write_hf_checkpoint
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.moe.config import OffloadConfig
+from hybridmoe.moe.cpu_experts import fused_cpu_moe
+from hybridmoe.quant.bank import ExpertBank
+from hybridmoe.quant.formats import weight_format
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 Q8 = dict(expert_format="q8_0", activation_quant="q8")
@@ -21,7 +25,14 @@ TARGETS = [
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    # hidden 64, expert width 32: whole 32-blocks for q8_0
+    """hidden 64, expert width 32: whole 32-blocks for q8_0. The q8 kernel is compiled here
+    first, outside the CPU executor's timeout (a cold compile on a busy machine can take
+    minutes)."""
+    fmt = weight_format("q8_0")
+    bank = ExpertBank(
+        fmt.quantize(torch.zeros(1, 64, 32)), fmt.quantize(torch.zeros(1, 32, 32)), fmt
+    ).with_activation_quant("q8")
+    fused_cpu_moe(torch.zeros(1, 32), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1), bank)
     return write_hf_checkpoint("qwen3_moe", "mlp_only_tied", tmp_path_factory.mktemp("ckpt"))
 
 

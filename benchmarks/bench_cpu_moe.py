@@ -6,7 +6,11 @@ format, against the memory's read bandwidth and the torch per-expert loop, measu
         [--reps 15] [--threads N] [--separate]
 
 --formats takes any registered weight format (quant/formats.py), the k-quants included
-(q2_k q3_k q4_k q5_k q6_k).
+(q2_k q3_k q4_k q5_k q6_k), and FORMAT+q8 for an int8-block format (q8_0+q8, q4_0+q8): its bank
+with activation_quant q8 (quant/activation_q8.py: integer dot products). --no-flush keeps the
+weights in cache between calls: with the `small` shape (about 1 MiB of experts a call) that
+measures the kernel's compute, where int8 dots and float FMAs differ most; compare the
+best-of-reps column of two formats run side by side.
 
 Shapes: qwen3-30b-a3b (H=2048, I=768, E=128, K=8), mixtral (H=4096, I=14336, E=8, K=2) and
 gpt-oss-120b (H=2880, I=2880, E=128, K=4; its experts ship as mxfp4, and 2880 is no multiple of
@@ -53,6 +57,7 @@ SHAPES = {
     "qwen3-30b-a3b": Shape(hidden=2048, inter=768, experts=128, top_k=8),
     "mixtral": Shape(hidden=4096, inter=14336, experts=8, top_k=2),
     "gpt-oss-120b": Shape(hidden=2880, inter=2880, experts=128, top_k=4),
+    "small": Shape(hidden=1024, inter=256, experts=4, top_k=2),  # in cache with --no-flush
 }
 FLUSH_BYTES = 512 * 2**20
 SCALE = 0.01  # the blocks' scales (mxfp4: 2^-6): keep random quants' outputs finite
@@ -76,7 +81,13 @@ def random_stored(fmt_name: str, shape: tuple[int, ...], g: torch.Generator) -> 
 
 def make_bank(shape: Shape, fmt_name: str, separate: bool = False) -> ExpertBank:
     """Random experts, gate and up stacked in one gate_up, or when `separate` in two tensors
-    (as a GGUF file's ffn_gate_exps / ffn_up_exps)."""
+    (as a GGUF file's ffn_gate_exps / ffn_up_exps); FORMAT+q8: with q8 activations."""
+    fmt_name, plus, quant = fmt_name.partition("+")
+    bank = _random_bank(shape, fmt_name, separate)
+    return bank.with_activation_quant(quant) if plus else bank
+
+
+def _random_bank(shape: Shape, fmt_name: str, separate: bool) -> ExpertBank:
     g = torch.Generator().manual_seed(0)
     fmt = weight_format(fmt_name)
     down = random_stored(fmt_name, (shape.experts, shape.hidden, shape.inter), g)
@@ -96,8 +107,12 @@ class Memory:
         self.flush_buffer = torch.ones(FLUSH_BYTES // 4)
         self.bw_buffer = torch.ones(2**30 // 4)
 
+    flushes = True
+    best = 0.0  # the best call's seconds of the last time_calls
+
     def flush(self) -> None:
-        self.flush_buffer.sum()
+        if self.flushes:
+            self.flush_buffer.sum()
 
     def read_gbps(self, reps: int = 3) -> float:
         times = []
@@ -118,7 +133,8 @@ def routes(shape: Shape, tokens: int, shared: bool, g: torch.Generator):
 
 
 def time_calls(fn, bank, shape, tokens, shared, reps, memory, seed=1) -> tuple[float, float]:
-    """(median seconds per call, median bytes of distinct experts read per call)."""
+    """(median seconds per call, median bytes of distinct experts read per call); the best
+    call's seconds in memory.best."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, shape.hidden, generator=g)
     fn(x, *routes(shape, tokens, shared, g), bank)  # compile / warm up
@@ -130,6 +146,7 @@ def time_calls(fn, bank, shape, tokens, shared, reps, memory, seed=1) -> tuple[f
         fn(x, ids, weights, bank)
         seconds.append(time.perf_counter() - start)
         nbytes.append(len(set(ids.flatten().tolist())) * bank.expert_nbytes)
+    memory.best = min(seconds)
     return statistics.median(seconds), statistics.median(nbytes)
 
 
@@ -151,6 +168,7 @@ def bench_format(name, shape, fmt_name, args, memory) -> dict[str, float]:
     ):
         bw = memory.read_gbps()
         t_ours, nbytes = time_calls(ours, bank, shape, tokens, shared, args.reps, memory)
+        best = memory.best
         versus = ""
         if args.torch_reps:
             t_torch, _ = time_calls(bank_moe, bank, shape, tokens, shared, args.torch_reps, memory)
@@ -158,7 +176,8 @@ def bench_format(name, shape, fmt_name, args, memory) -> dict[str, float]:
         gbps = nbytes / t_ours / 1e9
         results[label] = t_ours
         print(
-            f"  {fmt_name:5} {label:11} {t_ours * 1e6:9.0f} µs {gbps:6.1f} GB/s "
+            f"  {fmt_name:7} {label:11} {t_ours * 1e6:9.0f} µs (best {best * 1e6:7.0f}) "
+            f"{gbps:6.1f} GB/s "
             f"{gbps / bw:5.0%} of {bw:4.1f} GB/s{versus}",
             flush=True,
         )
@@ -174,8 +193,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
     parser.add_argument(
-        "--formats", nargs="+", choices=WEIGHT_FORMATS, default=["bf16", "q8_0", "q4_0"]
+        "--formats",
+        nargs="+",
+        choices=[
+            *WEIGHT_FORMATS,
+            *(f"{n}+q8" for n, f in WEIGHT_FORMATS.items() if f.has_int8_blocks),
+        ],
+        default=["bf16", "q8_0", "q4_0"],
     )
+    parser.add_argument("--no-flush", action="store_true", help="weights stay in cache")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--torch-reps", type=int, default=3, help="0: no torch loop")
     parser.add_argument("--threads", type=int, default=None, help="kernel threads (default all)")
@@ -185,6 +211,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     memory = Memory()
+    memory.flushes = not args.no_flush
     print(f"torch threads {torch.get_num_threads()}, kernel threads {args.threads or 'all'}")
     for name in args.shapes:
         shape = SHAPES[name]

@@ -32,6 +32,7 @@ from hybridmoe.engine.config import (
 )
 from hybridmoe.errors import HybridMoeError
 from hybridmoe.moe.config import (
+    ACTIVATION_QUANTS,
     CPU_KERNEL_CHOICES,
     DECODE_TARGETS,
     EXPERT_FORMATS,
@@ -150,6 +151,11 @@ FLAG_DOCS: dict[str, FlagDoc] = {
     "expert_format": FlagDoc(
         "routed experts' weight format, quantised at load (default: the model's dtype)",
         EXPERT_FORMATS,
+    ),
+    "activation_quant": FlagDoc(
+        "q8: q8_0/q4_0 experts quantise their input activations per 32-block and take "
+        "integer dot products (llama.cpp's arithmetic; every target alike); none: float32",
+        ACTIVATION_QUANTS,
     ),
     "cpu_kernel": FlagDoc(
         "CPU expert kernel: numba (fast) or torch (the reference)", CPU_KERNEL_CHOICES

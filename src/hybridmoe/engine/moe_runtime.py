@@ -118,7 +118,8 @@ def create_moe_runtime(
     on_accelerator = platform.device.type != "cpu"
     # a memory plan counts the experts from their banks, so a planned `resident` stacks too
     stack = target.name != "resident" or on_accelerator or memory is not None
-    parts = RuntimeParts(_expert_stores(layers, config, model.dtype, progress, stack))
+    stores = _expert_stores(layers, config, model.dtype, progress, stack)
+    parts = RuntimeParts([_with_activation_quant(s, config.activation_quant) for s in stores])
     if target.name == "resident":
         _place_resident(parts, platform, memory)
     elif parts.stores:  # a model without MoE layers needs nothing more
@@ -274,6 +275,14 @@ def _expert_stores(
             stores.append(_stacked(experts, fmt))
             bar.update(count)
     return stores
+
+
+def _with_activation_quant(store: ExpertStore, activation_quant: str) -> ExpertStore:
+    """A bank computing with `activation_quant` (its slots and copies inherit it); the
+    checkpoint's mapped dense experts have no int8 blocks, so none applies to them."""
+    if isinstance(store, ExpertBank) and store.activation_quant != activation_quant:
+        return store.with_activation_quant(activation_quant)
+    return store
 
 
 def _loaded_experts(layer: OffloadMoELayer) -> ExpertStore:

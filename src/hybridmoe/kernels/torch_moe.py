@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridmoe.quant.activation_q8 import q8_bmm
 from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.expert_math import activate, add_down_bias
 from hybridmoe.quant.formats import WeightFormat
@@ -100,13 +101,25 @@ def _gathered_bytes(
 def _routes_mlp(x: torch.Tensor, ids: torch.Tensor, bank: ExpertBank) -> torch.Tensor:
     """x [c, H], ids [c] -> down(act(gate x, up x)) [c, H] in x's dtype, route by route; each
     projection from the exact weights, its output rounded to x's dtype (as bank_moe), each
-    route's biases gathered by its id."""
+    route's biases gathered by its id. A bank with q8 activations computes each projection by
+    quant/activation_q8.py's contract from the gathered stored rows."""
+    if bank.q8_activations:
+        return _q8_routes_mlp(x, ids, bank)
     dtype = bank.compute_dtype(x.dtype)
     gate, up = _gate_up_routes(x.to(dtype)[:, :, None], ids, bank, dtype)  # 2 x [c, I]
     gate, up = gate.to(x.dtype), up.to(x.dtype)
     act = activate(gate, up, ids, bank.biases, bank.activation).to(dtype)
     down = bank.down_weights(ids, dtype)  # [c, H, I]
     out = torch.bmm(down, act[:, :, None])[..., 0].to(x.dtype)  # [c, H]
+    return add_down_bias(out, ids, bank.biases)
+
+
+def _q8_routes_mlp(x: torch.Tensor, ids: torch.Tensor, bank: ExpertBank) -> torch.Tensor:
+    """_routes_mlp of a bank with q8 activations: x [c, H], ids [c] -> [c, H] in x's dtype."""
+    gate = q8_bmm(x, bank.gate[ids], bank.gate_up_fmt).to(x.dtype)  # [c, I]
+    up = q8_bmm(x, bank.up[ids], bank.gate_up_fmt).to(x.dtype)  # [c, I]
+    act = activate(gate, up, ids, bank.biases, bank.activation)
+    out = q8_bmm(act, bank.down[ids], bank.down_fmt).to(x.dtype)  # [c, H]
     return add_down_bias(out, ids, bank.biases)
 
 

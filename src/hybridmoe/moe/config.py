@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from hybridmoe.moe.backends import DECODE_TARGETS as _TARGETS
 from hybridmoe.moe.backends import TARGET_ALIASES, decode_target
+from hybridmoe.quant.activation_q8 import ACTIVATION_QUANTS
 from hybridmoe.quant.formats import WEIGHT_FORMATS
 
 AUTO_TARGET = "auto"  # resolved when the device is known: engine/placement.py auto_decode_target
@@ -58,6 +59,10 @@ class OffloadConfig:
     # prefill_cpu_tokens tokens, else stream). On the cpu device auto computes from the banks.
     prefill: str = "auto"
     prefill_cpu_tokens: int = 32
+    # how expert projections in int8-block formats (q8_0, q4_0) take their input: "none"
+    # (float32, dequantised weights) or "q8" (activations quantised per 32-block, integer dot
+    # products: quant/activation_q8.py), on every decode target and in prefill alike
+    activation_quant: str = "none"
 
     def __post_init__(self) -> None:
         if self.decode_target not in DECODE_TARGETS:
@@ -90,6 +95,11 @@ class OffloadConfig:
             )
         if self.prefill_cpu_tokens < 0:
             raise ValueError(f"prefill_cpu_tokens must be >= 0, got {self.prefill_cpu_tokens}")
+        if self.activation_quant not in ACTIVATION_QUANTS:
+            raise ValueError(
+                f"activation_quant must be one of {', '.join(ACTIVATION_QUANTS)}, "
+                f"got {self.activation_quant!r}"
+            )
         if self.expert_format in WEIGHT_FORMATS and self.expert_format not in EXPERT_FORMATS:
             raise ValueError(
                 f"expert_format {self.expert_format!r} has no quantiser: its experts come only "

@@ -71,12 +71,16 @@ def fused_cpu_moe(
     threads: int | None = None,
 ) -> torch.Tensor:
     """The same sum as `bank_moe`, on a host bank of any format, on `threads` threads, with
-    the same rounding points; x [T, H] (float32 or bfloat16), expert_ids [T, K], weights [T, K]
+    the same rounding points (and, for a bank with q8 activations, the same contract:
+    quant/activation_q8.py); x [T, H] (float32 or bfloat16), expert_ids [T, K], weights [T, K]
     -> the float32 partial [T, H]. IndexError for an expert id >= the bank's experts."""
     tokens, top_k = expert_ids.shape
     if tokens > FUSED_MAX_TOKENS:
         return bank_moe(x, expert_ids, weights, bank)
-    from hybridmoe.kernels.numba_moe import run_fused_moe
+    if bank.q8_activations:  # the q8 contract's kernel, compiled only for such banks
+        from hybridmoe.kernels.numba_moe_q8 import run_fused_moe_q8 as run_fused_moe
+    else:
+        from hybridmoe.kernels.numba_moe import run_fused_moe
 
     hidden, inter, num_experts = bank.hidden_size, bank.intermediate_size, bank.num_experts
     x32 = x.to(torch.float32).contiguous().view(-1).numpy()  # [T*H]

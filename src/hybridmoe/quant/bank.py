@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from hybridmoe.quant import activation_q8
 from hybridmoe.quant.expert_math import (
     SILU,
     ExpertActivation,
@@ -56,12 +57,15 @@ class ExpertBank:
         down_fmt: WeightFormat | None = None,
         biases: ExpertBiases | None = None,
         activation: ExpertActivation = SILU,
+        activation_quant: str = "none",
     ) -> None:
         """`fmt`: gate and up's format (None: the dense format of their dtype); `down_fmt`:
         down's (None: `fmt` when given, else the dense format of down's dtype). TypeError
         unless given exactly one of gate_up or (gate, up), and down; ValueError for shapes
         that do not pair. `biases` and `activation`: what the experts compute besides their
-        matrices (quant/expert_math.py); they travel with the bank (slots, copies, devices)."""
+        matrices (quant/expert_math.py); they travel with the bank (slots, copies, devices),
+        as does `activation_quant` ("none", or "q8": its int8-block projections compute by
+        quant/activation_q8.py's contract, on every path)."""
         if down is None or (gate_up is None) == (gate is None or up is None):
             raise TypeError("ExpertBank takes down and either gate_up, or both gate and up")
         if gate_up is not None:
@@ -89,6 +93,8 @@ class ExpertBank:
         if down_fmt is None:
             down_fmt = fmt if fmt is not None else dense_format(down.dtype)
         self.down_fmt = down_fmt
+        activation_q8.check_formats(activation_quant, self.formats)
+        self.activation_quant = activation_quant
         self._byte_views: tuple | None = None
         self._flat_biases: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._check_stored_shapes()
@@ -207,6 +213,8 @@ class ExpertBank:
         exact weights, its output rounded to h's dtype; biases and activation as
         quant/expert_math.py's contract says."""
         biases, activation = self.biases, self.activation
+        if self.q8_activations:
+            return self._q8_expert_mlp(h, expert)
         if self._stores_exactly(h.dtype):  # no casts to make
             gate, up = self._gate_up_linear(h, expert, h.dtype)  # 2 x [n, I]
             act = activate(gate, up, expert, biases, activation)
@@ -216,6 +224,21 @@ class ExpertBank:
         act = activate(gate, up, expert, biases, activation).to(dtype)
         out = F.linear(act, self.down_weights(expert, dtype)).to(h.dtype)
         return add_down_bias(out, expert, biases)
+
+    @property
+    def q8_activations(self) -> bool:
+        """Whether the projections compute by the q8 contract (activation_quant q8 on
+        int8-block formats: quant/activation_q8.py)."""
+        return activation_q8.uses_q8(self.activation_quant, self.gate_up_fmt)
+
+    def _q8_expert_mlp(self, h: torch.Tensor, expert: int) -> torch.Tensor:
+        """expert_mlp by the q8 contract: each projection's float32 output rounded to h's
+        dtype, as the float path's."""
+        gate_up = [self.gate[expert], self.up[expert]]
+        gate, up = (activation_q8.q8_linear(h, w, self.gate_up_fmt).to(h.dtype) for w in gate_up)
+        act = activate(gate, up, expert, self.biases, self.activation)
+        out = activation_q8.q8_linear(act, self.down[expert], self.down_fmt).to(h.dtype)
+        return add_down_bias(out, expert, self.biases)
 
     def _gate_up_linear(
         self, h: torch.Tensor, expert: int, dtype: torch.dtype
@@ -313,6 +336,7 @@ class ExpertBank:
             down_fmt=down_fmt,
             biases=self.biases.empty(num, device) if with_biases else None,
             activation=self.activation,
+            activation_quant=self.activation_quant,
         )
         if self.stacked:
             gate_up = self.empty_like_tensor(gate_up_fmt, (num, 2 * inter, hidden), device)
@@ -372,11 +396,26 @@ class ExpertBank:
         placed = [place(tensor) for tensor in self.tensors()]
         biases = None if self.biases is None else self.biases.placed(place)
         gate_up_fmt, down_fmt = self.formats
-        extras = dict(down_fmt=down_fmt, biases=biases, activation=self.activation)
+        extras = dict(
+            down_fmt=down_fmt,
+            biases=biases,
+            activation=self.activation,
+            activation_quant=self.activation_quant,
+        )
         if self.stacked:
             return ExpertBank(*placed, gate_up_fmt, **extras)
         gate, up, down = placed
         return ExpertBank(gate=gate, up=up, down=down, fmt=gate_up_fmt, **extras)
+
+    def with_activation_quant(self, activation_quant: str) -> ExpertBank:
+        """This bank's bytes (no copy) with `activation_quant` (ValueError as the
+        constructor's)."""
+        return self._with(lambda tensor: tensor)._set_activation_quant(activation_quant)
+
+    def _set_activation_quant(self, activation_quant: str) -> ExpertBank:
+        activation_q8.check_formats(activation_quant, self.formats)
+        self.activation_quant = activation_quant
+        return self
 
     @staticmethod
     def empty_like_tensor(fmt: WeightFormat, shape: Sequence[int], device) -> torch.Tensor:

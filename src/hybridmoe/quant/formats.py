@@ -32,6 +32,9 @@ DequantizeBlockIR = Callable[[Any, Any], Any]
 DequantizeSuperBlockIR = Callable[[Any, Any], Callable[[int], Any]]
 # (builder, byte pointer to one weight) -> float
 LoadWeightIR = Callable[[Any, Any], Any]
+# (builder, byte pointer to a block) -> (<32 x i8> signed integers v, float scale s): the
+# block's weights are exactly s * v, |v| <= 127 (the integer-dot kernels, quant/activation_q8.py)
+Int8BlockIR = Callable[[Any, Any], tuple[Any, Any]]
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,13 @@ class KernelFormat:
     dequantize_block_ir: DequantizeBlockIR | DequantizeSuperBlockIR = field(repr=False)
     load_weight_ir: LoadWeightIR | None = field(default=None, repr=False)
     pieces: int = 1  # KERNEL_BLOCKs a block holds: 1, or 8 for a 256-weight super-block
+    # a 32-weight block as integers and one scale, for formats whose blocks are that (q8_0,
+    # q4_0): with activation_quant q8 their projections take integer dot products
+    int8_block_ir: Int8BlockIR | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.int8_block_ir is not None and self.pieces != 1:
+            raise ValueError(f"{self.name}: only single-piece blocks have int8_block_ir")
         if self.pieces < 1 or (self.pieces > 1 and self.load_weight_ir is not None):
             raise ValueError(
                 f"{self.name}: a kernel block is 1 or more pieces of {KERNEL_BLOCK} weights, "
@@ -95,8 +103,15 @@ class WeightFormat:
     # values there are valid weights (what tests and benchmarks fill)
     scale_offsets: tuple[int, ...] = ()
     scale_dtype: torch.dtype = torch.float16
+    # stored [..., nb * block_bytes] -> (int8 [..., nb, 32], float32 [..., nb]): each block's
+    # weights exactly as scale * integers (|v| <= 127); the torch side of kernel.int8_block_ir
+    int8_blocks_fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = field(
+        default=None, repr=False
+    )
 
     def __post_init__(self) -> None:
+        if (self.int8_blocks_fn is None) != (self.kernel.int8_block_ir is None):
+            raise ValueError(f"{self.name}: int8_blocks_fn and int8_block_ir go together")
         if self.block_bytes % self.storage_dtype.itemsize:
             raise ValueError(f"{self.name}: {self.block_bytes} bytes is not whole elements")
         self._check_kernel()
@@ -124,6 +139,19 @@ class WeightFormat:
     @property
     def is_quantized(self) -> bool:
         return self.block_size > 1
+
+    @property
+    def has_int8_blocks(self) -> bool:
+        """Whether a block is 32 integers and one scale (int8_blocks): the formats whose
+        projections take integer dot products with q8 activations (activation_quant)."""
+        return self.int8_blocks_fn is not None
+
+    def int8_blocks(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored tensor q [..., nb * block_bytes] -> (int8 values [..., nb, 32], float32
+        scales [..., nb]): weight = scale * value exactly. ValueError for a format without."""
+        if self.int8_blocks_fn is None:
+            raise ValueError(f"{self.name}: its blocks are not 32 integers and one scale")
+        return self.int8_blocks_fn(q)
 
     @property
     def can_quantize(self) -> bool:

@@ -72,6 +72,26 @@ def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
     return (v.to(torch.float32) - 8) * block_scales(blocks)  # [b, 32]; exact
 
 
+def _int8_blocks(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 q [..., nb * 18] -> (int8 v - 8 [..., nb, 32], float32 scales [..., nb])."""
+    blocks = q.reshape(-1, BLOCK_BYTES)  # [B, 18]
+    qs = blocks[:, 2:]  # [B, 16]
+    v = torch.cat([qs & 0x0F, qs >> 4], dim=1).view(torch.int8) - 8  # [B, 32] in [-8, 7]
+    scales = block_scales(blocks)[:, 0].reshape(*q.shape[:-1], -1)
+    return v.reshape(*q.shape[:-1], -1, BLOCK_SIZE), scales
+
+
+def _int8_block_ir(builder, block):
+    """LLVM IR: (v - 8 <32 x i8>, d float) of the block at byte pointer `block`."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    packed = ll.load(builder, builder.gep(block, [ll.i64(2)]), ll.vector(ll.I8, 16))
+    low = builder.and_(packed, ll.const_vec(ll.I8, [0xF] * 16))  # weights 0..15
+    high = builder.lshr(packed, ll.const_vec(ll.I8, [4] * 16))  # weights 16..31
+    both = builder.shuffle_vector(low, high, ll.const_vec(ll.I32, list(range(32))))
+    return builder.sub(both, ll.const_vec(ll.I8, [8] * 32)), ll.fp16_scale(builder, block)
+
+
 def _dequantize_block_ir(builder, block):
     """LLVM IR: the weights (v - 8) * d of the block at byte pointer `block`, <32 x float>."""
     from hybridmoe.kernels import llvm_ir as ll
@@ -93,7 +113,8 @@ Q4_0 = register_format(
         torch.uint8,
         quantize_q4_0,
         dequantize_q4_0,
-        KernelFormat("q4_0", BLOCK_BYTES, _dequantize_block_ir),
+        KernelFormat("q4_0", BLOCK_BYTES, _dequantize_block_ir, int8_block_ir=_int8_block_ir),
         scale_offsets=(0,),
+        int8_blocks_fn=_int8_blocks,
     )
 )

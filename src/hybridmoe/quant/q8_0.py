@@ -23,6 +23,7 @@ __all__ = [
     "BLOCK_SIZE",
     "Q8_0",
     "dequantize_q8_0",
+    "q8_0_blocks_f32",
     "quantize_q8_0",
     "quantize_q8_0_reference",
 ]
@@ -52,6 +53,22 @@ def dequantize_q8_0(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     """uint8 q [..., nb * 34] -> new contiguous dtype [..., nb * 32], weight = fp16(d) * q,
     computed in fp32 (exact) then cast to dtype."""
     return dequantize_blocks(q, "q8_0", BLOCK_BYTES, _dequantize_chunk, dtype)
+
+
+def q8_0_blocks_f32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 x [b, 32] (finite) -> (d float32 [b], q int8 [b, 32]): ggml's Q8_0 of each
+    block before its scale is stored as fp16 (quantize_row_q8_0_ref: d = max|x| / 127,
+    q = roundf(x * (1 / d)), halves away from zero). Does not modify x."""
+    d, q = _quantize_chunk(x)
+    return d[:, 0], q.view(torch.int8)
+
+
+def _int8_blocks(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 q [..., nb * 34] -> (int8 [..., nb, 32], float32 scales [..., nb])."""
+    blocks = q.reshape(-1, BLOCK_BYTES)  # [B, 34]
+    scales = block_scales(blocks)[:, 0].reshape(*q.shape[:-1], -1)
+    values = blocks[:, 2:].view(torch.int8).reshape(*q.shape[:-1], -1, BLOCK_SIZE)
+    return values, scales
 
 
 def _quantize_chunk(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,6 +102,14 @@ def _dequantize_block_ir(builder, block):
     return builder.fmul(builder.sitofp(quants, ll.V32F), scale)
 
 
+def _int8_block_ir(builder, block):
+    """LLVM IR: (q <32 x i8>, d float) of the block at byte pointer `block`."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    quants = ll.load(builder, builder.gep(block, [ll.i64(2)]), ll.vector(ll.I8, 32))
+    return quants, ll.fp16_scale(builder, block)
+
+
 Q8_0 = register_format(
     WeightFormat(
         "q8_0",
@@ -93,7 +118,8 @@ Q8_0 = register_format(
         torch.uint8,
         quantize_q8_0,
         dequantize_q8_0,
-        KernelFormat("q8_0", BLOCK_BYTES, _dequantize_block_ir),
+        KernelFormat("q8_0", BLOCK_BYTES, _dequantize_block_ir, int8_block_ir=_int8_block_ir),
         scale_offsets=(0,),
+        int8_blocks_fn=_int8_blocks,
     )
 )

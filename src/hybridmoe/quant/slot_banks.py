@@ -67,7 +67,12 @@ class SlotBanks:
     def bank_for(self, bank: ExpertBank) -> ExpertBank:
         """The slots as a bank in `bank`'s formats, layout and shapes (a view, made once per
         formats); ValueError for a bank the slots were not sized for."""
-        key = (bank.formats, bank.stacked, tuple(t.shape[1:] for t in bank.tensors()))
+        key = (
+            bank.formats,
+            bank.activation_quant,
+            bank.stacked,
+            tuple(t.shape[1:] for t in bank.tensors()),
+        )
         if key not in self._views:
             self._views[key] = self._view(bank)
         return self._views[key]
@@ -87,7 +92,12 @@ class SlotBanks:
             flat = storage[:, :nbytes].view(tensor.dtype)
             views.append(flat.view(self.num_slots, *tensor.shape[1:]))
         gate_up_fmt, down_fmt = bank.formats
-        extras = dict(down_fmt=down_fmt, biases=self.biases, activation=bank.activation)
+        extras = dict(
+            down_fmt=down_fmt,
+            biases=self.biases,
+            activation=bank.activation,
+            activation_quant=bank.activation_quant,
+        )
         if self.stacked:
             return ExpertBank(views[0], views[1], gate_up_fmt, **extras)
         gate, up, down = views

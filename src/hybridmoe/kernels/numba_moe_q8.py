@@ -1,0 +1,363 @@
+"""The fused CPU MoE kernel with q8 activations (quant/activation_q8.py): kernels/numba_moe.py's
+layer kernel for banks whose gate/up and down are int8-block formats (q8_0, q4_0) under
+`activation_quant q8`. Each token's x is quantised once (per 32-block, as the contract's step
+1), each route's down input once after its activation; every projection is a tile of integer
+dot products (kernels/numba_simd_q8.py). Everything else (grouping, activation, biases, bf16
+rounding points, the weighted sum) is numba_moe.py's, from its helpers.
+
+Imported only when a bank computes with q8 activations, so engines without it compile nothing
+here; its entry points are made on first use per format pair, cached on disk as numba_moe.py's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+
+import numba
+import numpy as np
+from numba import prange
+from numba.core.dispatcher import Dispatcher
+
+from hybridmoe import env
+from hybridmoe.kernels import numba_moe as nm
+from hybridmoe.kernels import numba_simd_q8
+from hybridmoe.kernels.numba_cache import cached_njit
+from hybridmoe.kernels.numba_simd_q8 import tile_dot_q8
+from hybridmoe.quant import activation_q8
+from hybridmoe.quant.formats import WEIGHT_FORMATS, KernelFormat
+
+_FLAGS = nm._FLAGS
+# the quantiser: no fast-math (a reciprocal would change a bit), said explicitly: a numba
+# callee inherits its caller's fastmath flags unless it sets its own
+_EXACT = dict(nogil=True, fastmath=False)
+
+
+def kernel_sources() -> list[str]:
+    """numba_moe.py's kernel sources, this module's, its IR's and the contract's."""
+    mine = (__file__, numba_simd_q8.__file__, inspect.getfile(activation_q8))
+    return sorted({*nm.kernel_sources(), *mine})
+
+
+_previous_cache_dir = numba.config.CACHE_DIR
+numba.config.CACHE_DIR = str(env.kernel_cache_dir(*kernel_sources()))
+
+
+@cached_njit(inline="always", **_EXACT)
+def _round_away(v):
+    """C's roundf(v) for a finite float32 |v| <= 2^23, as an int: halves away from zero."""
+    t = int(v)  # truncates
+    frac = v - t  # exact
+    if frac >= 0.5:
+        return t + 1
+    if frac <= -0.5:
+        return t - 1
+    return t
+
+
+@cached_njit(**_EXACT)
+def quantize_rows(x, n, q, d):
+    """The contract's step 1 for x[:n] (float32, n a multiple of 32): q[:n] int8 and
+    d[:n / 32] float32, block by block: d = max|x| / 127, q = roundf(x * (1 / d))."""
+    for b in range(n // 32):
+        amax = np.float32(0.0)
+        for j in range(b * 32, b * 32 + 32):
+            a = abs(x[j])
+            if a > amax:
+                amax = a
+        scale = amax / np.float32(127.0)
+        inv = np.float32(1.0) / scale if scale != 0 else np.float32(0.0)
+        for j in range(b * 32, b * 32 + 32):
+            q[j] = _round_away(x[j] * inv)
+        d[b] = scale
+
+
+@cached_njit(inline="always", **_FLAGS)
+def _tile(fmt, wrows, xrows, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride):
+    """tile_dot_q8 with the tile shape chosen at run time among TILES (each a compiled branch;
+    written out: numba keeps the shape literal only for literal arguments)."""
+    if xrows == 1:
+        if wrows == 4:
+            tile_dot_q8(fmt, 4, 1, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+        elif wrows == 2:
+            tile_dot_q8(fmt, 2, 1, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+        else:
+            tile_dot_q8(fmt, 1, 1, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+    elif xrows == 2:
+        if wrows == 4:
+            tile_dot_q8(fmt, 4, 2, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+        elif wrows == 2:
+            tile_dot_q8(fmt, 2, 2, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+        else:
+            tile_dot_q8(fmt, 1, 2, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+    elif xrows == 3:
+        if wrows == 2:
+            tile_dot_q8(fmt, 2, 3, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+        else:
+            tile_dot_q8(fmt, 1, 3, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+    elif wrows == 2:
+        tile_dot_q8(fmt, 2, 4, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+    else:
+        tile_dot_q8(fmt, 1, 4, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+
+
+@cached_njit(inline="always", **_FLAGS)
+def matmul_q8(fmt, w, w_off, row_bytes, n, nrows, xq, xd, x_offs, first, count, out):
+    """out[c * nrows + r] = the q8 contract's dot of weight row r (n weights at byte w_off +
+    r * row_bytes) with the quantised row at xq[x_offs[first + c]:] (scales xd[... / 32:]),
+    for r < nrows, c < count; tiles as numba_moe._matmul's."""
+    blocks = n // 32
+    widest = 4 if count <= 2 else 2
+    r = 0
+    while r < nrows:
+        wrows = widest if nrows - r >= widest else (2 if nrows - r >= 2 else 1)
+        c = 0
+        while c < count:
+            xrows = min(4, count - c)
+            row_off = w_off + r * row_bytes
+            _tile(
+                fmt,
+                wrows,
+                xrows,
+                w,
+                row_off,
+                row_bytes,
+                blocks,
+                xq,
+                xd,
+                x_offs,
+                first + c,
+                out,
+                c * nrows + r,
+                nrows,
+            )
+            c += xrows
+        r += wrows
+
+
+@cached_njit(inline="always", **_FLAGS)
+def _gate_up_phase(
+    fmt,
+    xq,
+    xd,
+    x_offs,
+    experts,
+    starts,
+    w_gate,
+    w_up,
+    expert_rows,
+    hidden,
+    inter,
+    act_bf16,
+    act,
+    gate_up_bias,
+    acts,
+):
+    """acts[(route) * I + i] = act(gate, up) of every route, as numba_moe._fused_moe's first
+    phase, the projections by the q8 contract."""
+    h_row_bytes = hidden * fmt.block_bytes // fmt.block_weights
+    code, alpha, limit = act
+    chunks = (inter + nm.ROWS_PER_ITEM - 1) // nm.ROWS_PER_ITEM
+    for item in prange(experts.shape[0] * chunks):
+        u, chunk = item // chunks, item % chunks
+        first, count = starts[u], starts[u + 1] - starts[u]
+        i0 = chunk * nm.ROWS_PER_ITEM
+        rows = min(inter, i0 + nm.ROWS_PER_ITEM) - i0
+        gate, up = np.empty(count * rows, np.float32), np.empty(count * rows, np.float32)
+        row_off = (experts[u] * expert_rows + i0) * h_row_bytes
+        matmul_q8(
+            fmt, w_gate, row_off, h_row_bytes, hidden, rows, xq, xd, x_offs, first, count, gate
+        )
+        matmul_q8(fmt, w_up, row_off, h_row_bytes, hidden, rows, xq, xd, x_offs, first, count, up)
+        if act_bf16:
+            nm._round_bf16(gate, count * rows)
+            nm._round_bf16(up, count * rows)
+        if gate_up_bias.shape[0] > 0:
+            bias_off = experts[u] * 2 * inter + i0
+            nm._add_bias(gate, gate_up_bias, bias_off, count, rows, act_bf16)
+            nm._add_bias(up, gate_up_bias, bias_off + inter, count, rows, act_bf16)
+        if code == nm.CLAMPED_SWIGLU:
+            nm._clamped_swiglu(gate, up, count * rows, alpha, limit, act_bf16)
+        else:
+            nm._swiglu(gate, up, count * rows, act_bf16)
+        for c in range(count):
+            for r in range(rows):
+                acts[(first + c) * inter + i0 + r] = gate[c * rows + r]
+
+
+@cached_njit(inline="always", **_FLAGS)
+def _down_phase(
+    fmt,
+    aq,
+    ad,
+    experts,
+    starts,
+    routes,
+    route_weights,
+    down,
+    hidden,
+    inter,
+    top_k,
+    act_bf16,
+    down_bias,
+    y,
+):
+    """y += the weighted down projections of the quantised acts, as numba_moe._fused_moe's
+    second phase."""
+    i_row_bytes = inter * fmt.block_bytes // fmt.block_weights
+    act_offs = np.arange(routes.shape[0]) * inter
+    max_count = np.max(starts[1:] - starts[:-1]) if starts[-1] else 0
+    for chunk in prange((hidden + nm.ROWS_PER_ITEM - 1) // nm.ROWS_PER_ITEM):
+        h0 = chunk * nm.ROWS_PER_ITEM
+        rows = min(hidden, h0 + nm.ROWS_PER_ITEM) - h0
+        out = np.empty(max_count * rows, np.float32)
+        for u in range(experts.shape[0]):
+            first, count = starts[u], starts[u + 1] - starts[u]
+            row_off = (experts[u] * hidden + h0) * i_row_bytes
+            matmul_q8(
+                fmt, down, row_off, i_row_bytes, inter, rows, aq, ad, act_offs, first, count, out
+            )
+            if act_bf16:
+                nm._round_bf16(out, count * rows)
+            if down_bias.shape[0] > 0:
+                nm._add_bias(out, down_bias, experts[u] * hidden + h0, count, rows, act_bf16)
+            for c in range(count):
+                weight = route_weights[routes[first + c]]
+                for r in range(rows):
+                    out[c * rows + r] *= weight
+            if act_bf16 == nm.BF16_ROUTE_WEIGHTS:
+                nm._round_bf16(out, count * rows)
+            for c in range(count):
+                token_off = (routes[first + c] // top_k) * hidden + h0
+                for r in range(rows):
+                    y[token_off + r] += out[c * rows + r]
+
+
+@cached_njit(inline="always", **_FLAGS)
+def _fused_moe_q8(
+    fmt,
+    down_fmt,
+    x,
+    ids,
+    route_weights,
+    w_gate,
+    w_up,
+    expert_rows,
+    down,
+    hidden,
+    inter,
+    num_experts,
+    top_k,
+    act_bf16,
+    act,
+    gate_up_bias,
+    down_bias,
+    y,
+):
+    """numba_moe._fused_moe's contract (same arguments), every projection by the q8 contract;
+    `fmt` and `down_fmt` int8-block KernelFormats."""
+    bad_id, experts, starts, routes = nm._group_routes(ids, num_experts)
+    if bad_id >= 0:
+        return bad_id
+    xq, xd = np.empty(x.shape[0], np.int8), np.empty(x.shape[0] // 32, np.float32)
+    quantize_rows(x, x.shape[0], xq, xd)  # every token once
+    x_offs = (routes // top_k) * hidden
+    acts = np.empty(starts[-1] * inter, np.float32)  # [R, I]
+    _gate_up_phase(
+        fmt,
+        xq,
+        xd,
+        x_offs,
+        experts,
+        starts,
+        w_gate,
+        w_up,
+        expert_rows,
+        hidden,
+        inter,
+        act_bf16,
+        act,
+        gate_up_bias,
+        acts,
+    )
+    aq, ad = np.empty(acts.shape[0], np.int8), np.empty(acts.shape[0] // 32, np.float32)
+    quantize_rows(acts, acts.shape[0], aq, ad)
+    _down_phase(
+        down_fmt,
+        aq,
+        ad,
+        experts,
+        starts,
+        routes,
+        route_weights,
+        down,
+        hidden,
+        inter,
+        top_k,
+        act_bf16,
+        down_bias,
+        y,
+    )
+    return -1
+
+
+def _entry(kernel: KernelFormat, down_kernel: KernelFormat):
+    """The parallel entry point of _fused_moe_q8 for gate/up in `kernel`, down in
+    `down_kernel` (numba_moe's arguments, less the formats)."""
+
+    def fused_moe_q8(
+        x, ids, weights, gate, up, rows, down, hidden, inter, experts, k, act_bf16, act, gub, db, y
+    ):
+        return _fused_moe_q8(
+            kernel,
+            down_kernel,
+            x,
+            ids,
+            weights,
+            gate,
+            up,
+            rows,
+            down,
+            hidden,
+            inter,
+            experts,
+            k,
+            act_bf16,
+            act,
+            gub,
+            db,
+            y,
+        )
+
+    name = kernel.name if kernel == down_kernel else f"{kernel.name}_{down_kernel.name}"
+    fused_moe_q8.__name__ = fused_moe_q8.__qualname__ = f"fused_moe_q8_{name}"
+    return cached_njit(parallel=True, **_FLAGS)(fused_moe_q8)
+
+
+_CACHE_DIR = numba.config.CACHE_DIR
+_LOCK = threading.Lock()
+_ENTRIES: dict[tuple[str, str], Dispatcher] = {}
+
+
+def fused_moe_q8_kernel(gate_up_fmt: str, down_fmt: str) -> Dispatcher:
+    """The entry point for the pair of int8-block format names, made on first use."""
+    key = (gate_up_fmt, down_fmt)
+    with _LOCK:
+        if key not in _ENTRIES:
+            kernels = [WEIGHT_FORMATS[name].kernel for name in key]
+            if any(k.int8_block_ir is None for k in kernels):
+                raise ValueError(f"q8 activations need int8-block formats, got {key}")
+            previous, numba.config.CACHE_DIR = numba.config.CACHE_DIR, _CACHE_DIR
+            try:  # numba picks the cache directory when a function is decorated
+                _ENTRIES[key] = _entry(*kernels)
+            finally:
+                numba.config.CACHE_DIR = previous
+        return _ENTRIES[key]
+
+
+def run_fused_moe_q8(formats: tuple[str, str], threads: int | None, *args) -> int:
+    """numba_moe.run_fused_moe for a bank with q8 activations."""
+    return nm.launch(fused_moe_q8_kernel(*formats), threads, *args)
+
+
+numba.config.CACHE_DIR = _previous_cache_dir  # every cached function above is decorated

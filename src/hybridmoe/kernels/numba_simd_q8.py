@@ -1,0 +1,248 @@
+"""LLVM vector code for the q8 activation contract (quant/activation_q8.py): a tile of weight
+rows of an int8-block format (KernelFormat.int8_block_ir: q8_0, q4_0) dotted with up to 4 rows
+of q8-quantised activations by integer dot products.
+
+A block's dot Σ v_i q_i is taken 32 bytes at a time into <8 x i32> partial sums by the best
+instructions the target has (`dot_path`, chosen when numba compiles, so for the machine it
+runs on or what NUMBA_CPU_FEATURES names): AVX-512 VNNI or AVX-VNNI `vpdpbusd` (one intrinsic:
+LLVM encodes it as the target allows), AVX2 `vpmaddubsw` + `vpmaddwd`, or portable widening
+multiplies. Both x86 paths take |v| unsigned and q with v's sign (sign(q, v)), exact since
+|v|, |q| <= 127 (no int16 saturation). Eight consecutive blocks' partials are then summed
+exactly into one <8 x i32> of block sums (a transpose-add tree), converted to float, scaled
+by d_w * d_x and added into the lane accumulator of the contract: lane j holds blocks j, j + 8,
+...; blocks after the last whole group of 8 are added one by one into their lanes. The result
+is the contract's to the bit on every path.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from hybridmoe.kernels.llvm_ir import F32, I8, I32, const_vec, declare, i64, load, target_has
+from hybridmoe.kernels.numba_simd import PREFETCH_BYTES, PREFETCH_LOCALITY, TILES
+from hybridmoe.quant.activation_q8 import LANES
+from hybridmoe.quant.formats import KERNEL_BLOCK, KernelFormat
+
+V8I, V8F, V32B = (ir.VectorType(t, n) for t, n in ((I32, 8), (F32, 8), (I8, 32)))
+V16S = ir.VectorType(ir.IntType(16), 16)
+DOT_PATHS = ("vnni", "avx2", "portable")
+
+
+def dot_path() -> str:
+    """The integer dot instructions of the target numba compiles for: `vnni` (AVX-512 VNNI
+    with VL, or AVX-VNNI), `avx2` or `portable`."""
+    if (target_has("avx512vnni") and target_has("avx512vl")) or target_has("avxvnni"):
+        return "vnni"
+    return "avx2" if target_has("avx2") else "portable"
+
+
+def _block_dot(builder: ir.IRBuilder, path: str):
+    """dot(v, q) -> <8 x i32> whose lanes sum to Σ v_i q_i of two <32 x i8>; `prepare(v)` is
+    computed once per weight block (shared by the activation rows)."""
+    if path == "portable":
+
+        def prepare(v):
+            return builder.sext(v, ir.VectorType(I32, 32))
+
+        def dot(wide, q):
+            prod = builder.mul(wide, builder.sext(q, ir.VectorType(I32, 32)))
+            parts = [
+                builder.shuffle_vector(prod, prod, const_vec(I32, list(range(k, 32, 4))))
+                for k in range(4)
+            ]
+            return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+
+        return prepare, dot
+    abs_fn = declare(builder, "llvm.abs.v32i8", V32B, [V32B, ir.IntType(1)])
+    sign_fn = declare(builder, "llvm.x86.avx2.psign.b", V32B, [V32B, V32B])
+
+    def prepare(v):
+        return v, builder.call(abs_fn, [v, ir.Constant(ir.IntType(1), 0)])
+
+    if path == "vnni":
+        dpbusd = declare(builder, "llvm.x86.avx512.vpdpbusd.256", V8I, [V8I] * 3)
+
+        def dot(prepared, q):
+            v, magnitude = prepared
+            signed_q = builder.call(sign_fn, [q, v])
+            args = [builder.bitcast(a, V8I) for a in (magnitude, signed_q)]
+            return builder.call(dpbusd, [ir.Constant(V8I, None), *args])
+
+        return prepare, dot
+    maddubs = declare(builder, "llvm.x86.avx2.pmadd.ub.sw", V16S, [V32B, V32B])
+    maddwd = declare(builder, "llvm.x86.avx2.pmadd.wd", V8I, [V16S, V16S])
+    ones = ir.Constant(V16S, [1] * 16)
+
+    def dot(prepared, q):
+        v, magnitude = prepared
+        pairs = builder.call(maddubs, [magnitude, builder.call(sign_fn, [q, v])])
+        return builder.call(maddwd, [pairs, ones])
+
+    return prepare, dot
+
+
+def _transpose_sum(builder: ir.IRBuilder, parts: list[ir.Value]) -> ir.Value:
+    """8 x <8 x i32> -> <8 x i32> whose lane b is the sum of parts[b]'s lanes (exact)."""
+    even, odd = const_vec(I32, list(range(0, 16, 2))), const_vec(I32, list(range(1, 16, 2)))
+    while len(parts) > 1:
+        parts = [
+            builder.add(builder.shuffle_vector(a, b, even), builder.shuffle_vector(a, b, odd))
+            for a, b in zip(parts[::2], parts[1::2], strict=True)
+        ]
+    return parts[0]
+
+
+def _lane_tree(builder: ir.IRBuilder, vec: ir.Value) -> ir.Value:
+    """The contract's final sum of the 8 lanes: halves added, then halves of that, ..."""
+    width = LANES
+    while width > 1:
+        width //= 2
+        lo = builder.shuffle_vector(vec, vec, const_vec(I32, list(range(width))))
+        hi = builder.shuffle_vector(vec, vec, const_vec(I32, list(range(width, 2 * width))))
+        vec = builder.fadd(lo, hi)
+    return builder.extract_element(vec, ir.Constant(I32, 0))
+
+
+def _tile_codegen(kernel: KernelFormat, wrows: int, xrows: int):
+    path = dot_path()
+
+    def codegen(context, builder, sig, args):
+        w_ty, _, _, _, q_ty, d_ty, offs_ty, _, out_ty, _, _ = sig.args[3:]
+        weights, w_off, row_bytes, nblocks, xq, xd, x_offs, first, out, out_off, stride = args[3:]
+        w_data = context.make_array(w_ty)(context, builder, weights).data
+        w_rows = [
+            builder.gep(w_data, [builder.add(w_off, builder.mul(row_bytes, i64(r)))])
+            for r in range(wrows)
+        ]
+        q_data = context.make_array(q_ty)(context, builder, xq).data
+        d_data = context.make_array(d_ty)(context, builder, xd).data
+        offs_data = context.make_array(offs_ty)(context, builder, x_offs).data
+        x_starts = [
+            builder.load(builder.gep(offs_data, [builder.add(first, i64(c))])) for c in range(xrows)
+        ]
+        q_rows = [builder.gep(q_data, [s]) for s in x_starts]
+        d_rows = [builder.gep(d_data, [builder.lshr(s, i64(5))]) for s in x_starts]
+        accs = [
+            [cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(xrows)]
+            for _ in range(wrows)
+        ]
+        rows = (w_rows, q_rows, d_rows, accs)
+        groups = builder.udiv(nblocks, i64(LANES))
+        group_step = _group_step(builder, kernel, path, rows)
+        with cgutils.for_range(builder, groups) as loop:
+            group_step(builder.mul(loop.index, i64(LANES)))
+        done = builder.mul(groups, i64(LANES))
+        tail_step = _tail_step(builder, kernel, path, rows)
+        with cgutils.for_range(builder, builder.sub(nblocks, done)) as loop:
+            tail_step(builder.add(done, loop.index), loop.index)
+        out_data = context.make_array(out_ty)(context, builder, out).data
+        for r in range(wrows):
+            for c in range(xrows):
+                index = builder.add(out_off, builder.add(builder.mul(stride, i64(c)), i64(r)))
+                total = _lane_tree(builder, builder.load(accs[r][c]))
+                builder.store(total, builder.gep(out_data, [index]))
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _group_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tuple):
+    """step(first_block): blocks first_block .. + 7 of every (weight row, activation row)
+    pair into its lane accumulator."""
+    w_rows, q_rows, d_rows, accs = rows
+    prepare, dot = _block_dot(builder, path)
+    prefetch = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
+    hints = [ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1)]
+    group_bytes = LANES * kernel.block_bytes
+
+    def step(first_block: ir.Value) -> None:
+        weights = []  # per weight row: ([prepared block] * 8, <8 x float> scales)
+        for w_row in w_rows:
+            group = builder.gep(w_row, [builder.mul(first_block, i64(kernel.block_bytes))])
+            for line in range(0, group_bytes, 64):
+                builder.call(prefetch, [builder.gep(group, [i64(PREFETCH_BYTES + line)]), *hints])
+            blocks, scales = [], ir.Constant(V8F, None)
+            for b in range(LANES):
+                v, d = kernel.int8_block_ir(
+                    builder, builder.gep(group, [i64(b * kernel.block_bytes)])
+                )
+                blocks.append(prepare(v))
+                scales = builder.insert_element(scales, d, ir.Constant(I32, b))
+            weights.append((blocks, scales))
+        at = builder.mul(first_block, i64(KERNEL_BLOCK))
+        for c, (q_row, d_row) in enumerate(zip(q_rows, d_rows, strict=True)):
+            qs = [
+                load(builder, builder.gep(q_row, [builder.add(at, i64(b * KERNEL_BLOCK))]), V32B)
+                for b in range(LANES)
+            ]
+            dx = load(builder, builder.gep(d_row, [first_block]), V8F, align=4)
+            for (blocks, dw), row_accs in zip(weights, accs, strict=True):
+                sums = _transpose_sum(builder, [dot(w, q) for w, q in zip(blocks, qs, strict=True)])
+                products = builder.fmul(builder.sitofp(sums, V8F), builder.fmul(dw, dx))
+                acc = row_accs[c]
+                builder.store(builder.fadd(builder.load(acc), products), acc)
+
+    return step
+
+
+def _tail_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tuple):
+    """step(block, lane): one block of every pair added into lane `lane` of its accumulator."""
+    w_rows, q_rows, d_rows, accs = rows
+    prepare, dot = _block_dot(builder, path)
+    reduce_add = declare(builder, "llvm.vector.reduce.add.v8i32", I32, [V8I])
+
+    def step(block: ir.Value, lane: ir.Value) -> None:
+        weights = []
+        for w_row in w_rows:
+            at = builder.gep(w_row, [builder.mul(block, i64(kernel.block_bytes))])
+            v, d = kernel.int8_block_ir(builder, at)
+            weights.append((prepare(v), d))
+        for c, (q_row, d_row) in enumerate(zip(q_rows, d_rows, strict=True)):
+            q = load(builder, builder.gep(q_row, [builder.mul(block, i64(KERNEL_BLOCK))]), V32B)
+            dx = builder.load(builder.gep(d_row, [block]))
+            for (w, dw), row_accs in zip(weights, accs, strict=True):
+                total = builder.call(reduce_add, [dot(w, q)])
+                product = builder.fmul(builder.sitofp(total, F32), builder.fmul(dw, dx))
+                acc = builder.load(row_accs[c])
+                summed = builder.fadd(builder.extract_element(acc, lane), product)
+                builder.store(builder.insert_element(acc, summed, lane), row_accs[c])
+
+    return step
+
+
+@intrinsic
+def tile_dot_q8(
+    typingctx,
+    fmt,
+    wrows,
+    xrows,
+    weights,
+    w_off,
+    row_bytes,
+    nblocks,
+    xq,
+    xd,
+    x_offs,
+    first,
+    out,
+    out_off,
+    out_stride,
+):
+    """out[out_off + c * out_stride + r] = the q8 contract's dot of weight row r (`nblocks`
+    blocks of `fmt`, an int8-block KernelFormat, at byte w_off + r * row_bytes of `weights`)
+    with the quantised activation row starting at xq[x_offs[first + c]] (int8), whose block
+    scales start at xd[x_offs[first + c] / 32], for r < wrows, c < xrows (TILES)."""
+    from hybridmoe.kernels.numba_simd import KernelFormatType
+
+    if not isinstance(fmt, KernelFormatType) or fmt.kernel.int8_block_ir is None:
+        return None
+    if not all(isinstance(v, types.IntegerLiteral) for v in (wrows, xrows)):
+        return None
+    shape = (wrows.literal_value, xrows.literal_value)
+    if shape not in TILES:
+        return None
+    args = (weights, w_off, row_bytes, nblocks, xq, xd, x_offs, first, out, out_off, out_stride)
+    return types.void(fmt, wrows, xrows, *args), _tile_codegen(fmt.kernel, *shape)

@@ -1,0 +1,96 @@
+"""Activation quantisation: the `q8` contract of a projection whose weights are 32-integer
+blocks (q8_0, q4_0: WeightFormat.has_int8_blocks), as llama.cpp computes its quantised
+matmuls; the torch reference that every path (the numba CPU kernel, `bank_moe`, the
+accelerator's `gathered_moe`, prefill) reproduces bit for bit, so every decode target still
+gives the same tokens.
+
+For one output y = Σ w_k x_k of a weight row w and an activation row x [K] (float32; a bf16
+activation widened exactly), K = 32 nb:
+1. x is quantised per 32-block as ggml's quantize_row_q8_0_ref, with the scale kept in float32
+   (ggml rounds the weights' scale to fp16; an activation's is never stored): d_x = max|x| /
+   127, q_x = roundf(x * (1 / d_x)) (halves away from zero; 0 when d_x is 0), |q_x| <= 127.
+   The activations must be finite.
+2. block b's integer dot s_b = Σ_i v_i q_i of the weights' integers v (weight = d_w v) and q_x
+   is exact (|s_b| <= 32 * 127 * 127 < 2^24, so exact in int32 and in float32 alike);
+3. p_b = float32(s_b) * (d_w * d_x), each product rounded to float32 (no fused multiply-add);
+4. the p_b are summed in float32 in LANES = 8 lanes: lane j = (((0 + p_j) + p_{j+8}) +
+   p_{j+16}) + ..., then y = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
+Steps 2-4 fix the order of every float operation, so any instruction set (integer dot products
+of any width) gives the same y.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridmoe.quant.formats import KERNEL_BLOCK, WeightFormat
+from hybridmoe.quant.q8_0 import q8_0_blocks_f32
+
+ACTIVATION_QUANTS = ("none", "q8")  # OffloadConfig.activation_quant's choices
+LANES = 8  # float32 lanes the block products are summed in (step 4)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (K a multiple of 32; float32, or a float dtype widened to it exactly) ->
+    (q int8 [..., K / 32, 32], d float32 [..., K / 32]), step 1 of the contract."""
+    if x.shape[-1] % KERNEL_BLOCK:
+        raise ValueError(f"activation_quant q8: rows of {x.shape[-1]} are not 32-blocks")
+    blocks = x.to(torch.float32).reshape(-1, KERNEL_BLOCK)  # [B, 32]
+    d, q = q8_0_blocks_f32(blocks)
+    return q.reshape(*x.shape[:-1], -1, KERNEL_BLOCK), d.reshape(*x.shape[:-1], -1)
+
+
+def q8_linear(x: torch.Tensor, stored: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
+    """x [n, K] float, stored weight rows [R, row_bytes] in `fmt` -> float32 [n, R], each
+    output by the contract (the module docstring)."""
+    qx, dx = quantize_activations(x)  # [n, nb, 32], [n, nb]
+    qw, dw = fmt.int8_blocks(stored)  # [R, nb, 32], [R, nb]
+    sums = torch.einsum("nbi,rbi->nrb", qx.float(), qw.float())  # [n, R, nb]; exact integers
+    return _lane_sum(sums * (dw[None] * dx[:, None]))
+
+
+def q8_bmm(x: torch.Tensor, stored: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
+    """x [c, K] float, stored [c, R, row_bytes] (each route's own rows) -> float32 [c, R]:
+    q8_linear route by route, batched."""
+    qx, dx = quantize_activations(x)  # [c, nb, 32], [c, nb]
+    qw, dw = fmt.int8_blocks(stored)  # [c, R, nb, 32], [c, R, nb]
+    sums = torch.einsum("cbi,crbi->crb", qx.float(), qw.float())  # [c, R, nb]; exact
+    return _lane_sum(sums * (dw * dx[:, None]))
+
+
+def _lane_sum(products: torch.Tensor) -> torch.Tensor:
+    """products [..., nb] float32 -> [...]: step 4, LANES lanes then the fixed tree."""
+    nb = products.shape[-1]
+    groups = -(-nb // LANES)
+    padded = torch.zeros(*products.shape[:-1], groups * LANES, dtype=torch.float32)
+    padded = padded.to(products.device)
+    padded[..., :nb] = products  # the padding adds +0.0 to a lane: no change
+    lanes = torch.zeros(*products.shape[:-1], LANES, dtype=torch.float32, device=products.device)
+    for g in range(groups):
+        lanes = lanes + padded[..., g * LANES : (g + 1) * LANES]
+    while lanes.shape[-1] > 1:
+        half = lanes.shape[-1] // 2
+        lanes = lanes[..., :half] + lanes[..., half:]
+    return lanes[..., 0]
+
+
+def check_formats(activation_quant: str, formats: tuple[WeightFormat, WeightFormat]) -> None:
+    """ValueError unless `activation_quant` is a choice and, for q8, gate/up's and down's
+    formats (`formats`) are both int8-block formats or neither (then q8 changes nothing)."""
+    if activation_quant not in ACTIVATION_QUANTS:
+        raise ValueError(
+            f"activation_quant must be one of {', '.join(ACTIVATION_QUANTS)}, "
+            f"got {activation_quant!r}"
+        )
+    kinds = {fmt.has_int8_blocks for fmt in formats}
+    if activation_quant == "q8" and len(kinds) > 1:
+        names = "/".join(fmt.name for fmt in formats)
+        raise ValueError(
+            f"activation_quant q8: experts in {names} mix int8-block formats (q8_0, q4_0) "
+            "with others; it needs all of gate/up and down in one kind"
+        )
+
+
+def uses_q8(activation_quant: str, fmt: WeightFormat) -> bool:
+    """Whether a projection in `fmt` computes by the q8 contract under `activation_quant`."""
+    return activation_quant == "q8" and fmt.has_int8_blocks

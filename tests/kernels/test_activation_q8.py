@@ -1,0 +1,165 @@
+"""The q8 activation contract (quant/activation_q8.py): its torch reference against a plain
+loop and ggml's Q8_0 bytes, the numba quantiser against it to the bit, and every path that
+computes a layer with it (the numba layer kernel, the accelerator's gathered_moe) against
+bank_moe. A projection is the contract's to the bit on every path (the tile, on every
+instruction path: tests/kernels/test_activation_q8_paths.py); a layer differs from bank_moe
+where the float path's does (silu's last bit, numba's against torch's; the order of the sum
+over routes), and where such an ulp moves an activation across a rounding boundary of its
+quantisation, by one q8 step (layer_flips), far below q8's own effect
+(test_q8_changes_the_arithmetic_not_the_model). One numba
+layer kernel is compiled: q4_0 gate/up beside q8_0 down, so both formats' IR run in it."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+import torch
+
+from hybridmoe.kernels.torch_moe import gathered_moe
+from hybridmoe.moe.cpu_experts import FUSED_MAX_TOKENS, bank_moe, fused_cpu_moe
+from hybridmoe.quant.activation_q8 import LANES, q8_bmm, q8_linear, quantize_activations
+from hybridmoe.quant.bank import ExpertBank
+from hybridmoe.quant.formats import weight_format
+
+Q4_0, Q8_0 = weight_format("q4_0"), weight_format("q8_0")
+# 11 blocks a gate/up row (one group of 8 and a tail of 3), 9 a down row (a group and one)
+HIDDEN, INTER, EXPERTS = 352, 288, 6
+
+
+def layer_flips(actual: torch.Tensor, expected: torch.Tensor, case: str) -> bool:
+    """Whether `actual` is off `expected` by more than the float path's own differences
+    (~2e-7 of the largest output): where an activation 1 ulp apart rounded to the next
+    integer, which moves that route's outputs by ~1e-4 of the largest; AssertionError beyond
+    1e-3 of it (q8's own effect is ~1e-2)."""
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-3 * scale, msg=case)
+    return bool(((actual - expected).abs() > 2e-6 * scale + 1e-5 * expected.abs()).any())
+
+
+def _loop_reference(x: np.ndarray, stored: torch.Tensor, fmt) -> np.float32:
+    """One output of the contract, written out as its docstring says, in numpy float32."""
+    qx, dx = (t.numpy() for t in quantize_activations(torch.from_numpy(x)[None]))
+    qw, dw = (t.numpy() for t in fmt.int8_blocks(stored[None]))
+    lanes = [np.float32(0.0)] * LANES
+    for b in range(qx.shape[1]):
+        s = np.float32(int((qx[0, b].astype(np.int64) * qw[0, b].astype(np.int64)).sum()))
+        lanes[b % LANES] = np.float32(lanes[b % LANES] + s * np.float32(dw[0, b] * dx[0, b]))
+    halves = lanes
+    while len(halves) > 1:
+        half = len(halves) // 2
+        halves = [np.float32(a + b) for a, b in zip(halves[:half], halves[half:], strict=True)]
+    return halves[0]
+
+
+@pytest.mark.parametrize("fmt", [Q8_0, Q4_0], ids=lambda f: f.name)
+@pytest.mark.parametrize("blocks", [1, 8, 11, 17])
+def test_reference_is_the_stated_order(fmt, blocks: int) -> None:
+    gen = torch.Generator().manual_seed(blocks)
+    x = torch.randn(3, 32 * blocks, generator=gen)
+    stored = fmt.quantize(torch.randn(5, 32 * blocks, generator=gen))
+    out = q8_linear(x, stored, fmt)  # [3, 5]
+    for t in range(3):
+        for r in range(5):
+            assert out[t, r].item() == _loop_reference(x[t].numpy(), stored[r], fmt), (t, r)
+    batched = q8_bmm(x, stored[None].expand(3, -1, -1), fmt)
+    assert torch.equal(batched, out)
+
+
+def test_quantiser_is_ggml_q8_0() -> None:
+    """The activations' int8 and scales are Q8_0's bytes before the scale is stored as fp16;
+    a tie x / d = n + 1/2 rounds away from zero."""
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(1))
+    x[0, :2] = torch.tensor([127.0, 0.5])  # d = 1: 0.5 rounds to 1
+    x[1, :2] = torch.tensor([-127.0, -2.5])  # -2.5 rounds to -3
+    q, d = quantize_activations(x)
+    blocks = Q8_0.quantize(x).view(7, 2, 34)
+    assert torch.equal(q, blocks[..., 2:].view(torch.int8))
+    assert torch.equal(d.half(), blocks[..., :2].contiguous().view(torch.float16)[..., 0])
+    assert q[0, 0, 1] == 1 and q[1, 0, 1] == -3
+
+
+def test_numba_quantiser_inside_a_fastmath_caller() -> None:
+    """numba's callee inherits its caller's fast-math unless it sets its own: the layer
+    kernel's caller has arcp (a reciprocal for a division), the quantiser must not."""
+    from hybridmoe.kernels.numba_moe_q8 import quantize_rows
+
+    @numba.njit(fastmath={"contract", "arcp"})
+    def caller(x, n, q, d):
+        quantize_rows(x, n, q, d)
+
+    x = torch.randn(40 * 32, generator=torch.Generator().manual_seed(2)) * 3
+    q, d = np.empty(x.numel(), np.int8), np.empty(40, np.float32)
+    caller(x.numpy(), x.numel(), q, d)
+    ref_q, ref_d = quantize_activations(x)
+    assert np.array_equal(q, ref_q.reshape(-1).numpy())
+    assert np.array_equal(d, ref_d.numpy())
+
+
+def _bank(stacked: bool) -> ExpertBank:
+    gen = torch.Generator().manual_seed(3)
+    gate_up = Q4_0.quantize(torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen))
+    down = Q8_0.quantize(torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) / 8)
+    if stacked:
+        return ExpertBank(gate_up, down, Q4_0, down_fmt=Q8_0, activation_quant="q8")
+    gate, up = gate_up[:, :INTER].contiguous(), gate_up[:, INTER:].contiguous()
+    return ExpertBank(gate=gate, up=up, down=down, fmt=Q4_0, down_fmt=Q8_0, activation_quant="q8")
+
+
+def _routes(tokens: int, top_k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    ids = torch.randint(0, EXPERTS, (tokens, top_k), generator=gen)
+    ids[torch.rand(tokens, top_k, generator=gen) < 0.2] = -1  # skipped routes
+    return x, ids, torch.rand(tokens, top_k, generator=gen)
+
+
+def test_every_path_computes_the_reference() -> None:
+    """T = 1..16 (the fused kernel) and beyond (bank_moe itself), K = 1, 3, 8, skipped routes;
+    gathered_moe at K = 8; a bank holding gate and up apart at a few of them."""
+    stacked, separate = _bank(stacked=True), _bank(stacked=False)
+    flips, cases = 0, 0
+    for top_k in (1, 3, 8):
+        for tokens in [*range(1, FUSED_MAX_TOKENS + 1), FUSED_MAX_TOKENS + 3]:
+            x, ids, weights = _routes(tokens, top_k, 100 * top_k + tokens)
+            expected = bank_moe(x, ids, weights, stacked)
+            case = f"K={top_k} T={tokens}"
+            paths = [fused_cpu_moe, gathered_moe] if top_k == 8 else [fused_cpu_moe]
+            banks = [stacked, separate] if tokens in (1, 5) else [stacked]
+            for path in paths:
+                for bank in banks:
+                    flips += layer_flips(path(x, ids, weights, bank), expected, case)
+                    cases += 1
+    assert flips <= cases // 10, f"{flips} of {cases} calls off by a q8 step"
+
+
+def test_bf16_activations_and_router_weights() -> None:
+    bank = _bank(stacked=True)
+    for tokens in (1, 5):
+        x, ids, weights = _routes(tokens, 4, tokens)
+        x, weights = x.bfloat16(), weights.bfloat16()
+        expected = bank_moe(x, ids, weights, bank)
+        for path in (fused_cpu_moe, gathered_moe):
+            actual = path(x, ids, weights, bank)
+            torch.testing.assert_close(actual, expected, rtol=2e-2, atol=2e-2)  # bf16 steps
+
+
+def test_q8_changes_the_arithmetic_not_the_model() -> None:
+    """With q8 off the same bank computes the float path; the two agree to the activations'
+    quantisation error (a test that q8 is really on, and of the right size)."""
+    bank = _bank(stacked=True)
+    x, ids, weights = _routes(4, 2, 7)
+    with_q8 = bank_moe(x, ids, weights, bank)
+    without = bank_moe(x, ids, weights, bank.with_activation_quant("none"))
+    assert not torch.equal(with_q8, without)
+    torch.testing.assert_close(with_q8, without, rtol=0.05, atol=0.05 * without.abs().max())
+
+
+def test_mixed_kinds_are_refused() -> None:
+    q6_k = weight_format("q6_k")
+    down = torch.zeros(q6_k.stored_shape((1, 256, 256)), dtype=torch.uint8)
+    gate_up = Q8_0.quantize(torch.zeros(1, 512, 256))
+    with pytest.raises(ValueError, match="mix int8-block formats"):
+        ExpertBank(gate_up, down, Q8_0, down_fmt=q6_k, activation_quant="q8")
+    with pytest.raises(ValueError, match="activation_quant must be one of"):
+        ExpertBank(gate_up, Q8_0.quantize(torch.zeros(1, 256, 256)), Q8_0, activation_quant="q4")

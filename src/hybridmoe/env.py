@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +38,48 @@ def dense_kernel() -> bool:
     """HYBRIDMOE_DENSE_KERNEL=0 computes every dense projection with torch, the CPU decode
     steps' too (a measurement switch: the numba kernel's before/after)."""
     return os.environ.get("HYBRIDMOE_DENSE_KERNEL", "1") != "0"
+
+
+def cpu_inline() -> bool:
+    """Whether the cpu device computes its CPU expert jobs on the calling thread instead of
+    the executor's worker thread: by default when openmp_passive() (with a spinning libgomp
+    the inline path cost ~10x the CPU time: the pool thread of the one launching thread spins
+    through the whole step; benchmarks/bench_decode_overhead.py); HYBRIDMOE_CPU_INLINE=1 or 0
+    forces it (a measurement switch)."""
+    forced = os.environ.get("HYBRIDMOE_CPU_INLINE")
+    return openmp_passive() if forced is None else forced == "1"
+
+
+def serial_torch() -> bool:
+    """HYBRIDMOE_SERIAL_TORCH=0 keeps torch's intra-op threads during a CPU decode step
+    (a measurement switch: kernels/threads.serial_torch_ops' before/after)."""
+    return os.environ.get("HYBRIDMOE_SERIAL_TORCH", "1") != "0"
+
+
+_OPENMP_PASSIVE = False  # torch's libgomp loaded with OMP_WAIT_POLICY=PASSIVE (passive_openmp)
+
+
+@contextmanager
+def passive_openmp() -> Iterator[None]:
+    """Within the block OMP_WAIT_POLICY is PASSIVE unless the user set it (hybridmoe/__init__.py
+    imports torch inside it); HYBRIDMOE_PASSIVE_OPENMP=0 leaves libgomp's default, a ~3 ms
+    spin (a measurement switch). Records for openmp_passive() whether torch loads passive."""
+    global _OPENMP_PASSIVE
+    torch_loaded = "torch" in sys.modules
+    if os.environ.get("HYBRIDMOE_PASSIVE_OPENMP", "1") == "0":
+        yield
+        return
+    with default_set("OMP_WAIT_POLICY", "PASSIVE"):
+        passive = os.environ["OMP_WAIT_POLICY"].upper() == "PASSIVE"
+        spin_set = "GOMP_SPINCOUNT" in os.environ
+        _OPENMP_PASSIVE = passive and not spin_set and not torch_loaded
+        yield
+
+
+def openmp_passive() -> bool:
+    """Whether the process's OpenMP pools sleep right after a parallel region: torch was
+    first imported by hybridmoe, with OMP_WAIT_POLICY=PASSIVE and no GOMP_SPINCOUNT."""
+    return _OPENMP_PASSIVE
 
 
 def auto_device() -> str | None:

@@ -6,11 +6,15 @@ The Scheduler, the one generation loop, drives these.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
+from hybridmoe import env
 from hybridmoe.engine.kv_cache import KVCache
 from hybridmoe.engine.sampling import sample_batch
 from hybridmoe.engine.sequence import Sequence
+from hybridmoe.kernels.threads import serial_torch_ops
 from hybridmoe.models.transformer import MoeCausalLM
 
 
@@ -39,6 +43,8 @@ def decode(model: MoeCausalLM, rows: list[int], seqs: list[Sequence], cache: KVC
     ids = torch.tensor([[seq.output_ids[-1]] for seq in seqs])  # [B, 1]
     positions = torch.tensor([[seq.next_position] for seq in seqs])  # [B, 1]
     batch = model.make_batch(positions, rows, cache, is_decode=True)
-    logits = model.forward(ids, batch)  # [B, V]
+    # on the cpu device the numba kernels take every core; torch's few small ops take one
+    with serial_torch_ops() if model.device.type == "cpu" and env.serial_torch() else nullcontext():
+        logits = model.forward(ids, batch)  # [B, V]
     tokens = sample_batch(logits, [seq.sampler for seq in seqs])
     return [seq.append(token) for seq, token in zip(seqs, tokens, strict=True)]

@@ -23,6 +23,7 @@ from numba import prange
 from hybridmoe import env
 from hybridmoe.kernels.numba_cache import cached_njit
 from hybridmoe.kernels.numba_moe import _matmul, _round_bf16, kernel_sources, launch
+from hybridmoe.kernels.threads import kernel_threads
 from hybridmoe.quant.formats import WEIGHT_FORMATS, KernelFormat, WeightFormat
 
 ROWS_PER_ITEM = 32  # weight rows per parallel work item
@@ -96,7 +97,8 @@ def dense_linear(
     """Host x [..., n] (float32 or bfloat16) -> new [..., out_features] in x's dtype: x W^T + b
     by the contract above. W is `out_features` rows of n weights stored in `fmt` as the flat
     bytes `w_bytes` (weight_bytes); `bias_f32` float32 [out_features] or None. `threads` None:
-    torch's intra-op thread count (the user's --threads), at most numba's pool; one thread
+    torch's intra-op thread count (the user's --threads; threads.kernel_threads), at most
+    numba's pool; one thread
     for a weight under MIN_PARALLEL_BYTES. The result does not depend on the thread count."""
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"dense kernel: activations must be float32 or bfloat16, got {x.dtype}")
@@ -115,7 +117,7 @@ def dense_linear(
     if tokens:
         if threads is None:
             small = w_bytes.shape[0] < MIN_PARALLEL_BYTES
-            threads = 1 if small else min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+            threads = 1 if small else min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
         args = (w_bytes, row_bytes, n, out_features, x_f32.view(-1).numpy(), tokens, bias)
         launch(DENSE[fmt.name], threads, *args, act_bf16, y.view(-1).numpy())
     return y.to(x.dtype).view(*x.shape[:-1], out_features)  # exact: already rounded

@@ -397,10 +397,12 @@ def fused_moe_kernel(gate_up_fmt: str, down_fmt: str):
 # Numba's OpenMP layer streams ~2x faster than its portable 'workqueue' layer here, but an
 # OpenMP team spin-waits after each call by default, and those spinning threads take the
 # cores from the engine's torch threads (measured on 2 cores: layer calls 10x slower while
-# another process ran). Numba's OpenMP runtime is a separate libgomp from torch's, which reads
-# OMP_WAIT_POLICY once when it loads: the pool is started with it set to PASSIVE (unless the
-# user set it), then the variable is restored so child processes' torch is unaffected. The
-# lock keeps any layer safe from concurrent launches (calls would only fight over the cores).
+# another process ran). Numba's OpenMP layer binds to the libgomp already loaded, torch's (the
+# loader reuses a loaded libgomp.so.1; checked with LD_DEBUG=bindings), which read
+# OMP_WAIT_POLICY when torch loaded: hybridmoe/__init__.py imports torch with it set to PASSIVE
+# (unless the user set it). start_pool sets it again for a process whose numba loads its own
+# libgomp. The lock keeps any layer safe from concurrent launches (calls would only fight over
+# the cores).
 _LAUNCH_LOCK = threading.Lock()
 
 

@@ -1,10 +1,16 @@
-"""CpuMoeExecutor: a decode step's CPU expert routes, run on persistent worker threads.
+"""CpuMoeExecutor: a decode step's CPU expert routes, run on persistent worker threads, or
+inline on the calling thread when there is nothing to overlap them with.
 
 `decode_submit` hands a layer's job to the workers and returns at once; `decode_sync` waits for
 it and returns the CPU partial on the caller's device. Moving data between the device and host
 memory, and knowing when it has arrived, is the DeviceSync's job (platform/): this module
 creates no streams or events. torch releases the GIL inside its ops, so a worker computes while
 the caller issues the accelerator's work.
+
+With `inline=True` (the cpu device: its "accelerator" work runs on the same cores, so a worker
+would only add two thread hand-offs per layer) decode_submit computes the job itself; the
+contract is otherwise the same: a failure is kept and raised by decode_sync, the result is the
+same bits (the same expert_fn on the same inputs).
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ class CpuMoeExecutor:
     layers may run at once on different workers (`threads`). The tensors given to decode_submit
     must not be modified until decode_sync for that layer has returned. `sync` defaults to the
     `cpu` device's DeviceSync; pass create_device_sync(device) for an accelerator.
+    `inline=True` starts no worker: decode_submit runs the job on the caller (module docstring);
+    `timeout_s` then bounds nothing.
     """
 
     def __init__(
@@ -70,6 +78,7 @@ class CpuMoeExecutor:
         timeout_s: float = 120.0,
         expert_fn: CpuExpertFn | None = None,
         sync: DeviceSync | None = None,
+        inline: bool = False,
     ):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
@@ -86,9 +95,10 @@ class CpuMoeExecutor:
         self._pending: dict[int, _Job] = {}
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._closed = False
+        self.inline = inline
         self._workers = [
             threading.Thread(target=self._work, name=f"hybridmoe-cpu-experts-{i}", daemon=True)
-            for i in range(threads)
+            for i in range(0 if inline else threads)
         ]
         for worker in self._workers:
             worker.start()
@@ -117,7 +127,10 @@ class CpuMoeExecutor:
         host_inputs, ready = self.sync.to_host((hidden_states, cpu_expert_ids, topk_weights))
         job = _Job(layer_idx, tuple(host_inputs), ready, hidden_states.device)
         self._pending[layer_idx] = job
-        self._jobs.put(job)
+        if self.inline:
+            self._run(job)  # on this thread; an error is kept for decode_sync
+        else:
+            self._jobs.put(job)
 
     def decode_sync(self, layer_idx: int) -> torch.Tensor:
         """Wait for layer `layer_idx`'s submitted job; its float32 partial [T, H] on the input's

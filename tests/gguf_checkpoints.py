@@ -250,15 +250,19 @@ def write_hybrid_gguf(
     experts: ExpertEncoder | None = None,
     mtp_layers: int = 0,
     chat_template: str | None = None,
+    drop_keys: tuple[str, ...] = (),
 ) -> Path:
     """`hf_dir`'s Qwen3-Next / Qwen3.5-MoE model as a GGUF at `path`: experts as `experts`
     encodes them (None: F32); `mtp_layers` random multi-token-prediction blocks appended after
-    the text layers (`nextn_predict_layers`), as the converter writes Qwen3.5's."""
+    the text layers (`nextn_predict_layers`), as the converter writes Qwen3.5's; the metadata
+    keys `drop_keys` left out (a broken file)."""
     config = json.loads((hf_dir / "config.json").read_text())
     arch = HYBRID_ARCH[config["model_type"]]
     tensors = load_file(str(hf_dir / "model.safetensors"))
     writer = gguf.GGUFWriter(str(path), arch)
     _add_hybrid_metadata(writer, arch, config, mtp_layers)
+    for key in drop_keys:
+        del writer.kv_data[0][key]
     _add_tokenizer(writer, None, config, _HYBRID_PRE[arch])
     if chat_template is not None:
         writer.add_chat_template(chat_template)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from hybridmoe.config.model import ModelConfig
 from hybridmoe.errors import CheckpointError
 from hybridmoe.loader.checkpoint import check_all_used, refuse_quantized, stored_dtype
 from hybridmoe.loader.files import read_json_object
@@ -17,7 +18,7 @@ from hybridmoe.loader.tokenizer import TOKENIZER_FILE, Tokenizer
 from hybridmoe.loader.weights import WeightSource
 from hybridmoe.models.gguf_config import GgufKeys, nextn_prefixes
 from hybridmoe.models.gguf_names import gguf_name_map
-from hybridmoe.models.registry import family_for, family_for_gguf
+from hybridmoe.models.registry import ModelFamily, family_for, family_for_gguf
 from hybridmoe.models.transformer import MoeCausalLM
 
 
@@ -66,9 +67,7 @@ def load_gguf_model(
 ):
     """MoeCausalLM of a GGUF model: config from its metadata, dense weights dequantised to
     `dtype` (None: float32), routed experts kept in the file's format, memory-mapped."""
-    family = family_for_gguf(gguf.architecture, str(gguf.path))
-    where = f"{gguf.path} (metadata as config.json fields)"
-    cfg = family.config_from(family.gguf.config(gguf), where)
+    family, cfg = gguf_family_config(gguf)
     restore = family.gguf.restore(cfg) if family.gguf.restore is not None else None
     if family.gguf.names is not None:
         names = family.gguf.names(cfg)
@@ -76,6 +75,13 @@ def load_gguf_model(
         names = gguf_name_map(family.weights.moe_prefix, family.weights.expert_names)
     source = GgufWeightSource(gguf, dtype or torch.float32, names, restore, progress)
     return _build(family, cfg, source, gguf.path, nextn_prefixes(GgufKeys(gguf)))
+
+
+def gguf_family_config(gguf: GgufFile) -> tuple[ModelFamily, ModelConfig]:
+    """The family of a GGUF model and its ModelConfig, from the metadata alone."""
+    family = family_for_gguf(gguf.architecture, str(gguf.path))
+    where = f"{gguf.path} (metadata as config.json fields)"
+    return family, family.config_from(family.gguf.config(gguf), where)
 
 
 def _build(family, cfg, source, origin: Path, unread_prefixes: tuple[str, ...] = ()):

@@ -20,6 +20,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -28,7 +29,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf_checkpoints import write_hybrid_gguf, write_hybrid_reference
 from hybrid_checkpoints import hf_greedy, hf_model, write_checkpoint
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
-from hybridmoe.errors import UnsupportedConfigError
+from hybridmoe.errors import CheckpointError, UnsupportedConfigError
 from hybridmoe.loader.gguf import GgufFile
 from hybridmoe.loader.gguf_tokenizer import gguf_tokenizer
 from hybridmoe.models.loading import load_model
@@ -147,7 +148,9 @@ def test_tokenizer_and_chat_template_come_from_the_file(case: Case) -> None:
     assert rendered == "<|user|>hi"
 
 
-@pytest.mark.parametrize("key", [f"ssm.{k}" for k in SSM_KEYS] + ["full_attention_interval"])
+@pytest.mark.parametrize(
+    "key", [f"ssm.{k}" for k in SSM_KEYS] + ["full_attention_interval", "rope.dimension_count"]
+)
 @pytest.mark.parametrize("checkpoint, arch", [("qwen3_next", "qwen3next"),
                                               ("qwen3_5_moe", "qwen35moe")])  # fmt: skip
 def test_a_missing_linear_attention_key_is_named(key, checkpoint, arch, hf_dirs, tmp_path):
@@ -162,3 +165,17 @@ def test_a_missing_linear_attention_key_is_named(key, checkpoint, arch, hf_dirs,
 def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     return {c: write_checkpoint(c, root / c) for c in ("qwen3_next", "qwen3_5_moe")}
+
+
+def test_a_positive_ssm_a_is_refused(hf_dirs, tmp_path) -> None:
+    """ssm_a holds -exp(A_log): a file with a value that is not negative is another model."""
+    path = write_hybrid_gguf(hf_dirs["qwen3_next"], tmp_path / "m.gguf")
+    reader = gguf.GGUFReader(path, "r+")  # edits the file through its mapping
+    [ssm_a] = [t for t in reader.tensors if t.name == "blk.0.ssm_a"]
+    ssm_a.data[1] = 0.5
+    reader.data.flush()
+    del reader
+    with pytest.raises(CheckpointError) as error:
+        load_model(path)
+    message = str(error.value)
+    assert "\n" not in message and "1 of its 4 values are not (the first: 0.5)" in message

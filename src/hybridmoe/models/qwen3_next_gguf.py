@@ -124,8 +124,12 @@ def _restore_scalars(name: str, value: torch.Tensor) -> torch.Tensor:
     if name == "model.norm.weight" or name.endswith(_OFFSET_NORMS):
         return (value.float() - 1).to(value.dtype)
     if name.endswith(".A_log"):
-        if not bool((value <= 0).all()):
-            raise CheckpointError(f"ssm_a of {name}: must be -exp(A_log) <= 0, has {value}")
+        bad = ~(value <= 0)  # positive or NaN
+        if bool(bad.any()):
+            raise CheckpointError(
+                f"ssm_a ({name}) must hold -exp(A_log) <= 0; {int(bad.sum())} of its "
+                f"{value.numel()} values are not (the first: {float(value[bad][0])})"
+            )
         return (-value.float()).log().to(value.dtype)
     return value
 

@@ -1,7 +1,7 @@
 """GGUF Qwen3-Next (`qwen3next`) and Qwen3.5-MoE (`qwen35moe`) files against transformers.
 
 Each case writes a tiny transformers checkpoint (tests/hybrid_checkpoints.py), converts it to
-GGUF as llama.cpp's converter does (tests/gguf_checkpoints.py: ssm.* metadata, 1 + w norms,
+GGUF as llama.cpp's converter does (tests/gguf_hybrid_checkpoints.py: ssm.* metadata, 1 + w norms,
 -exp(A_log), the split qkvz, Qwen3.5's tiled value heads), and compares with transformers on
 the float model the file stands for (each tensor through what the file stores and back):
 the same ModelConfig as that model's safetensors load, identical greedy tokens (float32) on
@@ -26,7 +26,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from gguf_checkpoints import write_hybrid_gguf, write_hybrid_reference
+from gguf_hybrid_checkpoints import write_hybrid_gguf, write_hybrid_reference
 from hybrid_checkpoints import hf_greedy, hf_model, write_checkpoint
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.errors import CheckpointError, UnsupportedConfigError

@@ -157,11 +157,13 @@ def _add_metadata(writer: gguf.GGUFWriter, config: dict, tensors: dict) -> None:
         writer.add_bos_token_id(config["bos_token_id"])
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: dict | None, config: dict) -> None:
+def _add_tokenizer(
+    writer: gguf.GGUFWriter, tokenizer: dict | None, config: dict, pre: str = "default"
+) -> None:
     writer.add_tokenizer_model("gpt2")
     if tokenizer is None:
         alphabet = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(161, 400)]
-        writer.add_tokenizer_pre("default")
+        writer.add_tokenizer_pre(pre)
         writer.add_token_list(alphabet[: config["vocab_size"]])
         writer.add_token_types([TOKEN_NORMAL] * config["vocab_size"])
         writer.add_token_merges([])

@@ -49,6 +49,12 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
         num_hidden_layers=4, intermediate_size=40, norm_topk_prob=False,
         linear_num_key_heads=1, linear_num_value_heads=3, full_attention_interval=2)),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(num_hidden_layers=4)),
+    # expert rows of whole 256-weight k-quant super-blocks (tests/models/test_gguf_qwen3_next.py)
+    "qwen3_next_wide": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        num_hidden_layers=4, intermediate_size=40, norm_topk_prob=True, mlp_only_layers=[1],
+        hidden_size=256, moe_intermediate_size=256, num_experts=4)),
+    "qwen3_5_moe_wide": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        num_hidden_layers=4, hidden_size=256, moe_intermediate_size=256, num_experts=4)),
 }
 # fmt: on
 MULTIMODAL_CASE = "qwen3_5_moe_multimodal"  # the qwen3_5_moe text model in a VL checkpoint

@@ -190,7 +190,7 @@ def run_plan(args: argparse.Namespace) -> None:
         require_pyplot()  # before any work: a missing extra is a clear error at once
     shape = ModelShape.from_config(args.model)
     hw = HardwareProfile.load(args.hw) if args.hw else default_profile()
-    fmt = args.expert_format or "bf16"
+    fmt = args.expert_format or shape.stored_format or "bf16"  # a GGUF's own, where it has one
     if fmt not in hw.cpu_expert:
         raise ValueError(f"--hw profile has no timings for format {fmt!r}; run bench-hw with it")
     model = CostModel(shape, hw, fmt, "float32" if fmt == "f32" else "bfloat16")
@@ -222,7 +222,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--threads", type=int, default=None, help="CPU kernel and torch threads")
     bench.add_argument("--repeats", type=int, default=10, help="timings per figure (best kept)")
     plan_cmd = commands.add_parser("plan", help="predict decode tok/s per target and cache size")
-    plan_cmd.add_argument("--model", required=True, help="checkpoint dir or config.json")
+    plan_cmd.add_argument(
+        "--model", required=True, help="checkpoint dir, its config.json, or a GGUF file"
+    )
     plan_cmd.add_argument("--gpu-memory", type=float, default=None, help="GiB for the model")
     plan_cmd.add_argument("--trace", default=None, help="a routing trace of this model (.npz)")
     plan_cmd.add_argument("--hw", default=None, help="a profile from bench-hw (JSON)")

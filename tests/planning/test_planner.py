@@ -1,4 +1,5 @@
-"""The planner and its inputs: model shapes from config.json only, hardware profiles as JSON,
+"""The planner and its inputs: model shapes from config.json or GGUF metadata only, hardware
+profiles as JSON,
 the cost model's structure, the plan's rows, and the `plan` command (with and without the
 plot extra)."""
 
@@ -8,10 +9,12 @@ import builtins
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from gguf_checkpoints import write_gguf
 from hybridmoe.cli_planning import run_plan
 from hybridmoe.engine import Engine, EngineConfig
 from hybridmoe.moe.config import OffloadConfig
@@ -33,6 +36,16 @@ def test_shape_reads_the_config_only(tmp_path):
     # Qwen3-30B-A3B: ~3.3 B active parameters, of which 48 x 8 experts are 1.8 B
     active = shape.dense_params + 48 * 8 * 3 * 2048 * 768
     assert 3.0e9 < active < 3.6e9
+
+
+def test_shape_reads_a_gguf_files_metadata(demo_checkpoint, tmp_path, capsys):
+    path = write_gguf(demo_checkpoint, tmp_path / "demo-Q8_0.gguf", "Q8_0")
+    expected = replace(ModelShape.from_config(demo_checkpoint), name="demo-Q8_0")
+    assert ModelShape.from_config(path) == replace(expected, stored_format="q8_0")
+    args = type("Args", (), dict(model=str(path), hw=None, expert_format=None, trace=None,
+                                 gpu_memory=None, plot=None))  # fmt: skip
+    run_plan(args)  # plans the file's own expert format
+    assert "MiB per q8_0 expert" in capsys.readouterr().out
 
 
 def test_expert_bytes_match_the_engines_banks(demo_checkpoint):

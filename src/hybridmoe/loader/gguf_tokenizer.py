@@ -37,6 +37,12 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# Qwen3.5's: Qwen2's with combining marks (\p{M}) kept with their letters, out of punctuation runs
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 @dataclass(frozen=True)
 class PreTokenizerSpec:
@@ -52,6 +58,7 @@ PRE_TOKENIZERS = {
     "gpt-2": PreTokenizerSpec(None),
     "olmo": PreTokenizerSpec(None),  # OLMo's (GPT-NeoX) ByteLevel with the GPT-2 regex
     "qwen2": PreTokenizerSpec(_QWEN2_SPLIT, nfc=True),
+    "qwen35": PreTokenizerSpec(_QWEN35_SPLIT, nfc=True),  # Qwen3.5, NFC as Qwen2's
     "llama-bpe": PreTokenizerSpec(_LLAMA3_SPLIT, ignore_merges=True),  # Llama 3
 }
 

@@ -20,8 +20,10 @@ from hybridmoe.errors import CheckpointError
 from hybridmoe.loader.gguf import GgufFile, GgufTensor
 from hybridmoe.loader.weights import MergedExperts, aligned
 
-# checkpoint name -> GGUF tensor name, or None where the file has no counterpart for it
-GgufNameMap = Callable[[str], "str | None"]
+# checkpoint name -> GGUF tensor name, or None where the file has no counterpart for it; or
+# several names, for a checkpoint tensor the converter split into parts along its rows (their
+# concatenation: Qwen3-Next's in_proj_qkvz, stored as attn_qkv and attn_gate)
+GgufNameMap = Callable[[str], "str | tuple[str, ...] | None"]
 # (checkpoint name, dequantised float32 tensor) -> the tensor as the checkpoint held it
 Restore = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -49,27 +51,44 @@ class GgufWeightSource:
 
     def _tensor(self, name: str) -> GgufTensor | None:
         gguf_name = self._name_map(name)
-        return None if gguf_name is None else self.gguf.tensors.get(gguf_name)
+        if gguf_name is None or isinstance(gguf_name, tuple):
+            return None
+        return self.gguf.tensors.get(gguf_name)
+
+    def _parts(self, name: str) -> list[GgufTensor] | None:
+        """The GGUF tensors checkpoint tensor `name` is stored as (one, or the row-wise parts
+        of a split one); None if the file lacks any."""
+        gguf_names = self._name_map(name)
+        if gguf_names is None:
+            return None
+        found = [self.gguf.tensors.get(n) for n in _as_tuple(gguf_names)]
+        return None if None in found else found
 
     def has(self, name: str) -> bool:
-        return self._tensor(name) is not None
+        return self._parts(name) is not None
 
     def get(self, name: str, shape: Sequence[int], align: bool = True) -> torch.Tensor:
         """The tensor the checkpoint would call `name`, in the source dtype, dequantised;
         CheckpointError if the file lacks it or its shape is not `shape` (GGUF drops
         leading dims of 1: [1, H] and [H] are the same tensor)."""
-        tensor = self._tensor(name)
-        if tensor is None:
+        parts = self._parts(name)
+        if parts is None:
+            missing = [n for n in _as_tuple(self._name_map(name)) if n not in self.gguf.tensors]
             raise CheckpointError(
-                f"{self.gguf.path}: tensor '{self._name_map(name)}' ({name}) is missing"
+                f"{self.gguf.path}: tensor '{missing[0] if missing else None}' ({name}) is missing"
             )
-        if _squeezed(tensor.shape) != _squeezed(tuple(shape)):
+        rows = sum(_squeezed(t.shape)[0] for t in parts)
+        stored = (rows, *_squeezed(parts[0].shape)[1:]) if len(parts) > 1 else parts[0].shape
+        if _squeezed(stored) != _squeezed(tuple(shape)):
+            shown = " + ".join(f"'{t.name}' {t.shape}" for t in parts)
             raise CheckpointError(
-                f"{tensor.path}: tensor '{tensor.name}' has shape {tensor.shape}, the "
-                f"metadata implies {tuple(shape)}"
+                f"{parts[0].path}: tensor {shown} has shape {stored}, the metadata implies "
+                f"{tuple(shape)}"
             )
-        self._mark_read(tensor)
-        value = _dequantized(tensor, self.dtype).reshape(tuple(shape))
+        for tensor in parts:
+            self._mark_read(tensor)
+        values = [_dequantized(t, self.dtype).reshape(_squeezed(t.shape)) for t in parts]
+        value = (values[0] if len(values) == 1 else torch.cat(values)).reshape(tuple(shape))
         if self._restore is not None:
             value = self._restore(name, value)
         return aligned(value) if align else value
@@ -102,10 +121,14 @@ class GgufWeightSource:
 
 
 def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
-    dims = list(shape)
-    while len(dims) > 1 and dims[0] == 1:
-        dims.pop(0)
-    return tuple(dims)
+    """`shape` without its dims of 1 (the converter squeezes some tensors: a conv1d weight
+    [C, 1, K] is stored [C, K]; the bytes are the same)."""
+    dims = tuple(d for d in shape if d != 1)
+    return dims or (1,)
+
+
+def _as_tuple(names: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if names is None else names if isinstance(names, tuple) else (names,)
 
 
 def _dequantized(tensor: GgufTensor, dtype: torch.dtype) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 from hybridmoe.config.model import ModelConfig
 from hybridmoe.errors import UnsupportedConfigError
 from hybridmoe.loader.gguf import GgufFile
-from hybridmoe.loader.gguf_weights import Restore
+from hybridmoe.loader.gguf_weights import GgufNameMap, Restore
 
 # GGUF `<arch>.rope.scaling.type` -> config.json rope_type; "none" means no scaling
 ROPE_SCALING_TYPES = {"none": None, "linear": "linear", "yarn": "yarn"}
@@ -36,6 +36,9 @@ class GgufSpec:
     architecture: str
     config: Callable[[GgufFile], dict[str, Any]]
     restore: Callable[[ModelConfig], Restore] | None = None
+    # the family's own name map, given the parsed config; None: models/gguf_names.py's
+    # gguf_name_map of the family's WeightNames
+    names: Callable[[ModelConfig], GgufNameMap] | None = None
 
 
 class GgufKeys:
@@ -61,22 +64,27 @@ class GgufKeys:
         )
 
 
-def decoder_fields(keys: GgufKeys, architecture: str) -> dict[str, Any]:
+def decoder_fields(
+    keys: GgufKeys, architecture: str, partial_rotary: bool = False
+) -> dict[str, Any]:
     """The config.json fields every supported family shares, for `architecture` (its
-    `architectures` name)."""
+    `architectures` name). `partial_rotary`: the family rotates `rope.dimension_count` dims of
+    each head (its `partial_rotary_factor`); otherwise any count but the head's is refused."""
     hidden = keys.require("embedding_length")
     heads = keys.require("attention.head_count")
     head_dim = keys.get("attention.key_length", int, hidden // max(heads, 1))
     if keys.get("attention.value_length", int, head_dim) != head_dim:
         keys.refuse("attention.value_length", f"must equal the key length {head_dim}")
-    if keys.get("rope.dimension_count", int, head_dim) != head_dim:
+    rotary = _partial_rotary(keys, head_dim) if partial_rotary else {}
+    if not partial_rotary and keys.get("rope.dimension_count", int, head_dim) != head_dim:
         keys.refuse("rope.dimension_count", f"partial rotary is not supported (head {head_dim})")
     return {
+        **rotary,
         "architectures": [architecture],
         "hidden_act": "silu",  # every supported family's experts; GGUF does not say
         "vocab_size": _vocab_size(keys),
         "hidden_size": hidden,
-        "num_hidden_layers": keys.require("block_count"),
+        "num_hidden_layers": text_block_count(keys),
         "num_attention_heads": heads,
         "num_key_value_heads": keys.get("attention.head_count_kv", int, heads),
         "head_dim": head_dim,
@@ -91,9 +99,33 @@ def decoder_fields(keys: GgufKeys, architecture: str) -> dict[str, Any]:
     }
 
 
+def text_block_count(keys: GgufKeys) -> int:
+    """The decoder layers of the text model: `block_count` less the multi-token-prediction
+    layers llama.cpp's converter appends after them (`nextn_predict_layers`, Qwen3.5's MTP)."""
+    blocks, nextn = keys.require("block_count"), keys.get("nextn_predict_layers", int, 0)
+    if not 0 <= nextn < blocks:
+        keys.refuse("nextn_predict_layers", f"must be below block_count {blocks}")
+    return blocks - nextn
+
+
+def nextn_prefixes(keys: GgufKeys) -> tuple[str, ...]:
+    """The tensor-name prefixes of the multi-token-prediction layers (`blk.N.` past the text
+    model's layers), which hybridmoe does not run (as for safetensors' `mtp.` tensors)."""
+    return tuple(f"blk.{i}." for i in range(text_block_count(keys), keys.require("block_count")))
+
+
+def _partial_rotary(keys: GgufKeys, head_dim: int) -> dict[str, float]:
+    """{partial_rotary_factor} from `rope.dimension_count` (rotary dims of each head)."""
+    dims = keys.require("rope.dimension_count")
+    factor = dims / head_dim
+    if not 0 < dims <= head_dim or dims % 2 or int(head_dim * factor) != dims:
+        keys.refuse("rope.dimension_count", f"must be even and within the head ({head_dim})")
+    return {"partial_rotary_factor": factor}
+
+
 def dense_layers(keys: GgufKeys) -> list[int]:
     """Layers without a router (`blk.N.ffn_gate_inp`): dense MLPs (Qwen's `mlp_only_layers`)."""
-    layers = keys.require("block_count")
+    layers = text_block_count(keys)
     return [i for i in range(layers) if not keys.has_tensor(f"blk.{i}.ffn_gate_inp.weight")]
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from hybridmoe.config.model import ModelConfig
 from hybridmoe.errors import CheckpointError
 from hybridmoe.loader.checkpoint import check_all_used, refuse_quantized, stored_dtype
 from hybridmoe.loader.files import read_json_object
@@ -15,8 +16,9 @@ from hybridmoe.loader.gguf_tokenizer import gguf_tokenizer
 from hybridmoe.loader.gguf_weights import GgufWeightSource
 from hybridmoe.loader.tokenizer import TOKENIZER_FILE, Tokenizer
 from hybridmoe.loader.weights import WeightSource
+from hybridmoe.models.gguf_config import GgufKeys, nextn_prefixes
 from hybridmoe.models.gguf_names import gguf_name_map
-from hybridmoe.models.registry import family_for, family_for_gguf
+from hybridmoe.models.registry import ModelFamily, family_for, family_for_gguf
 from hybridmoe.models.transformer import MoeCausalLM
 
 
@@ -65,19 +67,28 @@ def load_gguf_model(
 ):
     """MoeCausalLM of a GGUF model: config from its metadata, dense weights dequantised to
     `dtype` (None: float32), routed experts kept in the file's format, memory-mapped."""
+    family, cfg = gguf_family_config(gguf)
+    restore = family.gguf.restore(cfg) if family.gguf.restore is not None else None
+    if family.gguf.names is not None:
+        names = family.gguf.names(cfg)
+    else:
+        names = gguf_name_map(family.weights.moe_prefix, family.weights.expert_names)
+    source = GgufWeightSource(gguf, dtype or torch.float32, names, restore, progress)
+    return _build(family, cfg, source, gguf.path, nextn_prefixes(GgufKeys(gguf)))
+
+
+def gguf_family_config(gguf: GgufFile) -> tuple[ModelFamily, ModelConfig]:
+    """The family of a GGUF model and its ModelConfig, from the metadata alone."""
     family = family_for_gguf(gguf.architecture, str(gguf.path))
     where = f"{gguf.path} (metadata as config.json fields)"
-    cfg = family.config_from(family.gguf.config(gguf), where)
-    restore = family.gguf.restore(cfg) if family.gguf.restore is not None else None
-    names = gguf_name_map(family.weights.moe_prefix, family.weights.expert_names)
-    source = GgufWeightSource(gguf, dtype or torch.float32, names, restore, progress)
-    return _build(family, cfg, source, gguf.path)
+    return family, family.config_from(family.gguf.config(gguf), where)
 
 
-def _build(family, cfg, source, origin: Path):
+def _build(family, cfg, source, origin: Path, unread_prefixes: tuple[str, ...] = ()):
+    """The model; `unread_prefixes`: tensors left unread besides the family's ignored ones."""
     try:
         model = family.build(cfg, family, source)
-        check_all_used(source, origin, family.weights.ignored_prefixes)
+        check_all_used(source, origin, family.weights.ignored_prefixes + unread_prefixes)
         return model
     finally:
         source.close()

@@ -22,7 +22,9 @@ from types import MappingProxyType
 import hybridmoe.layers.gated_attention  # noqa: F401  registers attention kind "gated_gqa"
 import hybridmoe.layers.gated_deltanet  # noqa: F401  registers the "gated_deltanet*" kinds
 from hybridmoe.config.model import HfConfigReader, LinearAttentionConfig, ModelConfig
+from hybridmoe.models.gguf_config import GgufSpec
 from hybridmoe.models.parsing import decoder_config, qwen_sparse_layers
+from hybridmoe.models.qwen3_next_gguf import QWEN3NEXT_GGUF, QWEN35MOE_GGUF
 from hybridmoe.models.registry import ModelFamily, WeightNames, register
 from hybridmoe.models.transformer import MoeCausalLM
 
@@ -131,7 +133,14 @@ def parse_qwen3_5_moe_multimodal(r: HfConfigReader) -> ModelConfig:
     return replace(cfg, tie_word_embeddings=r.get("tie_word_embeddings", bool))
 
 
-def _family(architecture: str, parse, defaults, weights: WeightNames, linear: str) -> ModelFamily:
+def _family(
+    architecture: str,
+    parse,
+    defaults,
+    weights: WeightNames,
+    linear: str,
+    gguf: GgufSpec | None = None,
+) -> ModelFamily:
     return register(
         ModelFamily(
             architecture=architecture,
@@ -144,6 +153,7 @@ def _family(architecture: str, parse, defaults, weights: WeightNames, linear: st
             attention="gated_gqa",
             linear_attention=linear,
             norm="offset_rms",
+            gguf=gguf,
         )
     )
 
@@ -155,6 +165,7 @@ QWEN3_NEXT = _family(
     QWEN3_NEXT_DEFAULTS,
     WeightNames(ignored_prefixes=_MTP),
     "gated_deltanet_qkvz",
+    QWEN3NEXT_GGUF,
 )
 QWEN3_5_MOE = _family(
     "Qwen3_5MoeForCausalLM",
@@ -162,6 +173,7 @@ QWEN3_5_MOE = _family(
     QWEN3_5_MOE_DEFAULTS,
     WeightNames(ignored_prefixes=(*_MTP, "model.visual.")),
     "gated_deltanet",
+    QWEN35MOE_GGUF,  # GGUF files of the multimodal checkpoints hold the text model only
 )
 QWEN3_5_MOE_MULTIMODAL = _family(
     "Qwen3_5MoeForConditionalGeneration",

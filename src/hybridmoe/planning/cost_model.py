@@ -16,17 +16,28 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridmoe.config.model import ModelConfig
+from hybridmoe.loader.gguf import GgufFile, is_gguf
+from hybridmoe.models.loading import gguf_family_config
 from hybridmoe.models.registry import family_for
 from hybridmoe.moe.fetch_policy import FetchCosts
 from hybridmoe.planning.hardware import HardwareProfile
-from hybridmoe.quant.formats import weight_format
+from hybridmoe.quant.formats import WEIGHT_FORMATS, weight_format
 
 BOTTLENECKS = ("CPU DRAM", "PCIe", "GPU", "orchestration")
 
 
+def _stored_expert_format(gguf: GgufFile) -> str | None:
+    """The registered format every `blk.N.ffn_*_exps` tensor of `gguf` is stored in, if one."""
+    types = {t.type_name for name, t in gguf.tensors.items() if name.endswith("_exps.weight")}
+    name = types.pop().lower() if len(types) == 1 else None
+    return name if name in WEIGHT_FORMATS else None
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """What the planner needs of a model, read from its config.json only (no weights)."""
+    """What the planner needs of a model, read from its config.json or a GGUF file's metadata
+    only (no weights)."""
 
     name: str
     hidden: int
@@ -36,14 +47,26 @@ class ModelShape:
     num_experts: int
     top_k: int
     dense_params: int  # weights read once per decoded token outside the routed experts
+    # the weight format a GGUF file stores every routed expert in (None: a float checkpoint,
+    # or a file mixing types, as Q4_K_M does)
+    stored_format: str | None = None
 
     @classmethod
     def from_config(cls, path: str | Path) -> ModelShape:
-        """From a checkpoint directory or its config.json; the family's own parser validates."""
+        """From a checkpoint directory or its config.json, or a GGUF model (a .gguf file, the
+        first part of a split set, a directory of one); the family's own parser validates."""
         path = Path(path)
+        if is_gguf(path):
+            gguf = GgufFile(path)
+            _, cfg = gguf_family_config(gguf)
+            return cls.of(cfg, gguf.path.stem, _stored_expert_format(gguf))
         file = path / "config.json" if path.is_dir() else path
         raw = json.loads(file.read_text())
         cfg = family_for(raw, str(file)).config_from(raw, str(file))
+        return cls.of(cfg, path.name if path.is_dir() else file.stem)
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, name: str, stored_format: str | None = None) -> ModelShape:
         h, layers = cfg.hidden_size, cfg.num_layers
         attention = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
         moe = sum(cfg.sparse_layers)
@@ -51,10 +74,10 @@ class ModelShape:
         shared = moe * (3 * h * cfg.shared_expert_intermediate_size + h)
         routers = moe * cfg.num_experts * h
         dense = layers * attention + dense_mlp + shared + routers + cfg.vocab_size * h
-        name = path.name if path.is_dir() else file.stem
         return cls(
-            name, h, cfg.moe_intermediate_size, layers, moe, cfg.num_experts, cfg.top_k, dense
-        )
+            name, h, cfg.moe_intermediate_size, layers, moe, cfg.num_experts, cfg.top_k, dense,
+            stored_format,
+        )  # fmt: skip
 
     @property
     def total_experts(self) -> int:

@@ -173,7 +173,10 @@ def _build_offloaded(
             banks, platform, expert_fn, prefill_mode, config.prefill_cpu_tokens
         )
     if target.uses_cpu_executor:  # last: nothing after it can fail and leave its threads
-        executor = CpuMoeExecutor(banks, expert_fn=expert_fn, sync=platform.device_sync())
+        # precompile: the kernel compiles (or loads) now, not inside a job's timeout
+        executor = CpuMoeExecutor(
+            banks, expert_fn=expert_fn, sync=platform.device_sync(), precompile=True
+        )
         parts.cpu_executor = executor
         if parts.cache is not None:
             if isinstance(parts.cache.max_fetch, AutoFetch):  # follows the measured CPU cost

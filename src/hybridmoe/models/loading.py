@@ -69,7 +69,10 @@ def load_gguf_model(
     where = f"{gguf.path} (metadata as config.json fields)"
     cfg = family.config_from(family.gguf.config(gguf), where)
     restore = family.gguf.restore(cfg) if family.gguf.restore is not None else None
-    names = gguf_name_map(family.weights.moe_prefix, family.weights.expert_names)
+    weights = family.weights
+    names = gguf_name_map(
+        weights.moe_prefix, weights.expert_names, weights.router, dict(family.gguf.layer_names)
+    )
     source = GgufWeightSource(gguf, dtype or torch.float32, names, restore, progress)
     return _build(family, cfg, source, gguf.path)
 

@@ -52,6 +52,7 @@ from hybridmoe.quant.formats import WEIGHT_FORMATS
 from hybridmoe.server.reasoning import Reasoning, resolve_reasoning
 from loader.test_gguf_files import _cli_error
 from loader.test_gguf_tokenizer import CORPUS, original_tokenizer
+from models.test_gpt_oss_oracle import decode_logits
 from mxfp4_layout import hf_layout
 from server.test_reasoning import ANALYSIS, FINAL, HARMONY_TEMPLATE, HARMONY_TOKENS, MESSAGES
 
@@ -136,9 +137,12 @@ def test_every_target_matches_transformers(reference, expert_type: str, target: 
     config = EngineConfig(dtype="float32", max_seq_len=64, offload=TARGETS[target])
     with Engine.from_pretrained(ref.gguf_path, config) as engine:
         batch = engine.generate_ids([PROMPT_IDS, SHORT_PROMPT_IDS], GREEDY)
-        logits = engine.model.logits(PROMPT_IDS + ref.tokens[:-1])
+        prefill = engine.model.logits(PROMPT_IDS + ref.tokens[:-1])  # [T, V]
+        decoded = decode_logits(engine, PROMPT_IDS, ref.tokens[:-1])  # the target's decode
     assert batch == [ref.tokens, ref.short_tokens]
-    torch.testing.assert_close(logits, ref.logits, atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
+    tol = dict(atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
+    torch.testing.assert_close(prefill, ref.logits, **tol)
+    torch.testing.assert_close(decoded, ref.logits[len(PROMPT_IDS) :], **tol)
 
 
 @pytest.mark.parametrize("expert_type", ["F32", "BF16", "MXFP4"])

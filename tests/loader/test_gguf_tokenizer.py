@@ -17,6 +17,7 @@ from hybridmoe.demo import demo_checkpoint_dir
 from hybridmoe.loader.gguf import GgufFile
 from hybridmoe.loader.gguf_tokenizer import (
     _LLAMA3_SPLIT,
+    _O200K_SPLIT,
     _QWEN2_SPLIT,
     _QWEN35_SPLIT,
     gguf_tokenizer,
@@ -36,6 +37,7 @@ CORPUS = [
     "नमस्ते दुनिया, ภาษาไทย; a mark NFC cannot compose: q\u0301",
     "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
     "I'M SHOUTING, YOU'RE NOT'S <think>ok",
+    "camelCaseName HTTPServer xmlHTTPRequest DON'T Don'tStop path/to/file.py//\n\r\n",
     "",
 ]
 TEMPLATE = (
@@ -47,7 +49,12 @@ def _pre_tokenizer(pre: str) -> dict:
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
     if pre in ("default", "gpt-2", "olmo"):
         return {**byte_level, "use_regex": True}
-    split = {"qwen2": _QWEN2_SPLIT, "qwen35": _QWEN35_SPLIT, "llama-bpe": _LLAMA3_SPLIT}[pre]
+    split = {
+        "qwen2": _QWEN2_SPLIT,
+        "qwen35": _QWEN35_SPLIT,
+        "llama-bpe": _LLAMA3_SPLIT,
+        "gpt-4o": _O200K_SPLIT,
+    }[pre]
     return {
         "type": "Sequence",
         "pretokenizers": [
@@ -94,7 +101,9 @@ def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_hf_checkpoint("qwen3_moe", "mha_tied_top1", tmp_path_factory.mktemp("hf"))
 
 
-@pytest.mark.parametrize("pre", ["qwen2", "qwen35", "llama-bpe", "olmo", "default", "gpt-2"])
+@pytest.mark.parametrize(
+    "pre", ["qwen2", "qwen35", "llama-bpe", "olmo", "default", "gpt-2", "gpt-4o"]
+)
 def test_gguf_tokenizer_encodes_and_decodes_like_the_original(pre, tiny_hf, tmp_path) -> None:
     spec, path = original_tokenizer(pre, tmp_path / "orig")
     gguf_path = write_gguf(tiny_hf, tmp_path / "m.gguf", tokenizer=spec, chat_template=TEMPLATE)

@@ -66,7 +66,7 @@ def make_case(root: Path, family: str, variant: str, expert_type: str) -> Case:
     return Case(float_dir, gguf_path, tokens, logits)
 
 
-# the families tests/gguf_checkpoints.py can write as GGUF (gpt-oss's GGUF is not built yet)
+# the families tests/gguf_checkpoints.py writes as GGUF (gpt-oss: tests/gguf_gpt_oss.py)
 GGUF_CASES = [case for case in ORACLE_CASES if case[0] in GGUF_ARCH]
 
 

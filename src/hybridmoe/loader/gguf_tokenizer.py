@@ -42,6 +42,15 @@ _QWEN35_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (tiktoken's o200k_base, gpt-oss's tokenizer.json): case-split words with contractions,
+# digits in threes, punctuation runs with trailing newlines or slashes
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,7 @@ PRE_TOKENIZERS = {
     "qwen2": PreTokenizerSpec(_QWEN2_SPLIT, nfc=True),
     "qwen35": PreTokenizerSpec(_QWEN35_SPLIT, nfc=True),  # Qwen3.5, NFC as Qwen2's
     "llama-bpe": PreTokenizerSpec(_LLAMA3_SPLIT, ignore_merges=True),  # Llama 3
+    "gpt-4o": PreTokenizerSpec(_O200K_SPLIT),  # o200k: gpt-oss
 }
 
 

@@ -30,8 +30,9 @@ EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
 @dataclass(frozen=True)
 class GgufSpec:
     """How a family is stored in GGUF: its `general.architecture`, the translation of its
-    metadata into config.json fields, and what must be undone on its tensors (given the
-    parsed config), if anything."""
+    metadata into config.json fields, what must be undone on its tensors (given the parsed
+    config), if anything, and its decoder layer parts that llama.cpp names otherwise than
+    the shared table (models/gguf_names.py LAYER_NAMES: checkpoint part -> GGUF part)."""
 
     architecture: str
     config: Callable[[GgufFile], dict[str, Any]]
@@ -39,6 +40,7 @@ class GgufSpec:
     # the family's own name map, given the parsed config; None: models/gguf_names.py's
     # gguf_name_map of the family's WeightNames
     names: Callable[[ModelConfig], GgufNameMap] | None = None
+    layer_names: tuple[tuple[str, str], ...] = ()  # (checkpoint part, GGUF part) pairs
 
 
 class GgufKeys:

@@ -10,6 +10,8 @@ tests/loader/test_gguf_names.py checks this table against gguf-py's own map.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from hybridmoe.loader.gguf_weights import GgufNameMap
 
@@ -40,24 +42,43 @@ LAYER_NAMES = {
 ROUTER_NAME = "ffn_gate_inp"
 EXPERT_NAMES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # gate, up, down
 
+# decoder layer tensors whose checkpoint name has no .weight/.bias -> the GGUF part with its kind
+# (llama.cpp's converter appends `.weight` to gpt-oss's `self_attn.sinks`)
+BARE_LAYER_NAMES = {"self_attn.sinks": "attn_sinks.weight"}
+NO_NAMES: Mapping[str, str] = MappingProxyType({})
+
 _LAYER = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<part>.+)\.(?P<kind>weight|bias)$")
+_BARE_LAYER = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<part>.+)$")
 _GLOBAL = re.compile(r"^(?P<part>.+)\.(?P<kind>weight|bias)$")
 
 
-def gguf_name_map(moe_prefix: str, expert_names: tuple[str, str, str]) -> GgufNameMap:
-    """The map of a family whose MoE block is `model.layers.N.<moe_prefix>` with experts
-    `experts.{gate,up,down name}` (models/registry.py: WeightNames). A merged expert tensor
-    is asked for as `<moe_prefix>.experts.<name>.weight`."""
+def gguf_name_map(
+    moe_prefix: str,
+    expert_names: tuple[str, str, str],
+    router: str = "gate",
+    layer_overrides: Mapping[str, str] = NO_NAMES,
+) -> GgufNameMap:
+    """The map of a family whose MoE block is `model.layers.N.<moe_prefix>` with router
+    `<moe_prefix>.<router>` and experts `experts.{gate,up,down name}` (models/registry.py:
+    WeightNames), with `layer_overrides` (decoder layer part -> GGUF part) where llama.cpp
+    names the family's parts otherwise than LAYER_NAMES (GgufSpec.layer_names). A merged
+    expert tensor is asked for as `<moe_prefix>.experts.<name>.weight` (and its bias, where
+    the family has expert biases, as `.bias`)."""
     layer_names = dict(LAYER_NAMES)
-    layer_names[f"{moe_prefix}.gate"] = ROUTER_NAME
+    layer_names[f"{moe_prefix}.{router}"] = ROUTER_NAME
     for name, gguf in zip(expert_names, EXPERT_NAMES, strict=True):
         layer_names[f"{moe_prefix}.experts.{name}"] = gguf
+    layer_names.update(layer_overrides)
 
     def name_map(name: str) -> str | None:
         found = _LAYER.match(name)
         if found is not None:
             part = layer_names.get(found["part"])
             return None if part is None else f"blk.{found['layer']}.{part}.{found['kind']}"
+        found = _BARE_LAYER.match(name)
+        if found is not None:
+            part = BARE_LAYER_NAMES.get(found["part"])
+            return None if part is None else f"blk.{found['layer']}.{part}"
         found = _GLOBAL.match(name)
         part = None if found is None else GLOBAL_NAMES.get(found["part"])
         return None if part is None else f"{part}.{found['kind']}"

@@ -10,6 +10,11 @@ size fields without a meaningful default are required instead. Checkpoints with 
 (`quantization_config.quant_method == "mxfp4"`: `gate_up_proj_blocks` / `_scales` and
 `down_proj_blocks` / `_scales`, as published) load as stored, in the mxfp4 format
 (quant/mxfp4_hf.py rearranges the bytes; nothing is dequantised).
+
+GGUF files (`general.architecture` `gpt-oss`, as llama.cpp's converter writes them) hold the
+experts de-interleaved: `blk.N.ffn_{gate,up}_exps` [E, I, H] (gate_up_proj's even and odd
+columns), `ffn_down_exps` [E, H, I], each with its bias, in the file's type (MXFP4 as
+published, or float); they become the same bank as views of the file.
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ import torch
 
 from hybridmoe.config.model import HfConfigReader, ModelConfig
 from hybridmoe.errors import CheckpointError
-from hybridmoe.loader.weights import WeightSource, release_pages
+from hybridmoe.loader.gguf import GgufFile
+from hybridmoe.loader.weights import MergedExperts, WeightSource, release_pages
+from hybridmoe.models.gguf_config import GgufKeys, GgufSpec, decoder_fields, has_attention_bias
 from hybridmoe.models.parsing import decoder_config
 from hybridmoe.models.registry import ModelFamily, WeightNames, register
 from hybridmoe.models.transformer import MoeCausalLM
 from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.expert_math import ExpertActivation, ExpertBiases
 from hybridmoe.quant.formats import weight_format
+from hybridmoe.quant.merged_bank import bank_from_merged
 from hybridmoe.quant.mxfp4_hf import bank_from_hf_mxfp4
 
 MXFP4 = weight_format("mxfp4")
@@ -105,14 +113,18 @@ def load_gpt_oss_experts(cfg: ModelConfig, source: WeightSource, prefix: str) ->
     in the source dtype, gate_up [E, 2I, H] (the interleaved columns of gate_up_proj [E, H, 2I]
     split into gate's I rows, then up's I), down [E, H, I] (down_proj [E, I, H] transposed);
     MXFP4 experts in the mxfp4 format (the same rows); the biases reordered likewise. One expert
-    at a time is copied, then the file's pages are released."""
+    at a time is copied, then the file's pages are released. A GGUF's merged experts are
+    that bank already (_gguf_experts)."""
     num, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    activation = ExpertActivation("clamped_swiglu", cfg.swiglu_alpha, cfg.swiglu_limit)
+    merged = source.merged_experts(prefix, EXPERT_NAMES)
+    if merged is not None:
+        return _gguf_experts(cfg, source, prefix, merged, activation)
     bias = source.get(f"{prefix}.gate_up_proj_bias", (num, 2 * inter))  # [E, 2I] interleaved
     biases = ExpertBiases(
         torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1),  # [E, 2I]: gate's, then up's
         source.get(f"{prefix}.down_proj_bias", (num, hidden)),
     )
-    activation = ExpertActivation("clamped_swiglu", cfg.swiglu_alpha, cfg.swiglu_limit)
     if source.has(f"{prefix}.gate_up_proj_blocks"):
         gate_up, down = _mxfp4_experts(cfg, source, prefix).tensors()
         return ExpertBank(gate_up, down, MXFP4, biases=biases, activation=activation)
@@ -153,15 +165,83 @@ def _mxfp4_experts(cfg: ModelConfig, source: WeightSource, prefix: str) -> Exper
     return bank
 
 
+# --- GGUF (`general.architecture` gpt-oss) ---------------------------------------------------
+
+# the names the GGUF name map (models/gguf_names.py) asks llama.cpp's merged experts under
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+# gpt-oss's decoder layer parts llama.cpp names otherwise than the other families
+GGUF_LAYER_NAMES = (("post_attention_layernorm", "post_attention_norm"),)
+
+
+def _gguf_experts(
+    cfg: ModelConfig,
+    source: WeightSource,
+    prefix: str,
+    merged: MergedExperts,
+    activation: ExpertActivation,
+) -> ExpertBank:
+    """The layer's experts as llama.cpp's converter stores them (gate_up_proj's even columns
+    as ffn_gate_exps [E, I, H], its odd ones as ffn_up_exps, down_proj transposed as
+    ffn_down_exps [E, H, I], each with its `.bias`): the bank the fused checkpoint gives,
+    gate's rows then up's, as views of the file in its format."""
+    num, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    gate_bias, up_bias = (source.get(f"{prefix}.{n}.bias", (num, inter)) for n in EXPERT_NAMES[:2])
+    biases = ExpertBiases(
+        torch.cat((gate_bias, up_bias), dim=1),  # [E, 2I]: gate's, then up's
+        source.get(f"{prefix}.{EXPERT_NAMES[2]}.bias", (num, hidden)),
+    )
+    return bank_from_merged(merged, (num, hidden, inter), biases, activation)
+
+
+def gpt_oss_gguf_config(gguf: GgufFile) -> dict:
+    """GGUF `gpt-oss` metadata as config.json fields, as llama.cpp reads them: the experts'
+    width `expert_feed_forward_length`, the window `attention.sliding_window`, YaRN from
+    `rope.scaling.*` (required: the converter always writes it), q/k/v/o biases where the
+    file has them. The metadata holds neither `layer_types` nor the SwiGLU constants: layers
+    slide as llama.cpp has them (see _gguf_layer_types), and swiglu_alpha / swiglu_limit are
+    the family's defaults, 1.702 and 7.0, which llama.cpp hard-codes too. YaRN's correction
+    range is not truncated (`truncate` false, as gpt-oss's own config.json has it; llama.cpp
+    rounds it to whole dimensions)."""
+    keys = GgufKeys(gguf)
+    fields = decoder_fields(keys, "GptOssForCausalLM")
+    if keys.require("rope.scaling.type", str) != "yarn":
+        keys.refuse("rope.scaling.type", "gpt-oss's RoPE is YaRN")
+    return {
+        **fields,
+        "intermediate_size": keys.require("expert_feed_forward_length"),
+        "sliding_window": keys.require("attention.sliding_window"),
+        "layer_types": _gguf_layer_types(keys, fields["num_hidden_layers"]),
+        "attention_bias": has_attention_bias(keys),
+        "rope_scaling": {**fields["rope_scaling"], "truncate": False},
+    }
+
+
+def _gguf_layer_types(keys: GgufKeys, layers: int) -> list[str]:
+    """llama.cpp's gpt-oss layers: even ones slide, odd ones attend to everything (its sliding
+    pattern of 2, fixed for the architecture), which is transformers' default `layer_types`.
+    A file whose `attention.sliding_window_pattern` says otherwise is refused, since llama.cpp
+    would not honour it either."""
+    sliding = [i % 2 == 0 for i in range(layers)]
+    stated = keys.get("attention.sliding_window_pattern", object)
+    if isinstance(stated, int) and not isinstance(stated, bool):  # llama.cpp's n_pattern
+        stated = [stated == 0 or i % stated < stated - 1 for i in range(layers)]
+    if stated is not None and (not isinstance(stated, list) or stated != sliding):
+        keys.refuse("attention.sliding_window_pattern", "gpt-oss slides on even layers only")
+    return [("sliding_attention" if s else "full_attention") for s in sliding]
+
+
 GPT_OSS = register(
     ModelFamily(
         architecture="GptOssForCausalLM",
         parse_config=parse_gpt_oss,
         defaults=GPT_OSS_DEFAULTS,
         build=MoeCausalLM,
-        weights=WeightNames(router="router", experts_loader=load_gpt_oss_experts),
+        weights=WeightNames(
+            expert_names=EXPERT_NAMES, router="router", experts_loader=load_gpt_oss_experts
+        ),
         quant_methods=("mxfp4",),
         router="topk_softmax",
         attention="gqa_sinks",
+        gguf=GgufSpec("gpt-oss", gpt_oss_gguf_config, layer_names=GGUF_LAYER_NAMES),
     )
 )

@@ -72,7 +72,10 @@ def load_gguf_model(
     if family.gguf.names is not None:
         names = family.gguf.names(cfg)
     else:
-        names = gguf_name_map(family.weights.moe_prefix, family.weights.expert_names)
+        weights = family.weights
+        names = gguf_name_map(
+            weights.moe_prefix, weights.expert_names, weights.router, dict(family.gguf.layer_names)
+        )
     source = GgufWeightSource(gguf, dtype or torch.float32, names, restore, progress)
     return _build(family, cfg, source, gguf.path, nextn_prefixes(GgufKeys(gguf)))
 

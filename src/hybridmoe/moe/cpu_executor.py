@@ -65,7 +65,9 @@ class CpuMoeExecutor:
     Call submit/sync from one thread. At most one job per layer is in flight; jobs of different
     layers may run at once on different workers (`threads`). The tensors given to decode_submit
     must not be modified until decode_sync for that layer has returned. `sync` defaults to the
-    `cpu` device's DeviceSync; pass create_device_sync(device) for an accelerator.
+    `cpu` device's DeviceSync; pass create_device_sync(device) for an accelerator. The default
+    `expert_fn` is called once per kind of bank while the executor is built (its numba kernel
+    compiles then, not inside a job's `timeout_s`); a given one only with `precompile`.
     `inline=True` starts no worker: decode_submit runs the job on the caller (module docstring);
     `timeout_s` then bounds nothing.
     """
@@ -79,6 +81,7 @@ class CpuMoeExecutor:
         expert_fn: CpuExpertFn | None = None,
         sync: DeviceSync | None = None,
         inline: bool = False,
+        precompile: bool = False,
     ):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
@@ -86,8 +89,8 @@ class CpuMoeExecutor:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.banks = list(banks)
         self.timeout_s = timeout_s
-        if expert_fn is None:
-            expert_fn = create_cpu_expert_fn()
+        if expert_fn is None or precompile:
+            expert_fn = expert_fn or create_cpu_expert_fn()
             _compile_kernels(expert_fn, self.banks)
         self.expert_fn = expert_fn
         self.sync = sync if sync is not None else create_device_sync("cpu")

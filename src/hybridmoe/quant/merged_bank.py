@@ -11,6 +11,7 @@ import torch
 from hybridmoe.errors import CheckpointError
 from hybridmoe.loader.weights import MergedExperts, WeightSource, aligned
 from hybridmoe.quant.bank import ExpertBank, ExpertWeights
+from hybridmoe.quant.expert_math import SILU, ExpertActivation, ExpertBiases
 from hybridmoe.quant.formats import WEIGHT_FORMATS, WeightFormat
 
 
@@ -25,10 +26,16 @@ def load_experts(
     return bank_from_merged(merged, shape)
 
 
-def bank_from_merged(merged: MergedExperts, shape: tuple[int, int, int]) -> ExpertBank:
+def bank_from_merged(
+    merged: MergedExperts,
+    shape: tuple[int, int, int],
+    biases: ExpertBiases | None = None,
+    activation: ExpertActivation = SILU,
+) -> ExpertBank:
     """A bank over a file's merged experts (shape = (E, H, I)) in the file's formats, each a
     registered weight format (experts are never converted at load): gate and up in one
-    format (they are computed side by side), down in its own."""
+    format (they are computed side by side), down in its own; with the family's expert
+    `biases` and `activation` (gpt-oss's), if any."""
     gate_type, up_type, down_type = merged.type_names
     if gate_type != up_type:
         raise CheckpointError(
@@ -43,7 +50,7 @@ def bank_from_merged(merged: MergedExperts, shape: tuple[int, int, int]) -> Expe
         for t, name in zip((merged.gate, merged.up), merged.names[:2], strict=True)
     )
     down = _stored_as(merged.down, down_fmt, (num, hidden, inter), merged.names[2])
-    return _bank_of(gate, up, down, gate_up_fmt, down_fmt)
+    return _bank_of(gate, up, down, gate_up_fmt, down_fmt, biases, activation)
 
 
 def merged_format(merged: MergedExperts, index: int) -> WeightFormat:
@@ -81,6 +88,8 @@ def _bank_of(
     down: torch.Tensor,
     gate_up_fmt: WeightFormat,
     down_fmt: WeightFormat,
+    biases: ExpertBiases | None = None,
+    activation: ExpertActivation = SILU,
 ) -> ExpertBank:
     """The one place a file's bank is assembled from its three merged tensors: views of the
     mapping, no copy. A dense (f32/bf16/f16) tensor not 64-byte aligned in the file is copied
@@ -90,4 +99,12 @@ def _bank_of(
         gate, up = aligned(gate), aligned(up)
     if not down_fmt.is_quantized:
         down = aligned(down)
-    return ExpertBank(gate=gate, up=up, down=down, fmt=gate_up_fmt, down_fmt=down_fmt)
+    return ExpertBank(
+        gate=gate,
+        up=up,
+        down=down,
+        fmt=gate_up_fmt,
+        down_fmt=down_fmt,
+        biases=biases,
+        activation=activation,
+    )

@@ -1,9 +1,10 @@
 """Gated DeltaNet at module level, against `transformers`' torch implementation (float32):
 the delta rule's chunked (prefill) and recurrent (decode) forms against each other and against
 transformers' torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule, across chunk
-boundaries; the whole layer in both checkpoint layouts (Qwen3-Next's fused qkvz/ba, Qwen3.5's
-separate projections) for a prefill and then decode steps through a cache, several rows at
-once at different positions."""
+boundaries; the decode step (numba kernel and torch form, the state in place in the cache's
+rows) against the recurrent form; the whole layer in both checkpoint layouts (Qwen3-Next's fused
+qkvz/ba, Qwen3.5's separate projections) for a prefill and then decode steps through a cache,
+several rows at once at different positions."""
 
 from __future__ import annotations
 
@@ -15,9 +16,16 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_qwen3_5
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from hybridmoe.engine.kv_cache import KVCache
+from hybridmoe.kernels import numba_delta_rule
 from hybridmoe.layers.attention import create_attention
 from hybridmoe.layers.batch import ForwardBatch
-from hybridmoe.layers.delta_rule import chunked_delta_rule, l2_normalize, recurrent_delta_rule
+from hybridmoe.layers.delta_rule import (
+    chunked_delta_rule,
+    delta_rule_step,
+    delta_rule_step_torch,
+    l2_normalize,
+    recurrent_delta_rule,
+)
 from hybridmoe.loader.weights import WeightSource
 from hybridmoe.models.registry import MODEL_REGISTRY
 
@@ -146,3 +154,61 @@ def test_layer_without_cache_is_a_fresh_prefill(tmp_path) -> None:
         expected = hf_layer(x)
     got = ours(x, _batch(cfg, torch.arange(9).expand(2, 9), [0, 1], None, is_decode=False))
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+def _step_inputs(B: int, rows_total: int, hk: int, hv: int, dk: int, dv: int, seed: int = 7):
+    gen = torch.Generator().manual_seed(seed)
+    q = l2_normalize(torch.randn(B, hk, dk, generator=gen)) * dk**-0.5
+    k = l2_normalize(torch.randn(B, hk, dk, generator=gen))
+    v = torch.randn(B, hv, dv, generator=gen)
+    g, beta = -0.3 * torch.rand(B, hv, generator=gen), torch.rand(B, hv, generator=gen)
+    return q, k, v, g, beta, torch.randn(rows_total, hv, dk, dv, generator=gen)
+
+
+@pytest.mark.parametrize("form", [delta_rule_step, delta_rule_step_torch])
+@pytest.mark.parametrize("rows", [[0], [3, 0, 4], [0, 1, 2, 3, 4]])
+def test_decode_step_updates_the_rows_in_place_as_the_reference(form, rows) -> None:
+    """delta_rule_step (the numba kernel on the CPU) and its torch form against
+    recurrent_delta_rule for one token from each row's state: its output, the rows' final
+    states in place, every other row untouched."""
+    q, k, v, g, beta, state = _step_inputs(len(rows), 5, hk=2, hv=4, dk=8, dv=12)
+    index = torch.tensor(rows)
+    group = v.shape[1] // k.shape[1]
+    as_seq = [x.repeat_interleave(group, dim=1)[:, :, None] for x in (q, k)]  # [B, H, 1, dk]
+    ref_out, ref_state = recurrent_delta_rule(
+        *as_seq, v[:, :, None], g[..., None], beta[..., None], state[index]
+    )
+    ours = state.clone()
+    out = form(q, k, v, g, beta, ours, index)
+    torch.testing.assert_close(out, ref_out[:, :, 0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ours[index], ref_state, atol=1e-6, rtol=1e-6)
+    others = [r for r in range(5) if r not in rows]
+    assert torch.equal(ours[others], state[others])
+
+
+def test_decode_step_kernel_refuses_a_state_it_cannot_update_in_place() -> None:
+    q, k, v, g, beta, state = _step_inputs(2, 3, hk=1, hv=2, dk=4, dv=4)
+    rows = torch.tensor([0, 2])
+    with pytest.raises(ValueError, match="contiguous float32 host memory"):
+        numba_delta_rule.delta_rule_step(q, k, v, g, beta, state.transpose(2, 3), rows)
+    with pytest.raises(ValueError, match="contiguous float32 host memory"):
+        numba_delta_rule.delta_rule_step(q, k, v, g, beta, state.double(), rows)
+    with pytest.raises(ValueError, match="do not fit"):
+        numba_delta_rule.delta_rule_step(q, k, v, g, beta, state[:, :1].contiguous(), rows)
+
+
+@pytest.mark.parametrize("dims", [(8, 16, 64, 64), (2, 4, 128, 128), (1, 1, 256, 64)])
+def test_decode_step_kernel_is_the_reference_bit_for_bit(dims) -> None:
+    """Where each head's dv is whole blocks of torch's 4-vector column sums (64 floats on
+    AVX-512, 32 on AVX2; Qwen3-Next and Qwen3.5 have dv = 128) the kernel's cascade order is
+    torch's: outputs and states identical, so bf16 rounds them as transformers does."""
+    hk, hv, dk, dv = dims
+    q, k, v, g, beta, state = _step_inputs(3, 4, hk, hv, dk, dv)
+    index = torch.tensor([2, 0, 3])
+    as_seq = [x.repeat_interleave(hv // hk, dim=1)[:, :, None] for x in (q, k)]
+    ref_out, ref_state = recurrent_delta_rule(
+        *as_seq, v[:, :, None], g[..., None], beta[..., None], state[index]
+    )
+    out = numba_delta_rule.delta_rule_step(q, k, v, g, beta, state, index)
+    assert torch.equal(out, ref_out[:, :, 0])
+    assert torch.equal(state[index], ref_state)

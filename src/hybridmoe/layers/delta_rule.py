@@ -8,14 +8,18 @@ q_t, log decay g_t <= 0, write strength beta_t in (0, 1)) does
     S <- S + k_t u_t^T                       delta-rule write
     o_t = S^T q_t                            read
 
-`recurrent_delta_rule` is exactly that loop (the decode form, and the reference);
-`chunked_delta_rule` computes the same over chunks of `chunk_tokens` positions with matrix
-products (the prefill form): inside a chunk the writes solve one unit lower-triangular system.
+`recurrent_delta_rule` is exactly that loop (the reference); `chunked_delta_rule` computes the
+same over chunks of `chunk_tokens` positions with matrix products (the prefill form): inside a
+chunk the writes solve one unit lower-triangular system. `delta_rule_step` is the decode form:
+one token for each of B sequences, their states updated in place in the cache's rows (the
+numba kernel kernels/numba_delta_rule.py on the CPU, `delta_rule_step_torch` elsewhere).
 """
 
 from __future__ import annotations
 
 import torch
+
+from hybridmoe.kernels import numba_delta_rule
 
 CHUNK_TOKENS = 64  # transformers' chunk size for the torch prefill form
 
@@ -46,6 +50,48 @@ def recurrent_delta_rule(
         S = S + k[:, :, t, :, None] * update[:, :, None, :]
         out[:, :, t] = (S * q[:, :, t, :, None]).sum(dim=-2)
     return out, S
+
+
+def delta_rule_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """delta_rule_step_torch's contract; on the CPU by the numba kernel (same float32 sums in
+    the same order, see kernels/numba_delta_rule.py)."""
+    if state.device.type == "cpu":
+        return numba_delta_rule.delta_rule_step(q, k, v, g, beta, state, rows)
+    return delta_rule_step_torch(q, k, v, g, beta, state, rows)
+
+
+def delta_rule_step_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """One token for each of B sequences: recurrent_delta_rule with T = 1 from state[rows],
+    whose final states replace state[rows]. q, k [B, Hk, dk] (value head h reads key head
+    h // (H / Hk)), v [B, H, dv], g, beta [B, H], all float32, q already scaled; state
+    [R, H, dk, dv] float32, rows [B] int64 (distinct). Returns o [B, H, dv] float32."""
+    B, H, dv = v.shape
+    group = H // k.shape[1]
+    q, k = (x.repeat_interleave(group, dim=1).reshape(B * H, 1, -1) for x in (q, k))
+    S = state[rows].view(B * H, -1, dv)  # [B H, dk, dv], the rows gathered once
+    S.mul_(g.reshape(B * H, 1, 1).exp())
+    predicted = torch.bmm(k, S)  # [B H, 1, dv]
+    update = (v.reshape(B * H, 1, dv) - predicted) * beta.reshape(B * H, 1, 1)
+    S.baddbmm_(k.transpose(1, 2), update)  # S + k u^T
+    out = torch.bmm(q, S).view(B, H, dv)
+    state.index_copy_(0, rows, S.view(B, H, -1, dv))
+    return out
 
 
 def chunked_delta_rule(

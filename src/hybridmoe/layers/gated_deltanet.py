@@ -8,7 +8,9 @@ matrix state (layers/delta_rule.py); gated RMSNorm with silu(z); out_proj.
 
 A prefill step (not `batch.is_decode`) starts every row from a zero state, as a fresh
 sequence from position 0 does; a decode step continues each row's state. Either writes the
-state after its tokens back into `batch.kv`'s rows (engine/kv_cache.KVCache holds it).
+state after its tokens back into `batch.kv`'s rows (engine/kv_cache.KVCache holds it): a
+decode step of one token per row updates them in place (delta_rule.delta_rule_step, the conv
+window shifted by one), anything else gathers the rows and writes the final states back.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ import torch.nn.functional as F
 
 from hybridmoe.layers.attention import register_attention
 from hybridmoe.layers.batch import ForwardBatch
-from hybridmoe.layers.delta_rule import chunked_delta_rule, l2_normalize, recurrent_delta_rule
+from hybridmoe.layers.delta_rule import (
+    chunked_delta_rule,
+    delta_rule_step,
+    l2_normalize,
+    recurrent_delta_rule,
+)
 from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.norm import gated_rms_norm
 from hybridmoe.loader.weights import WeightSource
@@ -60,19 +67,52 @@ class GatedDeltaNet:
         mixed, z, b, a = self.in_proj(x).split(
             [s.conv_dim, s.value_dim, s.num_value_heads, s.num_value_heads], dim=-1
         )
+        beta = b.sigmoid()  # [B, T, value_heads]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if batch.is_decode and batch.kv is not None and T == 1:
+            out = self._decode_step(mixed[:, 0], g[:, 0], beta[:, 0], batch)[:, None]
+        else:
+            out = self._sequence(mixed, g, beta, batch).transpose(1, 2)
+        out = out.to(x.dtype)  # [B, T, value_heads, value_head_dim]
+        gate = z.view(B, T, s.num_value_heads, s.value_head_dim)
+        return self.out_proj(gated_rms_norm(out, self.norm, gate, self.eps).reshape(B, T, -1))
+
+    def _sequence(self, mixed, g, beta, batch: ForwardBatch) -> torch.Tensor:
+        """Any number of tokens per row (a prefill from zeros, or a decode without the fast
+        path): mixed [B, T, conv_dim], g, beta [B, T, value_heads] -> o [B, value_heads, T,
+        value_head_dim] float32; the state after is written into batch.kv's rows."""
+        s = self.spec
         conv_rows, delta_rows = self._rows_state(batch)  # None: start from zeros
         mixed, conv_after = self._conv(mixed, conv_rows)  # [B, T, conv_dim]
         q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
-        beta = b.sigmoid()  # [B, T, value_heads]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out, delta_after = self._delta_rule(q, k, v, g, beta, delta_rows, batch.is_decode)
         if batch.kv is not None:
             conv_all, delta_all = batch.kv.recurrent_state(self.layer_idx)
             conv_all[batch.row_index] = conv_after
             delta_all[batch.row_index] = delta_after
-        out = out.transpose(1, 2).to(x.dtype)  # [B, T, value_heads, value_head_dim]
-        gate = z.view(B, T, s.num_value_heads, s.value_head_dim)
-        return self.out_proj(gated_rms_norm(out, self.norm, gate, self.eps).reshape(B, T, -1))
+        return out
+
+    def _decode_step(self, mixed, g, beta, batch: ForwardBatch) -> torch.Tensor:
+        """One token per row, the rows' states updated in place: mixed [B, conv_dim], g, beta
+        [B, value_heads] -> o [B, value_heads, value_head_dim] float32."""
+        s = self.spec
+        B = mixed.shape[0]
+        conv_all, delta_all = batch.kv.recurrent_state(self.layer_idx)
+        mixed = self._conv_step(mixed, conv_all, batch.row_index)
+        q, k, v = mixed.float().split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        q = l2_normalize(q.view(B, s.num_key_heads, s.key_head_dim)) / s.key_head_dim**0.5
+        k = l2_normalize(k.view(B, s.num_key_heads, s.key_head_dim))
+        v = v.view(B, s.num_value_heads, s.value_head_dim)
+        return delta_rule_step(q, k, v, g, beta.float(), delta_all, batch.row_index)
+
+    def _conv_step(self, x: torch.Tensor, conv_all: torch.Tensor, rows: torch.Tensor):
+        """_conv for one token per row: x [B, C] -> silu(conv) [B, C]; conv_all[rows]
+        [B, C, kernel - 1] shifted by one input in place. The same conv1d over the window as
+        _conv (and transformers' decode step), so the same rounding."""
+        window = torch.cat((conv_all[rows], x[..., None].to(conv_all.dtype)), dim=-1)
+        conv_all[rows] = window[..., 1:]  # window [B, C, kernel]
+        out = F.conv1d(window.to(x.dtype), self.conv_weight, groups=x.shape[1])  # [B, C, 1]
+        return F.silu(out[..., 0])
 
     def _rows_state(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, ...]:
         if not batch.is_decode or batch.kv is None:

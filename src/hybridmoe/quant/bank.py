@@ -299,15 +299,18 @@ class ExpertBank:
         return self._byte_views
 
     def converted(self, fmt: WeightFormat) -> ExpertBank:
-        """A new bank holding these experts in `fmt`, laid out as this one, converted one
-        expert at a time: a dense bank's rows go to fmt.quantize as stored (the quantisers
-        read bf16 and f32 directly), a quantised bank's are expanded to float32 one expert
+        """A new bank holding these experts in `fmt`, laid out as this one: a dense bank's
+        tensors go to fmt's quantiser whole, as stored (the quantisers read bf16 and f32
+        directly; one call a tensor), a quantised bank's are expanded to float32 one expert
         at a time first. ValueError if H or I is not a whole number of fmt's blocks."""
         fmt.check_row_length(self.hidden_size, "hidden_size (gate/up rows)")
         fmt.check_row_length(self.intermediate_size, "moe_intermediate_size (down rows)")
         out = self._empty_like((fmt, fmt), self.num_experts, self.device, with_biases=False)
         sources = zip(self.tensors(), self._tensor_formats(), out.tensors(), strict=True)
         for source, source_fmt, target in sources:
+            if not source_fmt.is_quantized:
+                quantize_into(fmt, source, target)  # [E, rows, n] in one call
+                continue
             for expert in range(self.num_experts):
                 quantize_into(fmt, _float_rows(source_fmt, source[expert]), target[expert])
         out.biases = self.biases  # biases are never quantised

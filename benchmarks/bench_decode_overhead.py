@@ -7,10 +7,10 @@ the thread/allocation changes of issue 14, side by side in one run.
 
 On a shared machine wall time says nothing; these counters do not depend on the load. Each
 variant runs in its own process (its own numba pool, its own rusage), with the debug switches
-of hybridmoe/env.py that restore the old paths ("before"), take them one by one
-("passive", "serial") or not ("after", the defaults; --variants picks; "inline_spinning" is
-the inline path under libgomp's default spin, the combination the defaults avoid). Per decoded token
-(counted around each decode step only, steps.decode): the process's CPU time
+of hybridmoe/env.py that restore the old paths ("before") or not ("after", the defaults);
+--variants picks others: "passive" / "inline_passive" (OMP_WAIT_POLICY=PASSIVE for the whole
+process, the inline CPU executor), "inline_spinning" (inline under libgomp's default spin).
+Per decoded token (counted around each decode step only, steps.decode): the process's CPU time
 (user+sys), voluntary and involuntary context switches, minor page faults, the share of CPU
 time the busiest thread had and how many threads did work; then, in a second pass with
 counting hooks (so not in the timed pass): parallel numba launches, aten ops and Python
@@ -29,14 +29,14 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-OLD = {"HYBRIDMOE_PASSIVE_OPENMP": "0", "HYBRIDMOE_SERIAL_TORCH": "0", "HYBRIDMOE_CPU_INLINE": "0"}
+OLD = {"HYBRIDMOE_SERIAL_TORCH": "0", "HYBRIDMOE_CPU_INLINE": "0"}
 VARIANTS = {  # name -> the environment of its process
-    # the old paths: libgomp's default spin, torch's threads in decode, the worker thread
-    "before": OLD,
-    "passive": {**OLD, "HYBRIDMOE_PASSIVE_OPENMP": "1"},  # + OpenMP pools sleep after a region
-    "serial": {**OLD, "HYBRIDMOE_PASSIVE_OPENMP": "1", "HYBRIDMOE_SERIAL_TORCH": "1"},
-    "after": {},  # the defaults: + the MoE job inline on the calling thread
-    "inline_spinning": {"HYBRIDMOE_PASSIVE_OPENMP": "0", "HYBRIDMOE_CPU_INLINE": "1"},
+    "before": OLD,  # the old paths: torch's threads in decode, the worker thread
+    "after": {},  # the defaults: torch's ops serial in a CPU decode step
+    # every OpenMP pool passive (torch's libgomp, which numba's kernels use too, spins ~3 ms)
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "inline_passive": {"OMP_WAIT_POLICY": "PASSIVE", "HYBRIDMOE_CPU_INLINE": "1"},
+    "inline_spinning": {"HYBRIDMOE_CPU_INLINE": "1"},  # ~10x the CPU time: avoid
 }
 COUNTERS = (  # key, label, format
     ("cpu_ms", "CPU time ms/token (user+sys)", "{:.2f}"),

@@ -61,9 +61,10 @@ _OPENMP_PASSIVE = False  # torch's libgomp loaded with OMP_WAIT_POLICY=PASSIVE (
 
 @contextmanager
 def passive_openmp() -> Iterator[None]:
-    """Within the block OMP_WAIT_POLICY is PASSIVE unless the user set it (hybridmoe/__init__.py
-    imports torch inside it); HYBRIDMOE_PASSIVE_OPENMP=0 leaves libgomp's default, a ~3 ms
-    spin (a measurement switch). Records for openmp_passive() whether torch loads passive."""
+    """Within the block OMP_WAIT_POLICY is PASSIVE unless the user set it, for a program to
+    import torch inside (nothing in hybridmoe does yet: docs/architecture.md);
+    HYBRIDMOE_PASSIVE_OPENMP=0 leaves libgomp's default, a ~3 ms spin (a measurement switch).
+    Records for openmp_passive() whether torch loads passive."""
     global _OPENMP_PASSIVE
     torch_loaded = "torch" in sys.modules
     if os.environ.get("HYBRIDMOE_PASSIVE_OPENMP", "1") == "0":
@@ -78,7 +79,7 @@ def passive_openmp() -> Iterator[None]:
 
 def openmp_passive() -> bool:
     """Whether the process's OpenMP pools sleep right after a parallel region: torch was
-    first imported by hybridmoe, with OMP_WAIT_POLICY=PASSIVE and no GOMP_SPINCOUNT."""
+    first imported inside passive_openmp, with OMP_WAIT_POLICY=PASSIVE and no GOMP_SPINCOUNT."""
     return _OPENMP_PASSIVE
 
 

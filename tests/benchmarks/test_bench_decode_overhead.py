@@ -22,7 +22,7 @@ def test_quick_run_measures_every_counter(capsys) -> None:
         assert set(counters) >= {key for key, _, _ in COUNTERS}, name
         assert all(math.isfinite(v) for v in counters.values()), (name, counters)
         # a decode step launches kernels, runs aten ops and Python code
-        for key in ("launches", "aten_ops", "py_calls", "busy_threads"):
+        for key in ("launches", "aten_ops", "py_calls"):  # thread ticks are 10 ms: may be 0
             assert counters[key] > 0, (name, key, counters)
     printed = capsys.readouterr().out
     assert "load average" in printed and "tokens identical across variants: True" in printed

@@ -1,7 +1,7 @@
-"""hybridmoe's import makes the process's OpenMP runtime (torch's libgomp, which numba's OpenMP
-layer binds to as well) wait passively: right after a parallel region its pool threads are
-asleep, where libgomp's default leaves them spinning (checked too, so the test can fail); and
-OMP_WAIT_POLICY is restored after the import."""
+"""env.passive_openmp around torch's import makes the process's OpenMP runtime (torch's
+libgomp, which numba's OpenMP layer binds to as well) wait passively: right after a parallel
+region its pool threads are asleep, where libgomp's default leaves them spinning (checked too,
+so the test can fail); and OMP_WAIT_POLICY is restored after."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import pytest
 
 PROBE = """
 import json, os, threading
-import hybridmoe  # first: torch loads inside it
-import torch
+from hybridmoe import env
+with env.passive_openmp():
+    import torch
 torch.set_num_threads(2)
 a = torch.ones(1 << 22)
 me = threading.get_native_id()

@@ -399,16 +399,3 @@ def test_a_given_expert_fn_is_not_called_at_build(make_executor, banks):
 
     make_executor(banks, expert_fn=counting)
     assert calls == []
-
-
-def test_a_given_expert_fn_is_called_at_build_when_asked(make_executor, banks):
-    # the engine's executor (engine/moe_runtime.py) is given its configured kernel and asks
-    # for it to compile while it is built: once per kind of bank, before any job
-    calls = []
-
-    def counting(x, ids, weights, bank):
-        calls.append(bank)
-        return bank_moe(x, ids, weights, bank)
-
-    make_executor(banks, expert_fn=counting, precompile=True)
-    assert calls == banks[:1]  # the three banks are of one kind

@@ -173,15 +173,13 @@ def _build_offloaded(
             banks, platform, expert_fn, prefill_mode, config.prefill_cpu_tokens
         )
     if target.uses_cpu_executor:  # last: nothing after it can fail and leave its threads
-        # on the cpu device the layer's other work shares the cores: nothing to overlap;
-        # precompile: the kernel compiles (or loads) now, not inside a job's timeout
+        # on the cpu device the layer's other work shares the cores: nothing to overlap
         inline = not on_accelerator and env.cpu_inline()
         executor = CpuMoeExecutor(
             banks,
             expert_fn=expert_fn,
             sync=platform.device_sync(),
             inline=inline,
-            precompile=True,
         )
         parts.cpu_executor = executor
         if parts.cache is not None:

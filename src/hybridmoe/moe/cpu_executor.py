@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridmoe.errors import CpuExpertError
-from hybridmoe.moe.cpu_experts import CpuExpertFn, create_cpu_expert_fn
+from hybridmoe.moe.cpu_experts import CpuExpertFn, compiles_on_first_call, create_cpu_expert_fn
 from hybridmoe.platform.base import DeviceSync, ReadyHandle, create_device_sync
 from hybridmoe.quant.bank import ExpertBank
 
@@ -65,11 +65,11 @@ class CpuMoeExecutor:
     Call submit/sync from one thread. At most one job per layer is in flight; jobs of different
     layers may run at once on different workers (`threads`). The tensors given to decode_submit
     must not be modified until decode_sync for that layer has returned. `sync` defaults to the
-    `cpu` device's DeviceSync; pass create_device_sync(device) for an accelerator. The default
-    `expert_fn` is called once per kind of bank while the executor is built (its numba kernel
-    compiles then, not inside a job's `timeout_s`); a given one only with `precompile`.
+    `cpu` device's DeviceSync; pass create_device_sync(device) for an accelerator.
     `inline=True` starts no worker: decode_submit runs the job on the caller (module docstring);
-    `timeout_s` then bounds nothing.
+    `timeout_s` then bounds nothing. A kernel that compiles on its first call (the numba one,
+    default or given: cpu_experts.compiles_on_first_call) is compiled here, per kind of bank;
+    any other given `expert_fn` is first called by a job.
     """
 
     def __init__(
@@ -81,7 +81,6 @@ class CpuMoeExecutor:
         expert_fn: CpuExpertFn | None = None,
         sync: DeviceSync | None = None,
         inline: bool = False,
-        precompile: bool = False,
     ):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
@@ -89,8 +88,9 @@ class CpuMoeExecutor:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.banks = list(banks)
         self.timeout_s = timeout_s
-        if expert_fn is None or precompile:
-            expert_fn = expert_fn or create_cpu_expert_fn()
+        if expert_fn is None:
+            expert_fn = create_cpu_expert_fn()
+        if compiles_on_first_call(expert_fn):  # the engine's, given: compiled here all the same
             _compile_kernels(expert_fn, self.banks)
         self.expert_fn = expert_fn
         self.sync = sync if sync is not None else create_device_sync("cpu")
@@ -220,14 +220,17 @@ class CpuMoeExecutor:
 
 
 def _compile_kernels(expert_fn: CpuExpertFn, banks: Sequence[ExpertBank]) -> None:
-    """Call `expert_fn` once per kind of bank (formats, layout, biases, activation) on one
-    route of weight 0, before any job. The numba kernel compiles, or loads from its disk cache,
-    on its first call: minutes on a slow or shared machine, which a job must not spend inside
-    `timeout_s` (that bounds a hung worker, not a compiler); here it takes what it takes, while
-    the engine is built."""
+    """Call `expert_fn` once per kind of bank (formats, activation quantisation, layout, biases,
+    activation) on one route of weight 0, before any job. The numba kernel compiles, or loads
+    from its disk cache, on its first call: minutes on a slow or shared machine, which a job
+    must not spend inside `timeout_s` (that bounds a hung worker, not a compiler); here it
+    takes what it takes, while the engine is built. The first call's argument types are a
+    job's whatever the activation dtype: fused_cpu_moe hands the kernel float32, int64 and
+    the bank's own arrays (tests/moe/test_cpu_executor_compile.py checks it)."""
     seen = set()
     for bank in banks:
-        key = (*(f.name for f in bank.formats), bank.stacked, bank.biases is None, bank.activation)
+        kernel = (*(f.name for f in bank.formats), bank.activation_quant)  # picks the entry
+        key = (*kernel, bank.stacked, bank.biases is None, bank.activation)
         if key in seen:
             continue
         seen.add(key)

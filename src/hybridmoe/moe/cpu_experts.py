@@ -98,6 +98,14 @@ def fused_cpu_moe(
     return y
 
 
+def compiles_on_first_call(expert_fn: CpuExpertFn) -> bool:
+    """Whether `expert_fn` is the numba kernel (fused_cpu_moe, as create_cpu_expert_fn("numba")
+    makes it or bare), which compiles, or loads from the disk cache, on its first call per
+    kind of bank: its user calls it once per kind before any timed call (CpuMoeExecutor)."""
+    func = expert_fn.func if isinstance(expert_fn, partial) else expert_fn
+    return func is fused_cpu_moe
+
+
 def _activation_args(bank: ExpertBank) -> tuple:
     """(code, alpha, limit) of the bank's activation for the numba kernel; alpha and limit
     as float32, the precision torch computes them in (quant/expert_math.py)."""

@@ -29,7 +29,7 @@ import transformers
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.engine.kv_cache import kv_bytes_per_position, state_bytes
 from hybridmoe.models.registry import MODEL_REGISTRY
-from hybridmoe.moe.config import OffloadConfig
+from hybridmoe.moe.config import AUTO_TARGET, DECODE_TARGETS, OffloadConfig
 
 _COMMON = dict(num_key_value_heads=2, max_position_embeddings=4096)
 SHAPES = {  # Qwen3.5-MoE's structure (every 4th layer full attention) at three sizes
@@ -155,12 +155,15 @@ def compare(engine: Engine, hf, args: argparse.Namespace, label: str = "") -> No
 
 def add_common_args(parser: argparse.ArgumentParser, shapes, cache_name: str) -> None:
     """--shape, --checkpoint-dir (default ~/.cache/hybridmoe/<cache_name>-<shape>), --tokens,
-    --threads, --repeats: the flags the e2e comparisons against transformers share."""
+    --threads, --repeats, --decode-target: the flags the e2e comparisons against transformers
+    share."""
     parser.add_argument("--shape", choices=sorted(shapes), default=next(iter(shapes)))
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
+    # auto: what a user gets with no flags (cpu on a machine without an accelerator)
+    parser.add_argument("--decode-target", choices=DECODE_TARGETS, default=AUTO_TARGET)
     parser.set_defaults(cache_name=cache_name)
 
 
@@ -171,9 +174,10 @@ def checkpoint_dir(args: argparse.Namespace) -> Path:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """Every expert resident (the cpu device standing in for the accelerator), as transformers
-    keeps them: the comparison is of the layers' math, not of expert placement."""
-    offload = OffloadConfig(decode_target="resident")
+    """The engine a user gets with `--decode-target` (default auto: the fast CPU kernels on
+    a machine without an accelerator; `resident` puts every expert on the cpu device as
+    transformers keeps them, through the accelerator's torch path)."""
+    offload = OffloadConfig(decode_target=args.decode_target)
     return EngineConfig(
         dtype="bfloat16", threads=args.threads, max_batch=4, max_seq_len=512, offload=offload
     )

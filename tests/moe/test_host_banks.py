@@ -10,7 +10,13 @@ import pytest
 
 BANK_RSS_SCRIPT = """
 import re, sys
-import hybridmoe.kernels.numba_moe  # its shared libraries map the same pages for every target
+import torch
+from hybridmoe.moe.cpu_experts import fused_cpu_moe
+from hybridmoe.quant.bank import ExpertBank
+# numba's libraries and the float32 kernel are loaded (and so mapped) alike for every target:
+# the hybrid target's CPU executor loads that kernel while it is built, the gpu target's not
+fused_cpu_moe(torch.ones(1, 8), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1),
+              ExpertBank(torch.ones(1, 8, 8), torch.ones(1, 8, 4)))
 from hybridmoe.engine import Engine, EngineConfig
 from hybridmoe.moe.config import OffloadConfig
 

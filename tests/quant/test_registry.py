@@ -68,8 +68,12 @@ def test_the_kernel_descriptor_agrees_with_the_stored_shape(name: str) -> None:
 
 
 def test_an_inconsistent_kernel_descriptor_is_refused() -> None:
-    q8_0 = weight_format("q8_0")
-    ir = q8_0.kernel.dequantize_block_ir
+    with_int8 = weight_format("q8_0")
+    ir = with_int8.kernel.dequantize_block_ir
+    with pytest.raises(ValueError, match="int8_blocks_fn and int8_block_ir go together"):
+        dataclasses.replace(with_int8, kernel=KernelFormat("q8_0", 34, ir))
+    # q8_0 without its int8 blocks (activation_q8's), for the descriptor's other checks
+    q8_0 = dataclasses.replace(with_int8, int8_blocks_fn=None, kernel=KernelFormat("q8_0", 34, ir))
     with pytest.raises(ValueError, match="read 34 bytes a block"):
         dataclasses.replace(q8_0, kernel=KernelFormat("q8_0", 36, ir))
     with pytest.raises(ValueError, match="should be named 'q8_0'"):

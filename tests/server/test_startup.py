@@ -8,9 +8,9 @@ import sys
 
 from server.test_setup import run_serve
 
-# In a fresh process (nothing compiled yet): warm up an engine on the cpu target's numba
-# kernel, then serve a first request through its scheduler; print the kernel overloads
-# compiled after each.
+# In a fresh process (nothing compiled yet): build an engine on the cpu target's numba kernel
+# (its CPU executor compiles the kernel while it is built), warm it up, then serve a first
+# request through its scheduler; print the kernel overloads compiled after each.
 SCRIPT = """
 import sys
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
@@ -38,7 +38,7 @@ def test_the_first_request_after_warm_up_compiles_nothing(demo_checkpoint):
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr
     before, warm, after_request = map(int, result.stdout.split())
-    assert before == 0 and warm >= 1
+    assert warm >= 1 and before <= warm  # compiled by the build or the warm-up, not later
     assert after_request == warm
 
 

@@ -9,7 +9,7 @@ On a shared machine wall time says nothing; these counters do not depend on the 
 variant runs in its own process (its own numba pool, its own rusage), with the debug switches
 of hybridmoe/env.py that restore the old paths ("before") or not ("after", the defaults);
 --variants picks others: "passive" / "inline_passive" (OMP_WAIT_POLICY=PASSIVE for the whole
-process, the inline CPU executor), "inline_spinning" (inline under libgomp's default spin).
+process, the inline CPU executor, the default since stop 25), "worker" (the worker thread).
 Per decoded token (counted around each decode step only, steps.decode): the process's CPU time
 (user+sys), voluntary and involuntary context switches, minor page faults, the share of CPU
 time the busiest thread had and how many threads did work; then, in a second pass with
@@ -32,11 +32,11 @@ from pathlib import Path
 OLD = {"HYBRIDMOE_SERIAL_TORCH": "0", "HYBRIDMOE_CPU_INLINE": "0"}
 VARIANTS = {  # name -> the environment of its process
     "before": OLD,  # the old paths: torch's threads in decode, the worker thread
-    "after": {},  # the defaults: torch's ops serial in a CPU decode step
+    "after": {},  # the defaults: torch's ops serial in a CPU decode step, the inline executor
     # every OpenMP pool passive (torch's libgomp, which numba's kernels use too, spins ~3 ms)
-    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE", "HYBRIDMOE_CPU_INLINE": "0"},
     "inline_passive": {"OMP_WAIT_POLICY": "PASSIVE", "HYBRIDMOE_CPU_INLINE": "1"},
-    "inline_spinning": {"HYBRIDMOE_CPU_INLINE": "1"},  # ~10x the CPU time: avoid
+    "worker": {"HYBRIDMOE_CPU_INLINE": "0"},  # serial torch, the worker thread
 }
 COUNTERS = (  # key, label, format
     ("cpu_ms", "CPU time ms/token (user+sys)", "{:.2f}"),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,12 +41,13 @@ def dense_kernel() -> bool:
 
 def cpu_inline() -> bool:
     """Whether the cpu device computes its CPU expert jobs on the calling thread instead of
-    the executor's worker thread: by default when openmp_passive() (with a spinning libgomp
-    the inline path cost ~10x the CPU time: the pool thread of the one launching thread spins
-    through the whole step; benchmarks/bench_decode_overhead.py); HYBRIDMOE_CPU_INLINE=1 or 0
-    forces it (a measurement switch)."""
-    forced = os.environ.get("HYBRIDMOE_CPU_INLINE")
-    return openmp_passive() if forced is None else forced == "1"
+    the executor's worker thread (there is nothing to overlap there): yes unless
+    HYBRIDMOE_CPU_INLINE=0 (a measurement switch). On the worker path the worker's OpenMP team
+    and the calling thread's (dense kernels) are two teams that sleep and wake each other on
+    every layer; inline, one team does both and its pool threads stay hot between kernels
+    (libgomp's spin). Quiet, 1 GB q8_0 GGUF, 2 threads: 66.8 vs 30.9 tok/s decode, prefill
+    466 vs 217 (benchmarks/bench_vs_llamacpp.py; docs/architecture.md)."""
+    return os.environ.get("HYBRIDMOE_CPU_INLINE", "1") != "0"
 
 
 def serial_torch() -> bool:
@@ -56,31 +56,17 @@ def serial_torch() -> bool:
     return os.environ.get("HYBRIDMOE_SERIAL_TORCH", "1") != "0"
 
 
-_OPENMP_PASSIVE = False  # torch's libgomp loaded with OMP_WAIT_POLICY=PASSIVE (passive_openmp)
-
-
 @contextmanager
 def passive_openmp() -> Iterator[None]:
     """Within the block OMP_WAIT_POLICY is PASSIVE unless the user set it, for a program to
-    import torch inside (nothing in hybridmoe does yet: docs/architecture.md);
-    HYBRIDMOE_PASSIVE_OPENMP=0 leaves libgomp's default, a ~3 ms spin (a measurement switch).
-    Records for openmp_passive() whether torch loads passive."""
-    global _OPENMP_PASSIVE
-    torch_loaded = "torch" in sys.modules
+    import torch inside (nothing in hybridmoe does: the cpu device's inline executor wants
+    libgomp's spin, docs/architecture.md); HYBRIDMOE_PASSIVE_OPENMP=0 leaves libgomp's
+    default, a ~3 ms spin (a measurement switch)."""
     if os.environ.get("HYBRIDMOE_PASSIVE_OPENMP", "1") == "0":
         yield
         return
     with default_set("OMP_WAIT_POLICY", "PASSIVE"):
-        passive = os.environ["OMP_WAIT_POLICY"].upper() == "PASSIVE"
-        spin_set = "GOMP_SPINCOUNT" in os.environ
-        _OPENMP_PASSIVE = passive and not spin_set and not torch_loaded
         yield
-
-
-def openmp_passive() -> bool:
-    """Whether the process's OpenMP pools sleep right after a parallel region: torch was
-    first imported inside passive_openmp, with OMP_WAIT_POLICY=PASSIVE and no GOMP_SPINCOUNT."""
-    return _OPENMP_PASSIVE
 
 
 def auto_device() -> str | None:

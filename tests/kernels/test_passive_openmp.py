@@ -34,7 +34,9 @@ before, start = pool_cpu(), time.perf_counter()
 for _ in range(100):
     a.mul_(1.0)  # a short parallel region on 2 threads
     time.sleep(0.003)  # longer than libgomp's default spin
-print(json.dumps({"pool_cpu_s": pool_cpu() - before, "wall_s": time.perf_counter() - start, "policy": os.environ.get("OMP_WAIT_POLICY")}))
+wall_s = time.perf_counter() - start
+policy = os.environ.get("OMP_WAIT_POLICY")
+print(json.dumps({"pool_cpu_s": pool_cpu() - before, "wall_s": wall_s, "policy": policy}))
 """
 
 

@@ -1,7 +1,7 @@
 """CpuMoeExecutor(inline=True), the cpu device's path, against the worker path it replaces: the
 same bits from the same kernel, the same submit/sync contract (failures at sync, not submit),
-no threads; and the engine on the cpu device with it (HYBRIDMOE_CPU_INLINE=1) decodes the
-worker path's tokens."""
+no threads; and the engine on the cpu device with it (the default; HYBRIDMOE_CPU_INLINE=0 is
+the worker path) decodes the worker path's tokens."""
 
 from __future__ import annotations
 
@@ -117,14 +117,22 @@ def test_engine_decode_paths_give_the_same_tokens(
     demo_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, decode_target: str
 ):
     """The worker path with torch's threads in decode (the old one), torch's ops serial in a
-    CPU decode step (the default) and with the inline executor decode the same tokens."""
+    CPU decode step and with the inline executor (forced, and by default) decode the same
+    tokens."""
     results = {}
-    for name, inline, serial in (("old", "0", "0"), ("serial", "0", None), ("inline", "1", None)):
+    variants = (
+        ("old", "0", "0"),
+        ("serial", "0", None),
+        ("inline", "1", None),
+        ("default", None, None),
+    )
+    for name, inline, serial in variants:
         for var, value in (("HYBRIDMOE_CPU_INLINE", inline), ("HYBRIDMOE_SERIAL_TORCH", serial)):
             if value is None:
                 monkeypatch.delenv(var, raising=False)
             else:
                 monkeypatch.setenv(var, value)
         results[name] = _generate(demo_checkpoint, decode_target)
-    assert [used for _, used in results.values()] == [False, False, True]
-    assert results["old"][0] == results["serial"][0] == results["inline"][0]
+    assert [used for _, used in results.values()] == [False, False, True, True]
+    tokens = [ids for ids, _ in results.values()]
+    assert tokens[0] == tokens[1] == tokens[2] == tokens[3]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridmoe.kernels.numba_dense import dense_linear, weight_bytes
+from hybridmoe.kernels.numba_dense import dense_linear, dense_reference, weight_bytes
+from hybridmoe.kernels.projection import DenseProjection, FusedProjection
 from hybridmoe.kernels.torch_dense import dense_linear_torch
 from hybridmoe.quant.formats import weight_format
 from random_weights import random_stored
@@ -85,3 +86,66 @@ def test_bad_sizes_are_refused():
         dense_linear(fmt, weight_bytes(stored), 8, torch.randn(1, 60))
     with pytest.raises(TypeError, match="float32 or bfloat16"):
         dense_linear(fmt, weight_bytes(stored), 8, torch.randn(1, 64).half())
+
+
+@pytest.mark.parametrize(("name", "act_dtype", "rows", "cols"), CASES)
+def test_kernel_matches_scalar_reference_bit_for_bit(name, act_dtype, rows, cols):
+    """The vector kernel against dense_reference, its summation order in scalar code: every
+    bit, for 1..9 tokens (every group shape and a second round of groups), with a bias."""
+    fmt = weight_format(name)
+    gen = torch.Generator().manual_seed(rows + cols)
+    stored = random_stored(fmt, (rows, cols), gen)
+    bias = (torch.randn(rows, generator=gen) * 3).to(act_dtype)
+    for tokens in range(1, 10):
+        x = torch.randn(tokens, cols, generator=gen).to(act_dtype)
+        actual = dense_linear(fmt, weight_bytes(stored), rows, x, bias.float().numpy())
+        assert torch.equal(actual, dense_reference(fmt, stored, x, bias)), (name, tokens)
+
+
+def test_reference_differs_from_another_summation_order():
+    """dense_reference states an order: a plain float32 sum of the same products differs from
+    it somewhere on random data (so the bit-for-bit test above can fail)."""
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(64, 1024, generator=gen), torch.randn(2, 1024, generator=gen)
+    ours = dense_reference(weight_format("f32"), w, x)
+    plain = (x[:, None, :] * w[None]).sum(-1, dtype=torch.float32)
+    assert not torch.equal(ours, plain)
+
+
+def test_multi_item_threads_agree_with_reference():
+    """A weight of several work items (64 KiB each), 1 and 2 threads: the same bits."""
+    fmt = weight_format("q8_0")
+    gen = torch.Generator().manual_seed(2)
+    stored = random_stored(fmt, (1030, 512), gen)
+    x = torch.randn(5, 512, generator=gen).bfloat16()
+    expected = dense_reference(fmt, stored, x)
+    for threads in (1, 2):
+        assert torch.equal(
+            dense_linear(fmt, weight_bytes(stored), 1030, x, threads=threads), expected
+        )
+
+
+@pytest.mark.parametrize("name", ["bf16", "q8_0"])
+def test_fused_projection_parts_are_the_separate_projections(name):
+    """FusedProjection (q, k, v as one call) gives each part's bits from the CPU kernel."""
+    fmt = weight_format(name)
+    gen = torch.Generator().manual_seed(4)
+    parts = [
+        DenseProjection(random_stored(fmt, (rows, 256), gen), fmt=fmt, in_features=256)
+        for rows in (96, 32, 32)
+    ]
+    fused = FusedProjection(parts)
+    for tokens in (1, 3):
+        x = torch.randn(1, tokens, 256, generator=gen).bfloat16()
+        for part, out in zip(parts, fused(x), strict=True):
+            assert torch.equal(out, part(x))
+
+
+def test_fused_projection_refuses_mixed_parts():
+    gen = torch.Generator().manual_seed(5)
+    a = DenseProjection(torch.randn(8, 64, generator=gen).bfloat16())
+    with pytest.raises(ValueError, match="one format"):
+        FusedProjection([a, DenseProjection(torch.randn(8, 32, generator=gen).bfloat16())])
+    with pytest.raises(ValueError, match="bias on every part"):
+        biased = DenseProjection(torch.randn(8, 64).bfloat16(), torch.zeros(8).bfloat16())
+        FusedProjection([a, biased])

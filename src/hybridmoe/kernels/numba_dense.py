@@ -1,16 +1,20 @@
 """The CPU dense projection for decode steps: y = x W^T (+ b) for a few tokens, W in any
 registered weight format, at memory bandwidth.
 
-It is the fused MoE kernel's block machinery (numba_moe._matmul over numba_simd's LLVM tiles,
-each format's own IR dequantiser) applied to one matrix: the rows are split into work items
-of ROWS_PER_ITEM handed to numba's pool one at a time (numba_moe.launch: the same pool, launch
-lock and passive wait policy as the expert kernel), and each weight row is read from memory
-once and dotted with every token's activations (T <= ~16: a decode batch).
+Each call is one pass over the weight: its rows are cut into work items of contiguous rows
+(about ITEM_BYTES of weights each) that numba's pool hands out one at a time
+(numba_moe.launch: the same pool, launch lock and passive wait policy as the expert kernel),
+so each thread streams contiguous memory; within an item, kernels/dense_ir.py's vector loop
+reads each weight row once for up to 4 tokens (T <= ~16: a decode batch) and writes straight
+into the output. A weight under MIN_PARALLEL_BYTES runs on the calling thread, without a
+parallel region (DENSE_SERIAL).
 
-The accumulation contract: each dot product in float32 from the exact weights, the bias added
-in float32, then one rounding to the activation dtype, which is what torch's F.linear computes
-on the CPU in bfloat16 (its GEMM accumulates in float32 and adds the bias before the one
-rounding) and in float32. The reference is kernels/torch_dense.py.
+The accumulation contract: each dot product in float32 from the exact weights, in the order
+dense_ir.py states (then the weights of a partial last block, one fused multiply-add each, in
+order), the bias added in float32, then one rounding to the activation dtype: what torch's
+F.linear computes on the CPU in bfloat16 (float32 accumulation, the bias before the one
+rounding) and in float32, up to the summation order. `dense_reference` restates the order in
+scalar code (bit for bit the same); the torch reference is kernels/torch_dense.py.
 """
 
 from __future__ import annotations
@@ -21,12 +25,15 @@ import torch
 from numba import prange
 
 from hybridmoe import env
+from hybridmoe.kernels import dense_ir
+from hybridmoe.kernels.dense_ir import dense_rows, fma32
 from hybridmoe.kernels.numba_cache import cached_njit
-from hybridmoe.kernels.numba_moe import _matmul, _round_bf16, kernel_sources, launch
+from hybridmoe.kernels.numba_moe import _round_bf16, kernel_sources, launch
+from hybridmoe.kernels.numba_simd import load_weight
 from hybridmoe.kernels.threads import kernel_threads
 from hybridmoe.quant.formats import WEIGHT_FORMATS, KernelFormat, WeightFormat
 
-ROWS_PER_ITEM = 32  # weight rows per parallel work item
+ITEM_BYTES = 64 << 10  # weight bytes per parallel work item (whole groups of 4 rows)
 # Weights smaller than this run on one thread: waking the pool's other threads costs more than
 # they save (on a shared 2-core machine a launch on 2 threads took ms, on 1 thread ~30 µs)
 MIN_PARALLEL_BYTES = 1 << 20
@@ -34,46 +41,98 @@ _FLAGS = dict(nogil=True, fastmath={"contract", "arcp"})
 
 # cached under a hash of every source these kernels inline (see numba_moe.py)
 _previous_cache_dir = numba.config.CACHE_DIR
-numba.config.CACHE_DIR = str(env.kernel_cache_dir(__file__, *kernel_sources()))
+numba.config.CACHE_DIR = str(env.kernel_cache_dir(__file__, dense_ir.__file__, *kernel_sources()))
 
 
 @cached_njit(inline="always", **_FLAGS)
-def _dense(fmt, w, row_bytes, n, nrows, x, tokens, bias, act_bf16, y):
+def _rows(fmt, tokens, w, w_off, row_bytes, blocks, nrows, x, n, y, y_off, y_stride):
+    """dense_rows over `nrows` rows for `tokens` <= 4 tokens, in the widest groups that fit."""
+    if tokens == 1:
+        g4 = nrows // 4
+        dense_rows(fmt, 4, 1, w, w_off, row_bytes, blocks, g4, x, n, y, y_off, y_stride)
+        r = 4 * g4
+        if nrows - r >= 2:
+            off = w_off + r * row_bytes
+            dense_rows(fmt, 2, 1, w, off, row_bytes, blocks, 1, x, n, y, y_off + r, y_stride)
+            r += 2
+        if nrows > r:
+            off = w_off + r * row_bytes
+            dense_rows(fmt, 1, 1, w, off, row_bytes, blocks, 1, x, n, y, y_off + r, y_stride)
+    elif tokens == 2:
+        g2 = nrows // 2
+        dense_rows(fmt, 2, 2, w, w_off, row_bytes, blocks, g2, x, n, y, y_off, y_stride)
+        if nrows > 2 * g2:
+            off = w_off + 2 * g2 * row_bytes
+            dense_rows(fmt, 1, 2, w, off, row_bytes, blocks, 1, x, n, y, y_off + 2 * g2, y_stride)
+    elif tokens == 3:
+        dense_rows(fmt, 1, 3, w, w_off, row_bytes, blocks, nrows, x, n, y, y_off, y_stride)
+    else:
+        dense_rows(fmt, 1, 4, w, w_off, row_bytes, blocks, nrows, x, n, y, y_off, y_stride)
+
+
+@cached_njit(inline="always", **_FLAGS)
+def _finish(fmt, w, row_bytes, n, nrows, r0, rows, x, tokens, bias, act_bf16, y):
+    """Rows r0 .. r0 + rows of y: the partial last block's weights, the bias, the rounding."""
+    if fmt.partial_blocks:
+        size = fmt.block_bytes // 32  # bytes per weight
+        for t in range(tokens):
+            for r in range(r0, r0 + rows):
+                acc = y[t * nrows + r]
+                for j in range(n // 32 * 32, n):
+                    weight = load_weight(fmt, w, r * row_bytes + j * size)
+                    acc = fma32(weight, x[t * n + j], acc)
+                y[t * nrows + r] = acc
+    for t in range(tokens):
+        out = y[t * nrows + r0 : t * nrows + r0 + rows]
+        if bias.shape[0]:
+            for r in range(rows):
+                out[r] += bias[r0 + r]
+        if act_bf16:
+            _round_bf16(out, rows)
+
+
+@cached_njit(inline="always", **_FLAGS)
+def _dense(fmt, w, row_bytes, n, nrows, x, tokens, bias, act_bf16, y, item_rows):
     """y[t * nrows + r] = row r of w · x[t * n : (t + 1) * n] + bias[r] (no bias when `bias`
     is empty), rounded to bf16 when `act_bf16`; r < nrows, t < tokens. w uint8: nrows rows of
     row_bytes bytes, n weights each, in KernelFormat `fmt`; x f32 [tokens * n], bias f32
-    [nrows] or [0], y f32 [tokens * nrows]."""
-    x_offs = np.arange(tokens) * n  # [T] start of each token in x
-    for item in prange((nrows + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
-        r0 = item * ROWS_PER_ITEM
-        rows = min(nrows, r0 + ROWS_PER_ITEM) - r0
-        out = np.empty(tokens * rows, np.float32)  # [T, rows]
-        _matmul(fmt, w, r0 * row_bytes, row_bytes, n, rows, x, x_offs, 0, tokens, out)
-        if bias.shape[0]:
-            for t in range(tokens):
-                for r in range(rows):
-                    out[t * rows + r] += bias[r0 + r]
-        if act_bf16:
-            _round_bf16(out, tokens * rows)
-        for t in range(tokens):
-            for r in range(rows):
-                y[t * nrows + r0 + r] = out[t * rows + r]
+    [nrows] or [0], y f32 [tokens * nrows]; work items of `item_rows` rows."""
+    for item in prange((nrows + item_rows - 1) // item_rows):
+        r0 = item * item_rows
+        rows = min(nrows, r0 + item_rows) - r0
+        t = 0
+        while t < tokens:
+            count = min(4, tokens - t)
+            xt = x[t * n :]
+            off = t * nrows + r0
+            _rows(fmt, count, w, r0 * row_bytes, row_bytes, n // 32, rows, xt, n, y, off, nrows)
+            t += count
+        _finish(fmt, w, row_bytes, n, nrows, r0, rows, x, tokens, bias, act_bf16, y)
 
 
-def _dense_entry(kernel: KernelFormat):
-    """The parallel entry point of _dense for one format (same arguments, less `fmt`)."""
+def _dense_entry(kernel: KernelFormat, parallel: bool):
+    """An entry point of _dense for one format (same arguments, less `fmt`): parallel, or a
+    serial one for the calling thread."""
 
-    def dense(w, row_bytes, n, nrows, x, tokens, bias, act_bf16, y):
-        _dense(kernel, w, row_bytes, n, nrows, x, tokens, bias, act_bf16, y)
+    def dense(w, row_bytes, n, nrows, x, tokens, bias, act_bf16, y, item_rows):
+        _dense(kernel, w, row_bytes, n, nrows, x, tokens, bias, act_bf16, y, item_rows)
 
-    dense.__name__ = dense.__qualname__ = f"dense_{kernel.name}"  # own cache files
-    return cached_njit(parallel=True, **_FLAGS)(dense)
+    kind = "" if parallel else "serial_"
+    dense.__name__ = dense.__qualname__ = f"dense_{kind}{kernel.name}"  # own cache files
+    return cached_njit(parallel=parallel, **_FLAGS)(dense)
 
 
-DENSE = {name: _dense_entry(fmt.kernel) for name, fmt in WEIGHT_FORMATS.items()}
+DENSE = {name: _dense_entry(fmt.kernel, True) for name, fmt in WEIGHT_FORMATS.items()}
+DENSE_SERIAL = {name: _dense_entry(fmt.kernel, False) for name, fmt in WEIGHT_FORMATS.items()}
 numba.config.CACHE_DIR = _previous_cache_dir  # every cached function above is decorated
 
 _NO_BIAS = np.empty(0, np.float32)
+
+
+def item_rows(row_bytes: int) -> int:
+    """Rows of a work item: whole groups of 4 rows, about ITEM_BYTES."""
+    rows = -(-ITEM_BYTES // row_bytes)
+    return max(4, (rows + 3) // 4 * 4)
 
 
 def weight_bytes(stored: torch.Tensor) -> np.ndarray:
@@ -98,8 +157,8 @@ def dense_linear(
     by the contract above. W is `out_features` rows of n weights stored in `fmt` as the flat
     bytes `w_bytes` (weight_bytes); `bias_f32` float32 [out_features] or None. `threads` None:
     torch's intra-op thread count (the user's --threads; threads.kernel_threads), at most
-    numba's pool; one thread
-    for a weight under MIN_PARALLEL_BYTES. The result does not depend on the thread count."""
+    numba's pool; the calling thread alone for a weight under MIN_PARALLEL_BYTES. The result
+    does not depend on the thread count."""
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"dense kernel: activations must be float32 or bfloat16, got {x.dtype}")
     n = x.shape[-1]
@@ -113,11 +172,57 @@ def dense_linear(
     tokens = x_f32.shape[0]
     y = torch.empty(tokens, out_features, dtype=torch.float32)  # [T, out]
     bias = _NO_BIAS if bias_f32 is None else bias_f32
-    act_bf16 = x.dtype == torch.bfloat16
     if tokens:
+        args = (w_bytes, row_bytes, n, out_features, x_f32.view(-1).numpy(), tokens, bias)
+        args = (*args, x.dtype == torch.bfloat16, y.view(-1).numpy(), item_rows(row_bytes))
         if threads is None:
             small = w_bytes.shape[0] < MIN_PARALLEL_BYTES
             threads = 1 if small else min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
-        args = (w_bytes, row_bytes, n, out_features, x_f32.view(-1).numpy(), tokens, bias)
-        launch(DENSE[fmt.name], threads, *args, act_bf16, y.view(-1).numpy())
+        if threads == 1:
+            DENSE_SERIAL[fmt.name](*args)
+        else:
+            launch(DENSE[fmt.name], threads, *args)
     return y.to(x.dtype).view(*x.shape[:-1], out_features)  # exact: already rounded
+
+
+@numba.njit(cache=False)
+def _reference(w, x, tokens, n, sets, out):
+    """The summation order of dense_ir.py, lane by lane: w f32 [rows, n] (the exact weights),
+    x f32 [tokens, n] -> out f32 [tokens, rows], before bias and rounding."""
+    blocks = n // 32
+    whole = blocks // sets * sets
+    for t in range(tokens):
+        for r in range(w.shape[0]):
+            lanes = np.zeros((sets, 32), np.float32)
+            for b in range(blocks):
+                s = b % sets if b < whole else 0
+                for j in range(32):
+                    lanes[s, j] = fma32(w[r, 32 * b + j], x[t, 32 * b + j], lanes[s, j])
+            total = lanes[0].copy()
+            for s in range(1, sets):
+                total += lanes[s]
+            width = 32
+            while width > 1:
+                width //= 2
+                total[:width] = total[:width] + total[width : 2 * width]
+            acc = total[0]
+            for j in range(blocks * 32, n):
+                acc = fma32(w[r, j], x[t, j], acc)
+            out[t, r] = acc
+
+
+def dense_reference(
+    fmt: WeightFormat, stored: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The kernel's result restated in scalar code (slow; tests): x [..., n] -> [..., out] in
+    x's dtype, from the stored weight's exact values, in dense_ir.py's summation order, then
+    the bias in float32 and one rounding. Bit for bit what dense_linear returns."""
+    n = x.shape[-1]
+    w = fmt.dequantize(stored, torch.float32).reshape(-1, n).contiguous()  # [out, n]
+    x_f32 = x.reshape(-1, n).to(torch.float32).contiguous()  # [T, n]
+    out = np.empty((x_f32.shape[0], w.shape[0]), np.float32)
+    _reference(w.numpy(), x_f32.numpy(), x_f32.shape[0], n, dense_ir.SETS, out)
+    y = torch.from_numpy(out)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])

@@ -5,7 +5,8 @@ On the CPU a decode step's few tokens (at most DECODE_MAX_TOKENS) go through the
 long prefill, an accelerator) through torch (kernels/torch_dense.py). Both follow one
 contract (float32 sums of the exact weights, the bias in float32, one rounding), so which one
 ran moves a value only where float32 summation order tips a rounding; and every decode target
-of a CPU machine shares these projections.
+of a CPU machine shares these projections. FusedProjection computes several projections of
+one input (a layer's q, k and v) as one weight of concatenated rows: one call, one pass.
 """
 
 from __future__ import annotations
@@ -71,3 +72,33 @@ class DenseProjection:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.weight] if self.bias is None else [self.weight, self.bias]
+
+
+class FusedProjection:
+    """Projections of one input (a layer's q, k and v), one weight of their concatenated rows:
+    a decode step makes one kernel call (one launch, one stream over the weights) instead of
+    one each. On the CPU kernel each part's values are bit for bit its own DenseProjection's
+    (a row's sum does not depend on the rows beside it); torch's GEMM (long prefills,
+    accelerators) may sum a row in another order for the fused shape. The parts share a
+    format, in_features and device, and all have a bias or none; their tensors are copied
+    (drop the parts to free them)."""
+
+    def __init__(self, parts: list[DenseProjection]):
+        first = parts[0]
+        for part in parts:
+            same = (part.fmt, part.in_features, part.weight.device)
+            if same != (first.fmt, first.in_features, first.weight.device):
+                raise ValueError(
+                    f"fused projections need one format, in_features and device: "
+                    f"{same} differs from {(first.fmt, first.in_features, first.weight.device)}"
+                )
+        if len({part.bias is None for part in parts}) > 1:
+            raise ValueError("fused projections need a bias on every part or on none")
+        weight = torch.cat([part.weight for part in parts])  # [sum out, ...] rows in order
+        bias = None if first.bias is None else torch.cat([part.bias for part in parts])
+        self.sizes = [part.out_features for part in parts]
+        self.projection = DenseProjection(weight, bias, first.fmt, first.in_features)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., in] -> one [..., out_i] per part, views of one result, in x's dtype."""
+        return self.projection(x).split(self.sizes, dim=-1)

@@ -71,8 +71,9 @@ def _rows(fmt, tokens, w, w_off, row_bytes, blocks, nrows, x, n, y, y_off, y_str
 
 
 @cached_njit(inline="always", **_FLAGS)
-def _finish(fmt, w, row_bytes, n, nrows, r0, rows, x, tokens, bias, act_bf16, y):
-    """Rows r0 .. r0 + rows of y: the partial last block's weights, the bias, the rounding."""
+def _finish(fmt, w, row_bytes, n, nrows, r0, rows, x, tokens, bias, y, y_bf16):
+    """Rows r0 .. r0 + rows of y: the partial last block's weights, the bias, and for bf16
+    activations (`y_bf16` not empty) the rounding, into y_bf16 as bf16 bits."""
     if fmt.partial_blocks:
         size = fmt.block_bytes // 32  # bytes per weight
         for t in range(tokens):
@@ -87,16 +88,27 @@ def _finish(fmt, w, row_bytes, n, nrows, r0, rows, x, tokens, bias, act_bf16, y)
         if bias.shape[0]:
             for r in range(rows):
                 out[r] += bias[r0 + r]
-        if act_bf16:
+        if y_bf16.shape[0]:
             _round_bf16(out, rows)
+            bits = out.view(np.uint32)
+            for r in range(rows):
+                y_bf16[t * nrows + r0 + r] = np.uint16(bits[r] >> np.uint32(16))
 
 
 @cached_njit(inline="always", **_FLAGS)
-def _dense(fmt, w, row_bytes, n, nrows, x, tokens, bias, act_bf16, y, item_rows):
+def _dense(fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows):
     """y[t * nrows + r] = row r of w · x[t * n : (t + 1) * n] + bias[r] (no bias when `bias`
-    is empty), rounded to bf16 when `act_bf16`; r < nrows, t < tokens. w uint8: nrows rows of
-    row_bytes bytes, n weights each, in KernelFormat `fmt`; x f32 [tokens * n], bias f32
-    [nrows] or [0], y f32 [tokens * nrows]; work items of `item_rows` rows."""
+    is empty); r < nrows, t < tokens. w uint8: nrows rows of row_bytes bytes, n weights each,
+    in KernelFormat `fmt`; bias f32 [nrows] or [0]; work items of `item_rows` rows. Float32
+    activations: x f32 [tokens * n] -> y f32 [tokens * nrows] (x_bf16, y_bf16 empty); bf16
+    ones: x_bf16 uint16 [tokens * n] (bf16 bits) -> y_bf16 uint16 [tokens * nrows], rounded
+    once (x, y empty)."""
+    if x_bf16.shape[0]:  # bf16 bits -> float32: the high half
+        x = np.empty(tokens * n, np.float32)
+        x_bits = x.view(np.uint32)
+        for i in range(tokens * n):
+            x_bits[i] = np.uint32(x_bf16[i]) << np.uint32(16)
+        y = np.empty(tokens * nrows, np.float32)
     for item in prange((nrows + item_rows - 1) // item_rows):
         r0 = item * item_rows
         rows = min(nrows, r0 + item_rows) - r0
@@ -107,15 +119,15 @@ def _dense(fmt, w, row_bytes, n, nrows, x, tokens, bias, act_bf16, y, item_rows)
             off = t * nrows + r0
             _rows(fmt, count, w, r0 * row_bytes, row_bytes, n // 32, rows, xt, n, y, off, nrows)
             t += count
-        _finish(fmt, w, row_bytes, n, nrows, r0, rows, x, tokens, bias, act_bf16, y)
+        _finish(fmt, w, row_bytes, n, nrows, r0, rows, x, tokens, bias, y, y_bf16)
 
 
 def _dense_entry(kernel: KernelFormat, parallel: bool):
     """An entry point of _dense for one format (same arguments, less `fmt`): parallel, or a
     serial one for the calling thread."""
 
-    def dense(w, row_bytes, n, nrows, x, tokens, bias, act_bf16, y, item_rows):
-        _dense(kernel, w, row_bytes, n, nrows, x, tokens, bias, act_bf16, y, item_rows)
+    def dense(w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows):
+        _dense(kernel, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows)
 
     kind = "" if parallel else "serial_"
     dense.__name__ = dense.__qualname__ = f"dense_{kind}{kernel.name}"  # own cache files
@@ -126,7 +138,8 @@ DENSE = {name: _dense_entry(fmt.kernel, True) for name, fmt in WEIGHT_FORMATS.it
 DENSE_SERIAL = {name: _dense_entry(fmt.kernel, False) for name, fmt in WEIGHT_FORMATS.items()}
 numba.config.CACHE_DIR = _previous_cache_dir  # every cached function above is decorated
 
-_NO_BIAS = np.empty(0, np.float32)
+_NO_BIAS = _NO_F32 = np.empty(0, np.float32)
+_NO_BF16 = np.empty(0, np.uint16)
 
 
 def item_rows(row_bytes: int) -> int:
@@ -168,13 +181,18 @@ def dense_linear(
             f"dense kernel: {w_bytes.shape[0]} weight bytes, expected {out_features} rows of "
             f"{n} {fmt.name} weights ({out_features * row_bytes} bytes)"
         )
-    x_f32 = x.reshape(-1, n).to(torch.float32).contiguous()  # [T, n]
-    tokens = x_f32.shape[0]
-    y = torch.empty(tokens, out_features, dtype=torch.float32)  # [T, out]
+    flat = x.reshape(-1)  # [T * n], a view when x is contiguous
+    tokens = flat.shape[0] // n
+    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)  # [..., out]
     bias = _NO_BIAS if bias_f32 is None else bias_f32
     if tokens:
-        args = (w_bytes, row_bytes, n, out_features, x_f32.view(-1).numpy(), tokens, bias)
-        args = (*args, x.dtype == torch.bfloat16, y.view(-1).numpy(), item_rows(row_bytes))
+        if x.dtype == torch.bfloat16:  # converted and rounded inside the kernel
+            ins = (_NO_F32, flat.view(torch.int16).numpy().view(np.uint16), tokens, bias, _NO_F32)
+            outs = (y.view(torch.int16).view(-1).numpy().view(np.uint16),)
+        else:
+            ins = (flat.numpy(), _NO_BF16, tokens, bias, y.view(-1).numpy())
+            outs = (_NO_BF16,)
+        args = (w_bytes, row_bytes, n, out_features, *ins, *outs, item_rows(row_bytes))
         if threads is None:
             small = w_bytes.shape[0] < MIN_PARALLEL_BYTES
             threads = 1 if small else min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
@@ -182,7 +200,7 @@ def dense_linear(
             DENSE_SERIAL[fmt.name](*args)
         else:
             launch(DENSE[fmt.name], threads, *args)
-    return y.to(x.dtype).view(*x.shape[:-1], out_features)  # exact: already rounded
+    return y
 
 
 @numba.njit(cache=False)

@@ -2,7 +2,8 @@
 against torch's F.linear and the DRAM read rate, measured side by side in one run.
 
     python benchmarks/bench_dense.py [--models small qwen3-30b-a3b] [--formats bf16 f32 q8_0 q4_0]
-        [--threads 1 2] [--tokens 1 4] [--reps 3] [--baseline old_numba_dense.py] [--crossover]
+        [--threads 1 2] [--tokens 1 4] [--reps 3] [--projections q_proj ... lm_head]
+        [--baseline old_numba_dense.py] [--crossover]
 
 Shapes: each model's attention q, k/v, o, its router and lm_head: `small` is the ~1 GB
 checkpoint of bench_vs_llamacpp.py (hidden 1024, 16 heads of 64, 4 KV heads, 64 experts, vocab
@@ -61,6 +62,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--reps", type=int, default=3, help="passes over the copies")
+    names = list(MODELS["small"])
+    parser.add_argument("--projections", nargs="+", default=names, choices=names)
     parser.add_argument("--baseline", help="another numba_dense.py to time beside this one")
     parser.add_argument("--crossover", action="store_true")
     return parser.parse_args()
@@ -156,7 +159,8 @@ def main() -> None:
     for threads in args.threads:
         for model in args.models:
             for fmt_name in args.formats:
-                for name, shape in MODELS[model].items():
+                for name in args.projections:
+                    shape = MODELS[model][name]
                     for tokens in args.tokens:
                         label = f"{model}.{name}"
                         compare(label, shape, fmt_name, tokens, threads, args, dram, baseline)

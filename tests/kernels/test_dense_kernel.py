@@ -134,11 +134,14 @@ def test_fused_projection_parts_are_the_separate_projections(name):
         DenseProjection(random_stored(fmt, (rows, 256), gen), fmt=fmt, in_features=256)
         for rows in (96, 32, 32)
     ]
+    xs = [torch.randn(1, tokens, 256, generator=gen).bfloat16() for tokens in (1, 3, 4)]
+    separate = [[part(x) for part in parts] for x in xs]  # each part its own call
     fused = FusedProjection(parts)
-    for tokens in (1, 3):
-        x = torch.randn(1, tokens, 256, generator=gen).bfloat16()
-        for part, out in zip(parts, fused(x), strict=True):
-            assert torch.equal(out, part(x))
+    assert parts[1].weight.data_ptr() == fused.projection.weight[96:].data_ptr()  # views
+    for x, expected in zip(xs, separate, strict=True):
+        outs = fused(x)
+        for part, out, before in zip(parts, outs, expected, strict=True):
+            assert torch.equal(out, before) and torch.equal(part(x), before)
 
 
 def test_fused_projection_refuses_mixed_parts():

@@ -80,8 +80,9 @@ class FusedProjection:
     one each. On the CPU kernel each part's values are bit for bit its own DenseProjection's
     (a row's sum does not depend on the rows beside it); torch's GEMM (long prefills,
     accelerators) may sum a row in another order for the fused shape. The parts share a
-    format, in_features and device, and all have a bias or none; their tensors are copied
-    (drop the parts to free them)."""
+    format, in_features and device, and all have a bias or none. The parts' weights (and
+    biases) become views of the fused tensors, so nothing is held twice; build it after the
+    parts are quantised and placed (a part quantised or moved later is no longer fused)."""
 
     def __init__(self, parts: list[DenseProjection]):
         first = parts[0]
@@ -98,6 +99,11 @@ class FusedProjection:
         bias = None if first.bias is None else torch.cat([part.bias for part in parts])
         self.sizes = [part.out_features for part in parts]
         self.projection = DenseProjection(weight, bias, first.fmt, first.in_features)
+        start = 0
+        for part, size in zip(parts, self.sizes, strict=True):  # rows of the fused tensors
+            part.weight = weight[start : start + size]
+            part.bias = None if bias is None else bias[start : start + size]
+            part._host, start = None, start + size
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [..., in] -> one [..., out_i] per part, views of one result, in x's dtype."""

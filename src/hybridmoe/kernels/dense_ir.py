@@ -31,7 +31,7 @@ from hybridmoe.quant.formats import KERNEL_BLOCK, KernelFormat
 
 SETS = 2  # accumulator sets: blocks b, b + 1 go to independent FMA chains
 # (rows, tokens) of a dense_rows call: rows * tokens * SETS <= 8 <32 x float> accumulators
-GROUPS = ((4, 1), (2, 1), (1, 1), (2, 2), (1, 2), (1, 3), (1, 4))
+GROUPS = ((4, 1), (2, 1), (1, 1), (2, 2), (1, 2), (2, 3), (1, 3), (2, 4), (1, 4))
 PREFETCH_BYTES = 0  # prefetched: one group of rows ahead, and this many bytes further
 PREFETCH_LOCALITY = 2  # llvm.prefetch locality: 2 = into L2 (prefetcht1)
 LINE_BYTES = 64

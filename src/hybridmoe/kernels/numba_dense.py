@@ -65,9 +65,17 @@ def _rows(fmt, tokens, w, w_off, row_bytes, blocks, nrows, x, n, y, y_off, y_str
             off = w_off + 2 * g2 * row_bytes
             dense_rows(fmt, 1, 2, w, off, row_bytes, blocks, 1, x, n, y, y_off + 2 * g2, y_stride)
     elif tokens == 3:
-        dense_rows(fmt, 1, 3, w, w_off, row_bytes, blocks, nrows, x, n, y, y_off, y_stride)
+        g2 = nrows // 2
+        dense_rows(fmt, 2, 3, w, w_off, row_bytes, blocks, g2, x, n, y, y_off, y_stride)
+        if nrows > 2 * g2:
+            off = w_off + 2 * g2 * row_bytes
+            dense_rows(fmt, 1, 3, w, off, row_bytes, blocks, 1, x, n, y, y_off + 2 * g2, y_stride)
     else:
-        dense_rows(fmt, 1, 4, w, w_off, row_bytes, blocks, nrows, x, n, y, y_off, y_stride)
+        g2 = nrows // 2
+        dense_rows(fmt, 2, 4, w, w_off, row_bytes, blocks, g2, x, n, y, y_off, y_stride)
+        if nrows > 2 * g2:
+            off = w_off + 2 * g2 * row_bytes
+            dense_rows(fmt, 1, 4, w, off, row_bytes, blocks, 1, x, n, y, y_off + 2 * g2, y_stride)
 
 
 @cached_njit(inline="always", **_FLAGS)

@@ -12,6 +12,11 @@ weights in cache between calls: with the `small` shape (about 1 MiB of experts a
 measures the kernel's compute, where int8 dots and float FMAs differ most; compare the
 best-of-reps column of two formats run side by side.
 
+--tile measures the kernel's arithmetic alone instead: the T=1 tile (4 weight rows x 1
+activation row, kernels/numba_simd.py) over 16 rows of 2048 weights that stay in cache, one
+thread, best of 300 calls, in ns per 256 weights. The best of many short calls holds up on a
+busy machine: run it for two checkouts back to back to compare their loops.
+
 Shapes: qwen3-30b-a3b (H=2048, I=768, E=128, K=8), mixtral (H=4096, I=14336, E=8, K=2) and
 gpt-oss-120b (H=2880, I=2880, E=128, K=4; its experts ship as mxfp4, and 2880 is no multiple of
 the k-quants' 256). The banks hold random bytes in each format (small valid scales); the math
@@ -150,6 +155,48 @@ def time_calls(fn, bank, shape, tokens, shared, reps, memory, seed=1) -> tuple[f
     return statistics.median(seconds), statistics.median(nbytes)
 
 
+def tile_ns(fmt_name: str, rows: int = 16, weights: int = 2048, calls: int = 300) -> float:
+    """Best ns per 256 weights of the 4x1 tile on `rows` cached rows of `weights` (--tile)."""
+    import numba
+
+    from hybridmoe.kernels.numba_simd import tile_dot
+
+    fmt = weight_format(fmt_name)
+    kernel, g = fmt.kernel, torch.Generator().manual_seed(0)
+    w = random_stored(fmt_name, (1, rows, weights), g).view(torch.uint8).reshape(-1).numpy()
+    x = torch.randn(weights, generator=g).numpy()
+    row_bytes, offs, out = w.size // rows, torch.zeros(1, dtype=torch.int64).numpy(), x[:4] * 0
+
+    @numba.njit(nogil=True)
+    def loop(w, x, offs, out, reps):
+        for _ in range(reps):
+            for t in range(rows // 4):
+                tile_dot(
+                    kernel,
+                    4,
+                    1,
+                    w,
+                    t * 4 * row_bytes,
+                    row_bytes,
+                    weights // 32,
+                    x,
+                    offs,
+                    0,
+                    out,
+                    0,
+                    4,
+                )
+
+    reps = 20
+    loop(w, x, offs, out, reps)  # compile
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        loop(w, x, offs, out, reps)
+        best = min(best, time.perf_counter() - start)
+    return best / (reps * rows * weights / 256) * 1e9
+
+
 def bench_format(name, shape, fmt_name, args, memory) -> dict[str, float]:
     start = time.perf_counter()
     bank = make_bank(shape, fmt_name, args.separate)
@@ -202,6 +249,7 @@ def main() -> None:
         default=["bf16", "q8_0", "q4_0"],
     )
     parser.add_argument("--no-flush", action="store_true", help="weights stay in cache")
+    parser.add_argument("--tile", action="store_true", help="the T=1 tile's compute alone")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--torch-reps", type=int, default=3, help="0: no torch loop")
     parser.add_argument("--threads", type=int, default=None, help="kernel threads (default all)")
@@ -210,6 +258,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.tile:
+        for fmt_name in args.formats:
+            ns = tile_ns(fmt_name)
+            print(f"  {fmt_name:7} T=1 tile {ns:6.1f} ns per 256 weights (best of 300)", flush=True)
+        return
     memory = Memory()
     memory.flushes = not args.no_flush
     print(f"torch threads {torch.get_num_threads()}, kernel threads {args.threads or 'all'}")

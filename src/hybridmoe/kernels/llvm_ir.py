@@ -3,7 +3,10 @@ dequantisers (`KernelFormat.dequantize_block_ir` in quant/), which import this m
 when numba compiles a kernel, so that `import hybridmoe.quant` needs no llvmlite.
 
 A 32-weight block dequantises into one <32 x float> register (`V32F`); a k-quant super-block
-into eight of them, one per 32-weight piece.
+into eight of them, one per 32-weight piece, each built as two halves of 16 (`halves`: one
+AVX-512 register each) from bytes widened to 32-bit lanes or converted half by half, times its
+sub-block's scale broadcast from a `ScaleTable` (a register shuffle per piece cost more than
+the rest of the piece on AVX-512).
 """
 
 from __future__ import annotations
@@ -95,15 +98,73 @@ def offset(builder: ir.IRBuilder, ptr: ir.Value, nbytes: int) -> ir.Value:
     return builder.gep(ptr, [i64(nbytes)]) if nbytes else ptr
 
 
-def sub_block_scale(builder: ir.IRBuilder, scales: ir.Value, piece: int) -> ir.Value:
-    """<32 x float> of a 32-weight piece from per-sub-block `scales`: <8 x float> (sub-blocks
-    of 32: scale `piece` in every lane) or <16 x float> (sub-blocks of 16: scale 2 piece in
-    lanes 0..15, 2 piece + 1 in lanes 16..31)."""
-    if scales.type.count == 8:
-        return lanes(builder, scales, [piece] * 32)
-    return lanes(builder, scales, [2 * piece] * 16 + [2 * piece + 1] * 16)
-
-
 def scaled(builder: ir.IRBuilder, values: ir.Value, scale: ir.Value) -> ir.Value:
     """Float scale * values (ints, signed), a vector of the scale's width."""
     return builder.fmul(builder.sitofp(values, scale.type), scale)
+
+
+V16F, V16I = ir.VectorType(F32, 16), ir.VectorType(I32, 16)
+
+
+def widened_bytes(builder: ir.IRBuilder, ptr: ir.Value) -> ir.Value:
+    """The 16 bytes at byte pointer `ptr`, zero-extended to <16 x i32>: one vpmovzxbd from
+    memory on AVX-512, whose lanes then take shifts and masks without cross-lane shuffles."""
+    return builder.zext(load(builder, ptr, vector(I8, 16)), V16I)
+
+
+def halves(builder: ir.IRBuilder, lo: ir.Value, hi: ir.Value) -> ir.Value:
+    """<32 x float> of two <16 x float> (lanes 0..15 `lo`, 16..31 `hi`): free once the
+    backend splits the 32 lanes into registers again."""
+    return builder.shuffle_vector(lo, hi, const_vec(I32, list(range(32))))
+
+
+class ScaleTable:
+    """A super-block's decoded sub-block scales kept on the stack, each read back as a
+    broadcast (one load-port uop on x86, instead of a register shuffle per piece)."""
+
+    def __init__(self, builder: ir.IRBuilder, scales: ir.Value) -> None:
+        from numba.core import cgutils
+
+        self.builder = builder
+        self.slot = cgutils.alloca_once(builder, scales.type)
+        builder.store(scales, self.slot, align=4)
+        # an empty asm that may read the slot: LLVM keeps the stores and reloads each scale
+        barrier = ir.InlineAsm(
+            ir.FunctionType(ir.VoidType(), [self.slot.type]), "", "r,~{memory}", side_effect=True
+        )
+        builder.call(barrier, [self.slot])
+
+    def splat(self, index: int, count: int = 16) -> ir.Value:
+        """Scale `index` in all `count` lanes."""
+        ptr = self.builder.gep(self.builder.bitcast(self.slot, F32.as_pointer()), [i32(index)])
+        return splat(self.builder, self.builder.load(ptr, align=4), count)
+
+
+def lookup16(builder: ir.IRBuilder, table: ir.Value, index: ir.Value) -> ir.Value:
+    """<16 x float>: lane i = table[index[i] & 15] (table <16 x float>, index <16 x i32>; the
+    higher bits of each index are ignored): one AVX-512 vpermps. Only for targets with
+    avx512f (target_has)."""
+    fn = declare(builder, "llvm.x86.avx512.permvar.sf.512", V16F, [V16F, V16I])
+    return builder.call(fn, [table, index])
+
+
+def scaled_halves(
+    builder: ir.IRBuilder,
+    values: ir.Value,
+    table: ScaleTable,
+    scale_at: tuple[int, int],
+    low_at: tuple[int, int] | None = None,
+    signed: bool = False,
+) -> ir.Value:
+    """<32 x float> of 32 integers `values` (<32 x i8>, signed or not): each half h of 16 lanes
+    times scale `scale_at[h]` of `table`, less its entry `low_at[h]` when given (a sub-block of
+    16 weights a half; two of 32 give the same index twice)."""
+    convert = builder.sitofp if signed else builder.uitofp
+    parts = []
+    for h in range(2):
+        part = builder.shuffle_vector(
+            values, values, const_vec(I32, list(range(16 * h, 16 * h + 16)))
+        )
+        w = builder.fmul(convert(part, V16F), table.splat(scale_at[h]))
+        parts.append(w if low_at is None else builder.fsub(w, table.splat(low_at[h])))
+    return halves(builder, *parts)

@@ -37,6 +37,7 @@ def _superblock_ir(builder, block):
     )
     scales = builder.fmul(d, builder.uitofp(ll.bits(builder, packed, 0, 0x0F), v16f))
     lows = builder.fmul(dmin, builder.uitofp(ll.bits(builder, packed, 4, 0x0F), v16f))
+    table = ll.ScaleTable(builder, ll.halves(builder, scales, lows))  # sc at s, m at 16 + s
     halves = [
         ll.load(builder, ll.offset(builder, block, 16 + 32 * h), ll.vector(ll.I8, 32))
         for h in range(2)
@@ -44,9 +45,8 @@ def _superblock_ir(builder, block):
 
     def piece(p: int):
         half, j = divmod(p, 4)
-        v = builder.uitofp(ll.bits(builder, halves[half], 2 * j, 3), ll.V32F)
-        w = builder.fmul(v, ll.sub_block_scale(builder, scales, p))
-        return builder.fsub(w, ll.sub_block_scale(builder, lows, p))
+        v = ll.bits(builder, halves[half], 2 * j, 3)
+        return ll.scaled_halves(builder, v, table, (2 * p, 2 * p + 1), (16 + 2 * p, 17 + 2 * p))
 
     return piece
 

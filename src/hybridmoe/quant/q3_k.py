@@ -46,7 +46,7 @@ def _superblock_ir(builder, block):
     top = ll.bits(builder, ll.lanes(builder, packed, [8, 9, 10, 11] * 4), _TOP_SHIFTS, 3)
     signed = builder.sub(builder.or_(low, ll.shl(builder, top, 4)), ll.const_vec(ll.I8, [32] * 16))
     d = ll.splat(builder, ll.fp16_scale(builder, ll.offset(builder, block, 108)), 16)
-    scales = builder.fmul(d, builder.sitofp(signed, ll.vector(ll.F32, 16)))
+    scales = ll.ScaleTable(builder, builder.fmul(d, builder.sitofp(signed, ll.V16F)))
     hmask = ll.load(builder, block, ll.vector(ll.I8, 32))
     halves = [
         ll.load(builder, ll.offset(builder, block, 32 + 32 * h), ll.vector(ll.I8, 32))
@@ -57,7 +57,7 @@ def _superblock_ir(builder, block):
         half, j = divmod(p, 4)
         clear = builder.xor(ll.bits(builder, hmask, p, 1), ll.const_vec(ll.I8, [1] * 32))
         v = builder.sub(ll.bits(builder, halves[half], 2 * j, 3), ll.shl(builder, clear, 2))
-        return ll.scaled(builder, v, ll.sub_block_scale(builder, scales, p))
+        return ll.scaled_halves(builder, v, scales, (2 * p, 2 * p + 1), signed=True)
 
     return piece
 

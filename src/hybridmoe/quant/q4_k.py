@@ -42,45 +42,53 @@ def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def scale_min_ir(builder, block):
-    """LLVM IR: (d * sc, dmin * m), two <8 x float>, of a Q4_K/Q5_K super-block at byte
-    pointer `block` (scale_min_k4's unpacking, lane j for sub-block j)."""
+    """LLVM IR: <16 x float> [d * sc_0 .. d * sc_7, dmin * m_0 .. dmin * m_7] of a Q4_K/Q5_K
+    super-block at byte pointer `block` (scale_min_k4's unpacking in 32-bit lanes: one
+    widening load, two constant lane shuffles, shifts and masks)."""
     from hybridmoe.kernels import llvm_ir as ll
 
-    packed = ll.load(builder, ll.offset(builder, block, 4), ll.vector(ll.I8, 12))
-    zero = ll.ir.Constant(ll.vector(ll.I8, 12), None)
-
-    def six_bits(low_bytes: list[int], low_shifts: list[int], top_bytes: list[int]):
-        low = ll.bits(
-            builder, ll.lanes(builder, packed, low_bytes), low_shifts, [63] * 4 + [15] * 4
-        )
-        tops = builder.shuffle_vector(packed, zero, ll.const_vec(ll.I32, [12] * 4 + top_bytes))
-        return builder.or_(low, ll.shl(builder, ll.bits(builder, tops, 6, 3), 4))
-
-    sc = six_bits([0, 1, 2, 3, 8, 9, 10, 11], [0] * 8, [0, 1, 2, 3])
-    mins = six_bits([4, 5, 6, 7, 8, 9, 10, 11], [0] * 4 + [4] * 4, [4, 5, 6, 7])
-    d, dmin = (
-        ll.splat(builder, ll.fp16_scale(builder, ll.offset(builder, block, o)), 8) for o in (0, 2)
-    )
-    v8f = ll.vector(ll.F32, 8)
-    return builder.fmul(d, builder.uitofp(sc, v8f)), builder.fmul(dmin, builder.uitofp(mins, v8f))
+    wide = ll.widened_bytes(builder, ll.offset(builder, block, 4))  # lane i: scale byte i
+    six = [63] * 4
+    low = ll.lanes(builder, wide, [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
+    low = ll.bits(builder, low, [0] * 12 + [4] * 4, six + [15] * 4 + six + [15] * 4)
+    top = ll.lanes(builder, wide, [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7])
+    top = ll.bits(builder, top, 2, [0] * 4 + [0x30] * 4 + [0] * 4 + [0x30] * 4)
+    values = builder.uitofp(builder.or_(low, top), ll.V16F)
+    d_dmin = builder.fpext(ll.load(builder, block, ll.vector(ll.HALF, 2)), ll.vector(ll.F32, 2))
+    return builder.fmul(values, ll.lanes(builder, d_dmin, [0] * 8 + [1] * 8))
 
 
 def _superblock_ir(builder, block):
-    """LLVM IR: piece(p) -> <32 x float>, sub-block p's weights (d sc_p) v - dmin m_p."""
+    """LLVM IR: piece(p) -> <32 x float>, sub-block p's weights (d sc_p) v - dmin m_p: each
+    16-byte half of a 32-byte group widened once to <16 x i32> (its low nibbles are piece 2g,
+    its high ones piece 2g + 1), the scales broadcast from the stack."""
     from hybridmoe.kernels import llvm_ir as ll
 
-    scales, lows = scale_min_ir(builder, block)
-    packed = {}
+    scales = ll.ScaleTable(builder, scale_min_ir(builder, block))  # sc_p at p, m_p at 8 + p
+    wide = {}
+    lut = ll.target_has("avx512f")
+    iota = ll.ir.Constant(ll.V16F, [float(i) for i in range(16)])
 
-    def piece(p: int):
+    def half(p: int, h: int, table):
         group = p // 2
-        if group not in packed:
-            packed[group] = ll.load(
-                builder, ll.offset(builder, block, 16 + 32 * group), ll.vector(ll.I8, 32)
+        if (group, h) not in wide:
+            wide[group, h] = ll.widened_bytes(
+                builder, ll.offset(builder, block, 16 + 32 * group + 16 * h)
             )
-        v = ll.bits(builder, packed[group], 4 * (p % 2), 0x0F)
-        w = builder.fmul(builder.uitofp(v, ll.V32F), ll.sub_block_scale(builder, scales, p))
-        return builder.fsub(w, ll.sub_block_scale(builder, lows, p))
+        if lut:
+            v = wide[group, h]
+            if p % 2:
+                v = builder.lshr(v, ll.const_vec(ll.I32, [4] * 16))
+            return ll.lookup16(builder, table, v)
+        v = ll.bits(builder, wide[group, h], 4 * (p % 2), 0x0F)
+        w = builder.fmul(builder.uitofp(v, ll.V16F), scales.splat(p))
+        return builder.fsub(w, scales.splat(8 + p))
+
+    def piece(p):
+        table = (
+            builder.fsub(builder.fmul(iota, scales.splat(p)), scales.splat(8 + p)) if lut else None
+        )
+        return ll.halves(builder, half(p, 0, table), half(p, 1, table))
 
     return piece
 

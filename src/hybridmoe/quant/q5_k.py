@@ -29,7 +29,7 @@ def _superblock_ir(builder, block):
     """LLVM IR: piece(p) -> <32 x float>, sub-block p's weights (d sc_p) v - dmin m_p."""
     from hybridmoe.kernels import llvm_ir as ll
 
-    scales, lows = scale_min_ir(builder, block)
+    scales = ll.ScaleTable(builder, scale_min_ir(builder, block))  # sc_p at p, m_p at 8 + p
     qh = ll.load(builder, ll.offset(builder, block, 16), ll.vector(ll.I8, 32))
     packed = {}
 
@@ -40,8 +40,7 @@ def _superblock_ir(builder, block):
             packed[group] = ll.load(builder, ptr, ll.vector(ll.I8, 32))
         low = ll.bits(builder, packed[group], 4 * (p % 2), 0x0F)
         v = builder.or_(low, ll.shl(builder, ll.bits(builder, qh, p, 1), 4))
-        w = builder.fmul(builder.uitofp(v, ll.V32F), ll.sub_block_scale(builder, scales, p))
-        return builder.fsub(w, ll.sub_block_scale(builder, lows, p))
+        return ll.scaled_halves(builder, v, scales, (p, p), (8 + p, 8 + p))
 
     return piece
 

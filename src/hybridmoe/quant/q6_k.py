@@ -27,12 +27,15 @@ def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _superblock_ir(builder, block):
-    """LLVM IR: piece(p) -> <32 x float>, the weights (d scale) (v - 32) of piece p."""
+    """LLVM IR: piece(p) -> <32 x float>, the weights (d scale) (v - 32) of piece p: v - 32
+    assembled in 32 bytes, each half of 16 (one sub-block) times its scale, broadcast from
+    the stack."""
     from hybridmoe.kernels import llvm_ir as ll
 
     raw = ll.load(builder, ll.offset(builder, block, 192), ll.vector(ll.I8, 16))
     d = ll.splat(builder, ll.fp16_scale(builder, ll.offset(builder, block, 208)), 16)
-    scales = builder.fmul(d, builder.sitofp(raw, ll.vector(ll.F32, 16)))  # [16] d * scale
+    scales = builder.fmul(d, builder.sitofp(raw, ll.V16F))  # [16] d * scale
+    table = ll.ScaleTable(builder, scales)
     loaded = {}
 
     def load32(at: int):
@@ -44,8 +47,8 @@ def _superblock_ir(builder, block):
         half, j = divmod(p, 4)
         low = ll.bits(builder, load32(64 * half + 32 * (j % 2)), 4 * (j // 2), 0x0F)
         high = ll.shl(builder, ll.bits(builder, load32(128 + 32 * half), 2 * j, 3), 4)
-        v = builder.sub(builder.or_(low, high), ll.const_vec(ll.I8, [32] * 32))
-        return ll.scaled(builder, v, ll.sub_block_scale(builder, scales, p))
+        v = builder.sub(builder.or_(low, high), ll.const_vec(ll.I8, [32] * 32))  # -32 .. 31
+        return ll.scaled_halves(builder, v, table, (2 * p, 2 * p + 1), signed=True)
 
     return piece
 

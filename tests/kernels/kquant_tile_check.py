@@ -1,0 +1,69 @@
+"""Run as a script (tests/kernels/test_kquant_paths.py does, under forced NUMBA_CPU_FEATURES):
+compiles the k-quants' tile_dot for several tile shapes and row lengths on random block bytes
+(finite scales), saves every output to the .npz file named by argv[1] and prints whether the
+target had AVX-512 (the table-lookup path of q4_k and q5_k) as JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numba
+import numpy as np
+import torch
+
+from hybridmoe.kernels.llvm_ir import target_has
+from hybridmoe.kernels.numba_simd import tile_dot
+from hybridmoe.quant.formats import weight_format
+from random_weights import random_stored
+
+K_QUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+SHAPES = ((4, 1), (1, 1), (2, 3))  # (weight rows, activation rows): 1, 4 and 1 sets
+SUPER_BLOCKS = (1, 3)  # per row
+
+
+def _tile(kernel, wrows: int, xrows: int):
+    """A jitted tile_dot(kernel, wrows, xrows, ...) (compile-time constants: closed over)."""
+
+    def tile(w, row_bytes, nblocks, x, offs, out):
+        tile_dot(kernel, wrows, xrows, w, 0, row_bytes, nblocks, x, offs, 0, out, 0, wrows)
+
+    tile.__name__ = f"tile_{kernel.name}_{wrows}x{xrows}"
+    return numba.njit(tile)
+
+
+def case(name: str, wrows: int, xrows: int, supers: int):
+    """(stored bytes [wrows, row_bytes] uint8, x [xrows, n] f32, x_offs) of one case."""
+    gen = torch.Generator().manual_seed(1000 * wrows + 100 * xrows + supers)
+    n = 256 * supers
+    stored = random_stored(weight_format(name), (wrows, n), gen)
+    x = torch.randn(xrows, n, generator=gen)
+    # activation rows in scrambled order at scattered offsets, as routes are
+    offs = (np.arange(xrows, dtype=np.int64)[::-1] * n).copy()
+    return stored, x, offs
+
+
+def run(name: str) -> dict[str, np.ndarray]:
+    kernel = weight_format(name).kernel
+    results = {}
+    for wrows, xrows in SHAPES:
+        tile = _tile(kernel, wrows, xrows)
+        for supers in SUPER_BLOCKS:
+            stored, x, offs = case(name, wrows, xrows, supers)
+            out = np.full(wrows * xrows, np.nan, np.float32)
+            flat_x = x.flip(0).reshape(-1).numpy()  # row c at offs[c]
+            tile(stored.reshape(-1).numpy(), stored.shape[1], 8 * supers, flat_x, offs, out)
+            results[f"{name} {wrows}x{xrows} {supers}"] = out  # [c * wrows + r]
+    return results
+
+
+def main() -> None:
+    results = {}
+    for name in K_QUANTS:
+        results.update(run(name))
+    np.savez(sys.argv[1], **results)
+    print(json.dumps({"avx512": target_has("avx512f"), "cases": len(results)}))
+
+
+if __name__ == "__main__":
+    main()

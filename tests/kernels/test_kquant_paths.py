@@ -1,0 +1,77 @@
+"""The k-quants' tile (kernels/numba_simd.py with the formats' IR in quant/q*_k.py) on every
+instruction path this machine can run: AVX-512 (q4_k and q5_k look their weights up in a
+per-piece table), AVX2 and portable code (the same weights converted and scaled), each in its
+own process compiled for the host with features taken away (NUMBA_CPU_FEATURES). Every path
+gives the same bits (each weight is the same float, summed in the same order), and those are
+the float64 dot products of the torch dequantisation to within fp32 summation error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hybridmoe.quant.formats import weight_format
+from kernels.test_activation_q8_paths import ABOVE_AVX, HOST, _without
+
+SCRIPT = Path(__file__).with_name("kquant_tile_check.py")
+sys.path.insert(0, str(SCRIPT.parent))
+import kquant_tile_check as check  # noqa: E402
+
+PATHS = {
+    "host": {},
+    "avx2": {"NUMBA_CPU_FEATURES": _without(("avx512", "amx", "avxvnni", "avx10"))},
+    "portable": {"NUMBA_CPU_FEATURES": _without(ABOVE_AVX)},
+}
+
+
+def _outputs(path: str, tmp_path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    tests = str(SCRIPT.parent.parent)
+    env = {**os.environ, **PATHS[path]}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, env.get("PYTHONPATH")) if p)
+    out = tmp_path / f"{path}.npz"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out)], env=env, capture_output=True, text=True,
+        timeout=1200,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    info = json.loads(done.stdout.strip().splitlines()[-1])
+    with np.load(out) as saved:
+        return info, dict(saved)
+
+
+@pytest.fixture(scope="module")
+def host_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
+    info, outputs = _outputs("host", tmp_path_factory.mktemp("host"))
+    assert info["cases"] == len(outputs) > 0
+    return outputs
+
+
+def test_the_tile_is_the_float64_dot_product(host_outputs: dict[str, np.ndarray]) -> None:
+    for key, out in host_outputs.items():
+        name, shape, supers = key.split()
+        wrows, xrows = map(int, shape.split("x"))
+        stored, x, offs = check.case(name, wrows, xrows, int(supers))
+        w = weight_format(name).dequantize(stored).double()  # [wrows, n]
+        rows = x.flip(0).double()[torch.from_numpy(offs) // x.shape[1]]  # row c at offs[c]
+        expected = (rows @ w.T).reshape(-1).numpy()  # [c * wrows + r]
+        bound = 4e-6 * (rows.abs() @ w.abs().T).reshape(-1).numpy()  # fp32 summation
+        assert np.all(np.abs(out - expected) <= bound), key
+
+
+@pytest.mark.parametrize("path", ["avx2", "portable"])
+def test_every_path_gives_the_same_bits(path, host_outputs, tmp_path) -> None:
+    feature = "+avx512f" if path == "avx2" else "+avx2"
+    if feature not in HOST:
+        pytest.skip(f"the host has no {feature[1:]}: its own path is the {path} one")
+    info, outputs = _outputs(path, tmp_path)
+    assert info["avx512"] is False
+    assert outputs.keys() == host_outputs.keys()
+    for key, out in outputs.items():
+        assert np.array_equal(out, host_outputs[key]), f"{path}: {key}"

@@ -4,6 +4,7 @@ read bandwidth measured in the same run, load time to the first token and peak R
 
     pip install -c constraints.txt -e '.[bench]'   # llama-cpp-python: compiles llama.cpp
     python benchmarks/bench_vs_llamacpp.py --shape qwen3-30b-a3b-4l --rounds 4
+    python benchmarks/bench_vs_llamacpp.py --shape 1gb --formats q4_k q4_k_m q5_k q6_k
 
 The checkpoint (random weights, llamacpp_checkpoints.SHAPES) is written once as safetensors and
 converted to one GGUF per expert format (experts bf16 / q8_0 / q4_0 quantised from it, or

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+from bench_vs_llamacpp import Round, _logits_agreement  # noqa: E402
 from llamacpp_checkpoints import ensure_files, expert_type, write_gguf  # noqa: E402
 from llamacpp_workers import hybridmoe_config, llamacpp_last_logits, measure, prompts  # noqa: E402
 
@@ -167,3 +168,15 @@ def test_llamacpp_reads_the_kquant_file_as_hybridmoe_does(files) -> None:
     ours = _logits(files["q4_k_m"], prompt)[-1]
     torch.testing.assert_close(theirs, ours, atol=0.02 * ours.abs().max().item(), rtol=0.0)
     assert theirs.argmax() == ours.argmax()
+
+
+def test_report_says_whether_logits_are_finite_and_alike() -> None:
+    def agreement(ours: list[float], theirs: list[float]) -> str:
+        results = {"hybridmoe": {"prompt_logits": ours}, "llama.cpp": {"prompt_logits": theirs}}
+        return _logits_agreement(Round("q4_k", 1, 0.0, 0.0, 10.0, False, results))
+
+    assert agreement([1.0, -4.0], [1.2, -4.0]) == (
+        "logits finite, max |difference| 5.0 % of max |logit|"
+    )
+    assert agreement([1.0, float("nan")], [1.0, 2.0]) == "LOGITS NOT FINITE (finite: llama.cpp)"
+    assert agreement([float("inf")], [float("nan")]) == "LOGITS NOT FINITE (finite: neither)"

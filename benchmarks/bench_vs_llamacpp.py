@@ -4,11 +4,14 @@ read bandwidth measured in the same run, load time to the first token and peak R
 
     pip install -c constraints.txt -e '.[bench]'   # llama-cpp-python: compiles llama.cpp
     python benchmarks/bench_vs_llamacpp.py --shape qwen3-30b-a3b-4l --rounds 4
+    python benchmarks/bench_vs_llamacpp.py --shape 1gb --formats q4_k q4_k_m q5_k q6_k
 
 The checkpoint (random weights, llamacpp_checkpoints.SHAPES) is written once as safetensors and
-converted to one GGUF per expert format (experts bf16 / q8_0 / q4_0, the other matrices bf16,
-norms and routers F32 as llama.cpp's converter keeps them); both engines load the same file and
-decode greedily from token ids, hybridmoe without its prefix cache. llama.cpp runs through its
+converted to one GGUF per expert format (experts bf16 / q8_0 / q4_0 quantised from it, or
+q4_k / q5_k / q6_k / q4_k_m as seeded random blocks; the other matrices bf16, norms and routers
+F32 as llama.cpp's converter keeps them); both engines load the same file and decode greedily
+from token ids, hybridmoe without its prefix cache, and the report compares their logits after
+the prompt and their greedy tokens, per round. llama.cpp runs through its
 C API (llama_batch, one sequence id per prompt for the batched rows). Each measurement runs in
 a fresh process (so its peak RSS is its own); the two engines alternate which goes first.
 
@@ -32,7 +35,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from llamacpp_checkpoints import SHAPES, bytes_read_per_token, checkpoint_bytes, ensure_files
+import numpy as np
+from llamacpp_checkpoints import (
+    EXPERT_FORMATS,
+    SHAPES,
+    bytes_read_per_token,
+    checkpoint_bytes,
+    ensure_files,
+)
 from llamacpp_workers import MISSING_LLAMA_CPP, measure
 
 ENGINES = ("hybridmoe", "llama.cpp")
@@ -56,7 +66,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=SHAPES, default="qwen3-30b-a3b-4l")
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="checkpoints, reused")
-    parser.add_argument("--formats", nargs="+", default=["bf16", "q8_0", "q4_0"])
+    parser.add_argument(
+        "--formats", nargs="+", choices=EXPERT_FORMATS, default=["bf16", "q8_0", "q4_0"]
+    )
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64, help="decoded per request")
@@ -219,17 +231,27 @@ def _load_row(label: str, rounds: list[Round]) -> str:
 
 
 def _report_tokens(rounds: list[Round]) -> None:
-    """Greedy agreement of the engines on the bf16 file (random weights make near-ties, so a
-    divergence is reported, not failed)."""
-    compared = [r for r in rounds if r.fmt == "bf16"]
-    if not compared:
-        print("\nno bf16 round: greedy tokens not compared")
+    """Per round, how alike the engines' models are: the logits after the decode prompt (finite,
+    largest difference relative to the largest logit) and the greedy tokens (random weights
+    make near-ties, and the engines sum in other orders, so a divergence is reported, not
+    failed)."""
     print()
-    for r in compared:
+    for r in rounds:
         ours, theirs = (r.results[e]["tokens"] for e in ENGINES)
         first = first_divergence(ours, theirs)
         same = "same greedy tokens" if first is None else f"first divergence at token {first}"
-        print(f"bf16, {r.threads}t: {same} ({len(ours)} tokens)")
+        print(f"{r.fmt}, {r.threads}t: {_logits_agreement(r)}; {same} ({len(ours)} tokens)")
+
+
+def _logits_agreement(r: Round) -> str:
+    if any("prompt_logits" not in r.results[e] for e in ENGINES):
+        return "logits not recorded"
+    ours, theirs = (np.asarray(r.results[e]["prompt_logits"]) for e in ENGINES)
+    finite = [e for e, x in zip(ENGINES, (ours, theirs), strict=True) if np.isfinite(x).all()]
+    if len(finite) < len(ENGINES):
+        return f"LOGITS NOT FINITE (finite: {', '.join(finite) or 'neither'})"
+    relative = np.abs(ours - theirs).max() / np.abs(theirs).max()
+    return f"logits finite, max |difference| {100 * relative:.1f} % of max |logit|"
 
 
 def first_divergence(ours: list[int], theirs: list[int]) -> int | None:

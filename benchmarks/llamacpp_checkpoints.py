@@ -7,6 +7,10 @@ f32 by a bf16 norm); their values are the checkpoint's bf16 ones either way.
 
 Quantised experts are hybridmoe's own quantiser's bytes (q8_0 / q4_0 blocks are ggml's layout,
 tests/quant/test_gguf_layout.py), so both engines read the same bytes from the same file.
+k-quant experts (q4_k, q5_k, q6_k; q4_k_m: llama.cpp's Q4_K_M mix, EXPERT_MIXES) have no
+quantiser: they are seeded random blocks with finite scales (hybridmoe.quant.random_blocks;
+weights std about 0.02 like the checkpoint's, so the hidden states stay finite), the same bytes
+for a tensor of a type in every file; such a file stands for its own model, not the checkpoint's.
 Tensors are streamed to the file one at a time (a 30B-shaped layer's experts are 1.2 GB).
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import zlib
 from pathlib import Path
 
 import gguf
@@ -25,6 +30,7 @@ from gguf import GGMLQuantizationType as QType
 from safetensors import safe_open
 
 from hybridmoe.quant.formats import weight_format
+from hybridmoe.quant.random_blocks import random_stored
 
 SHAPES = {
     # Qwen3-30B-A3B's layer (issue 14): ~4.9 GB bf16 for 4 layers
@@ -45,8 +51,37 @@ SHAPES = {
         num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=64,
     ),
+    # for tests of the k-quants: rows are whole 256-weight super-blocks
+    "tiny-k": Qwen3MoeShape(
+        vocab_size=320, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=256,
+    ),
 }  # fmt: skip
-EXPERT_TYPES = {"bf16": QType.BF16, "q8_0": QType.Q8_0, "q4_0": QType.Q4_0}
+EXPERT_TYPES = {
+    "bf16": QType.BF16, "q8_0": QType.Q8_0, "q4_0": QType.Q4_0,
+    "q4_k": QType.Q4_K, "q5_k": QType.Q5_K, "q6_k": QType.Q6_K,
+}  # fmt: skip
+QUANTISED = ("q8_0", "q4_0")  # expert formats hybridmoe quantises from the checkpoint
+RANDOM_MAX_ABS = 0.08  # k-quant blocks' largest |weight|: std about 0.02, the checkpoint's
+EXPERT_MIXES = ("q4_k_m",)
+EXPERT_FORMATS = (*EXPERT_TYPES, *EXPERT_MIXES)
+
+
+def expert_type(expert_format: str, layer: int, proj: str, layers: int) -> QType:
+    """The ggml type of layer `layer`'s merged `proj` experts (gate_proj, up_proj, down_proj)
+    in a file of `expert_format`. q4_k_m: llama.cpp's Q4_K_M rule for expert tensors
+    (llama_tensor_get_type): ffn_down Q6_K in the layers use_more_bits picks, the first and
+    last eighth and every third between (i < n/8, i >= 7n/8, (i - n/8) % 3 == 2), else Q4_K;
+    gate and up Q4_K. (Q4_K_M's attn_v and output Q6_K are not applied: dense tensors stay
+    bf16 in every file here.)"""
+    if expert_format in EXPERT_TYPES:
+        return EXPERT_TYPES[expert_format]
+    if expert_format != "q4_k_m":
+        raise ValueError(f"expert format {expert_format!r}: one of {', '.join(EXPERT_FORMATS)}")
+    eighth = layers // 8
+    more_bits = layer < eighth or layer >= 7 * layers // 8 or (layer - eighth) % 3 == 2
+    return QType.Q6_K if proj == "down_proj" and more_bits else QType.Q4_K
 
 
 def checkpoint_bytes(shape: Qwen3MoeShape) -> int:
@@ -70,10 +105,9 @@ def ensure_files(shape_name: str, root: Path, formats: tuple[str, ...]) -> dict[
 
 
 def write_gguf(checkpoint_dir: Path, path: Path, expert_format: str) -> Path:
-    """`checkpoint_dir`'s model as a GGUF at `path`: experts in `expert_format` (bf16, q8_0,
-    q4_0), everything else bf16."""
-    if expert_format not in EXPERT_TYPES:
-        raise ValueError(f"expert format {expert_format!r}: one of {', '.join(EXPERT_TYPES)}")
+    """`checkpoint_dir`'s model as a GGUF at `path`: experts in `expert_format`
+    (EXPERT_FORMATS; k-quants: random blocks), everything else bf16."""
+    expert_type(expert_format, 0, "down_proj", 1)  # a bad format is refused before writing
     config = json.loads((checkpoint_dir / "config.json").read_text())
     shape = Qwen3MoeShape(**{k: config[k] for k in Qwen3MoeShape.__dataclass_fields__})
     reader = _TensorReader(checkpoint_dir)
@@ -82,13 +116,13 @@ def write_gguf(checkpoint_dir: Path, path: Path, expert_format: str) -> Path:
     _add_tokenizer(writer, shape.vocab_size)
     plan = list(_tensor_plan(shape, expert_format))
     for gguf_name, dims, qtype, _ in plan:
-        byte_dims = _byte_dims(dims, qtype)
+        byte_dims = _byte_dims(gguf_name, dims, qtype)
         writer.add_tensor_info(gguf_name, byte_dims, np.uint8, math.prod(byte_dims), qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for _, _, qtype, source in plan:
-        writer.write_tensor_data(_stored(reader, source, qtype, expert_format))
+        writer.write_tensor_data(_stored(reader, source, qtype))
     writer.close()
     return path
 
@@ -109,27 +143,43 @@ def _tensor_plan(shape: Qwen3MoeShape, expert_format: str):
     for (prefix, proj), dims in experts.items():
         gguf_name = f"{names.get_name(f'{prefix}.{proj}')}.weight"
         source = (prefix, proj, shape.num_experts)
-        yield gguf_name, (shape.num_experts, *dims), EXPERT_TYPES[expert_format], source
+        layer = int(prefix.split(".")[2])  # model.layers.N.mlp.experts
+        qtype = expert_type(expert_format, layer, proj, shape.num_hidden_layers)
+        yield gguf_name, (shape.num_experts, *dims), qtype, source
 
 
-def _byte_dims(dims: tuple[int, ...], qtype: QType) -> tuple[int, ...]:
+def _byte_dims(name: str, dims: tuple[int, ...], qtype: QType) -> tuple[int, ...]:
     """The stored shape in bytes: rows of blocks (bf16, f32: blocks of one value)."""
     block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    if dims[-1] % block:
+        raise ValueError(f"{name}: rows of {dims[-1]} weights are not whole {qtype.name} blocks")
     return (*dims[:-1], dims[-1] // block * type_bytes)
 
 
-def _stored(reader: _TensorReader, source, qtype: QType, expert_format: str) -> np.ndarray:
+def _stored(reader: _TensorReader, source, qtype: QType) -> np.ndarray:
     """The bytes of one GGUF tensor (uint8; rows of bf16 values or of quantised blocks)."""
-    if isinstance(source, str):
+    if isinstance(source, str):  # dense: F32 or BF16
         value = reader.get(source)
-        if qtype == QType.F32:
-            return value.float().contiguous().view(torch.uint8).numpy()
-    else:
-        prefix, proj, count = source
-        value = torch.stack([reader.get(f"{prefix}.{e}.{proj}.weight") for e in range(count)])
-    if qtype == QType.BF16:
+        value = value.float() if qtype == QType.F32 else value.to(torch.bfloat16)
+        return value.contiguous().view(torch.uint8).numpy()
+    fmt = weight_format(qtype.name.lower())
+    if fmt.name not in ("bf16", *QUANTISED):
+        return _random_experts(reader, source, fmt)
+    prefix, proj, count = source
+    value = torch.stack([reader.get(f"{prefix}.{e}.{proj}.weight") for e in range(count)])
+    if fmt.name == "bf16":
         return value.to(torch.bfloat16).contiguous().view(torch.uint8).numpy()
-    return weight_format(expert_format).quantize(value.float()).numpy()  # [E, rows, row_bytes]
+    return fmt.quantize(value.float()).numpy()  # [E, rows, row_bytes]
+
+
+def _random_experts(reader: _TensorReader, source, fmt) -> np.ndarray:
+    """Seeded random blocks of `fmt` [E, rows, row_bytes] for the merged experts `source`
+    (one expert at a time; the seed names the tensor and type, not the file)."""
+    prefix, proj, count = source
+    dims = tuple(reader.shape(f"{prefix}.0.{proj}.weight"))  # [rows, n]
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{prefix}.{proj}:{fmt.name}".encode()))
+    experts = [random_stored(fmt, dims, gen, RANDOM_MAX_ABS) for _ in range(count)]
+    return torch.stack(experts).numpy()
 
 
 class _TensorReader:
@@ -142,6 +192,10 @@ class _TensorReader:
     def get(self, name: str) -> torch.Tensor:
         with safe_open(self.directory / self.weight_map[name], framework="pt") as f:
             return f.get_tensor(name)
+
+    def shape(self, name: str) -> list[int]:
+        with safe_open(self.directory / self.weight_map[name], framework="pt") as f:
+            return f.get_slice(name).get_shape()
 
 
 def _add_metadata(writer: gguf.GGUFWriter, config: dict) -> None:

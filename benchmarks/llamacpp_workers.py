@@ -5,7 +5,8 @@ calls `measure` and prints its result as one JSON line.
 Both engines are measured alike: greedy (argmax) decoding of token ids, decode tok/s as
 (N - 1) / (t(prompt + N tokens) - t(prompt + 1 token)) so that prefill and the first token are
 excluded the same way; prefill tok/s as the prompt length over t(long prompt + 1 token); load
-as the time from the start of loading to the first token of the first request.
+as the time from the start of loading to the first token of the first request. Each result also
+holds the logits after the decode prompt (float32 [V]), to compare the engines' models.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ def prompts(batch: int, length: int) -> list[list[int]]:
 def measure(engine: str, path: Path, threads: int, args) -> dict:
     """Load `path` with `engine`, time it, and return the figures (see the module docstring)."""
     start = time.perf_counter()
-    generate, make_batched, close = LOADERS[engine](path, threads, args)
+    generate, make_batched, logits, close = LOADERS[engine](path, threads, args)
     first_ids = generate(prompts(1, args.prompt_tokens), 1)
     result = {"load_s": time.perf_counter() - start}
+    result["prompt_logits"] = logits(prompts(1, args.prompt_tokens)[0]).tolist()
     result["decode_tok_s"], [result["tokens"]] = _decode(generate, args, 1)
     result["prefill_tok_s"] = _prefill_tok_s(generate, args.prefill_tokens)
     if args.batch > 1:
@@ -79,29 +81,40 @@ def _peak_rss_mib() -> float:
     raise RuntimeError("/proc/self/status has no VmHWM line")
 
 
-def load_hybridmoe(path: Path, threads: int, args):
-    import torch
-
-    from hybridmoe.engine import Engine, EngineConfig, SamplingParams
+def hybridmoe_config(threads: int, batch: int):
+    """The EngineConfig the bench runs hybridmoe with: `--decode-target cpu`, bf16, no prefix
+    cache (llama.cpp's KV is cleared before every request, so each prefills it all); nothing
+    about the file's expert format (a GGUF's experts stay in its types)."""
+    from hybridmoe.engine import EngineConfig
     from hybridmoe.moe.config import OffloadConfig
 
-    torch.set_num_threads(threads)
     offload = OffloadConfig(decode_target="cpu", cpu_threads=threads)
-    # no prefix cache: llama.cpp's KV is cleared before every request, so each prefills it all
-    config = EngineConfig(
+    return EngineConfig(
         dtype="bfloat16",
         threads=threads,
-        max_batch=max(args.batch, 1),
+        max_batch=max(batch, 1),
         prefix_cache_tokens=0,
         offload=offload,
     )
+
+
+def load_hybridmoe(path: Path, threads: int, args):
+    import torch
+
+    from hybridmoe.engine import Engine, SamplingParams
+
+    torch.set_num_threads(threads)
+    config = hybridmoe_config(threads, args.batch)
     engine = Engine.from_pretrained(path, config)
 
     def generate(batch_prompts: list[list[int]], n: int) -> list[list[int]]:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         return engine.generate_ids(batch_prompts, params)
 
-    return generate, lambda: generate, engine.close
+    def logits(prompt: list[int]) -> np.ndarray:
+        return engine.model.logits(prompt)[-1].float().numpy()
+
+    return generate, lambda: generate, logits, engine.close
 
 
 def load_llamacpp(path: Path, threads: int, args):
@@ -122,7 +135,20 @@ def load_llamacpp(path: Path, threads: int, args):
             context.close()
         ll.llama_model_free(model)
 
-    return contexts[0].generate, make_batched, close
+    return contexts[0].generate, make_batched, contexts[0].last_logits, close
+
+
+def llamacpp_last_logits(path: Path, prompt: list[int], threads: int = 1) -> np.ndarray:
+    """llama.cpp's logits after `prompt` on the GGUF at `path` (float32 [V])."""
+    import llama_cpp as ll
+
+    model = load_llama_model(ll, path)
+    context = LlamaContext(ll, model, threads, n_seq=1, n_ctx=len(prompt) + 8)
+    try:
+        return context.last_logits(prompt)
+    finally:
+        context.close()
+        ll.llama_model_free(model)
 
 
 _QUIET = {}  # the log callback, kept alive while llama.cpp holds it

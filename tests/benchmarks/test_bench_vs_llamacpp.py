@@ -22,7 +22,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 from bench_vs_llamacpp import Round, _row, first_divergence  # noqa: E402
 from llamacpp_checkpoints import SHAPES, bytes_read_per_token, ensure_files  # noqa: E402
-from llamacpp_workers import MISSING_LLAMA_CPP, measure, prompts  # noqa: E402
+from llamacpp_workers import MISSING_LLAMA_CPP, llamacpp_last_logits, measure, prompts  # noqa: E402
 
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from hybridmoe.moe.config import OffloadConfig  # noqa: E402
@@ -139,17 +139,9 @@ def test_missing_llama_cpp_is_named(files: dict[str, Path]) -> None:
 def test_llamacpp_reads_the_file_as_hybridmoe_does(files: dict[str, Path]) -> None:
     """llama.cpp's logits after a prompt match hybridmoe's (float32) on the bf16 file: both read
     the converted checkpoint as the same model."""
-    ll = pytest.importorskip("llama_cpp")
-    from llamacpp_workers import LlamaContext, load_llama_model
-
+    pytest.importorskip("llama_cpp")
     prompt = prompts(1, 16)[0]
-    model = load_llama_model(ll, files["bf16"])
-    context = LlamaContext(ll, model, threads=1, n_seq=1, n_ctx=64)
-    try:
-        theirs = torch.from_numpy(context.last_logits(prompt))
-    finally:
-        context.close()
-        ll.llama_model_free(model)
+    theirs = torch.from_numpy(llamacpp_last_logits(files["bf16"], prompt))
     with Engine.from_pretrained(files["bf16"], EngineConfig(dtype="float32")) as engine:
         ours = engine.model.logits(prompt)[-1].float()
     scale = ours.abs().max().item()

@@ -10,6 +10,8 @@ of a CPU machine shares these projections.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from hybridmoe import env
@@ -41,11 +43,15 @@ class DenseProjection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
-        tokens = x.numel() // max(1, x.shape[-1])
-        on_cpu = x.device.type == "cpu" and self.weight.device.type == "cpu"
-        if on_cpu and tokens <= DECODE_MAX_TOKENS and env.dense_kernel():
+        if self.uses_kernel(x):
             return self._kernel(x)
         return dense_linear_torch(x, self.weight, self.fmt, self.bias)
+
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        """Whether __call__(x) runs the CPU kernel (else torch)."""
+        tokens = x.numel() // max(1, x.shape[-1])
+        on_cpu = x.device.type == "cpu" and self.weight.device.type == "cpu"
+        return on_cpu and tokens <= DECODE_MAX_TOKENS and env.dense_kernel()
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         from hybridmoe.kernels import numba_dense  # numba loads on the first CPU decode
@@ -71,3 +77,32 @@ class DenseProjection:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.weight] if self.bias is None else [self.weight, self.bias]
+
+
+def stack_rows(parts: Sequence[DenseProjection]) -> DenseProjection:
+    """One projection whose output is `parts`' outputs side by side (rows stacked in order),
+    over memory the parts share from then on: each part's weight (and bias) becomes a view of
+    the stacked one's rows, so the weights are held once. On the CPU kernel its output's
+    bits are the parts' (each output is one weight row's dot product, whatever the matrix;
+    tests/layers/test_stacked_qkv.py); torch's GEMM gives no such promise, so callers use it
+    where the parts would run the kernel (uses_kernel). The parts must share a format and
+    in_features and all have a bias or none (ValueError naming what differs)."""
+    fmt, n = parts[0].fmt, parts[0].in_features
+    for part in parts:
+        if part.fmt != fmt or part.in_features != n:
+            raise ValueError(
+                f"stack_rows: a {part.fmt.name} [{part.out_features}, {part.in_features}] "
+                f"projection beside a {fmt.name} [.., {n}] one"
+            )
+    biased = {part.bias is not None for part in parts}
+    if len(biased) != 1:
+        raise ValueError("stack_rows: some projections have a bias and some do not")
+    weight = torch.cat([part.weight for part in parts])  # [sum of out, row]
+    bias = torch.cat([part.bias for part in parts]) if biased == {True} else None
+    first = 0
+    for part in parts:
+        rows = slice(first, first + part.out_features)
+        part.weight, part._host = weight[rows], None
+        part.bias = None if bias is None else bias[rows]
+        first += part.out_features
+    return DenseProjection(weight, bias, fmt, n)

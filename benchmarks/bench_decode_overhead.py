@@ -14,7 +14,11 @@ Per decoded token (counted around each decode step only, steps.decode): the proc
 (user+sys), voluntary and involuntary context switches, minor page faults, the share of CPU
 time the busiest thread had and how many threads did work; then, in a second pass with
 counting hooks (so not in the timed pass): parallel numba launches, aten ops and Python
-function calls. Both variants must decode the same tokens (checked).
+function calls (a pass of its own: not under the aten-op counting mode). Also the calling
+thread's CPU time split into the dense and expert kernel launches and the rest (the glue
+issue 14 wants under 5 % of the step). "base" runs another source tree (--baseline-src: a
+code change's before/after); --rounds alternates the variants, the table shows medians.
+Both variants must decode the same tokens (checked).
 """
 
 from __future__ import annotations
@@ -45,6 +49,11 @@ COUNTERS = (  # key, label, format
     ("minflt", "minor page faults/token", "{:.1f}"),
     ("busiest_share", "busiest thread's share of CPU", "{:.2f}"),
     ("busy_threads", "threads with >5% of CPU", "{:.0f}"),
+    ("main_ms", "calling thread CPU ms/token", "{:.2f}"),
+    ("dense_ms", "  in dense kernel launches", "{:.2f}"),
+    ("moe_ms", "  in expert kernel launches", "{:.2f}"),
+    ("rest_ms", "  the rest (glue: torch, Python)", "{:.2f}"),
+    ("rest_share", "  the rest's share", "{:.3f}"),
     ("launches", "parallel numba launches/token", "{:.1f}"),
     ("aten_ops", "aten ops/token", "{:.0f}"),
     ("py_calls", "Python calls/token", "{:.0f}"),
@@ -60,6 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quick", action="store_true", help="tiny random checkpoint, 4 tokens")
     parser.add_argument("--variants", default="before,after", help=f"of {','.join(VARIANTS)}")
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="a source tree (its src/ folder) run as the variant 'base', e.g. an earlier "
+        "commit's `git archive` (before/after a code change, side by side)",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of variants")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -127,10 +143,47 @@ def _around_decode_steps(enter, leave):
         steps.decode = real
 
 
+@contextmanager
+def _kernel_clock(total: dict):
+    """Adds the calling thread's CPU ns inside each dense / expert kernel launch to
+    total["dense_ns"] / total["moe_ns"] (thread CPU time: a preempted thread's wait is not
+    counted, so at 1 thread it barely depends on the load)."""
+    import time
+
+    from hybridmoe.kernels import numba_dense, numba_moe
+
+    real_launch = numba_moe.launch
+    dense = {id(kernel) for kernel in numba_dense.DENSE.values()}
+
+    def timed_launch(kernel, threads, *args):
+        start = time.thread_time_ns()
+        try:
+            return real_launch(kernel, threads, *args)
+        finally:
+            key = "dense_ns" if id(kernel) in dense else "moe_ns"
+            total[key] = total.get(key, 0) + time.thread_time_ns() - start
+
+    numba_moe.launch = numba_dense.launch = timed_launch
+    try:
+        yield
+    finally:
+        numba_moe.launch = numba_dense.launch = real_launch
+
+
 def _measured(engine, tokens: int) -> tuple[dict, list[int]]:
     """The counters of the decode steps of one generation, per step (= per token)."""
+    import time
+
     total: dict = {}
-    with _around_decode_steps(_snapshot, lambda before: _add_delta(total, _snapshot(), before)):
+
+    def enter():
+        return _snapshot(), time.thread_time_ns()
+
+    def leave(entered):
+        _add_delta(total, _snapshot(), entered[0])
+        total["main_ns"] = total.get("main_ns", 0) + time.thread_time_ns() - entered[1]
+
+    with _kernel_clock(total), _around_decode_steps(enter, leave):
         ids = _generate(engine, tokens + 1)  # the first token is prefill's
     per = {k: total[k] / tokens for k in ("cpu_ms", "nivcsw", "minflt", "wall_ms")}
     per["csw"] = (total["nvcsw"] + total["nivcsw"]) / tokens
@@ -138,6 +191,10 @@ def _measured(engine, tokens: int) -> tuple[dict, list[int]]:
     all_ticks = max(1, sum(ticks.values()))
     per["busiest_share"] = max(ticks.values()) / all_ticks
     per["busy_threads"] = sum(1 for v in ticks.values() if v > 0.05 * all_ticks)
+    for key in ("main", "dense", "moe"):
+        per[f"{key}_ms"] = total.get(f"{key}_ns", 0) / 1e6 / tokens
+    per["rest_ms"] = per["main_ms"] - per["dense_ms"] - per["moe_ms"]
+    per["rest_share"] = per["rest_ms"] / per["main_ms"]
     return per, ids
 
 
@@ -169,15 +226,17 @@ def _counted(engine, tokens: int) -> dict:
         numba_moe.launch = numba_dense.launch = counting_launch
         mode = Counting()
         mode.__enter__()
-        sys.setprofile(profile)
         return mode
 
     def leave(mode):
-        sys.setprofile(None)
         mode.__exit__(None, None, None)
         numba_moe.launch = numba_dense.launch = real_launch
 
     with _around_decode_steps(enter, leave):
+        _generate(engine, tokens + 1)
+    # the Python calls in a pass of their own: under the dispatch mode every aten op is a few
+    # Python calls of torch's (the mode's __torch_dispatch__ and what it calls)
+    with _around_decode_steps(lambda: sys.setprofile(profile), lambda _: sys.setprofile(None)):
         _generate(engine, tokens + 1)
     return {k: v / tokens for k, v in counts.items()}
 
@@ -198,7 +257,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_variant(name: str, args: argparse.Namespace) -> dict:
-    env = {**os.environ, **VARIANTS[name]}
+    env = {**os.environ, **VARIANTS.get(name, {})}
+    if name == "base":  # the same counters of another source tree (--baseline-src)
+        env["PYTHONPATH"] = str(args.baseline_src)
     command = [sys.executable, __file__, "--worker", "--model", str(args.model)]
     command += ["--threads", str(args.threads), "--tokens", str(args.tokens)]
     command += ["--dtype", args.dtype]
@@ -219,6 +280,18 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def _median_round(runs: list[dict]) -> dict:
+    """One variant's rounds as one: each counter's median, the first round's tokens."""
+    import statistics
+
+    for run in runs[1:]:
+        if run["ids"] != runs[0]["ids"]:
+            raise SystemExit("one variant decoded different tokens in different rounds")
+    keys = runs[0]["counters"]
+    counters = {k: statistics.median(r["counters"][k] for r in runs) for k in keys}
+    return {"counters": counters, "ids": runs[0]["ids"]}
+
+
 def _quick_model(root: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from llamacpp_checkpoints import ensure_files
@@ -237,10 +310,19 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             args.model = args.model or _quick_model(Path(tmp))
         if args.model is None:
             raise SystemExit("--model is required without --quick")
-        load = Path("/proc/loadavg").read_text().split()[:3]
-        results = {name: run_variant(name, args) for name in args.variants.split(",")}
+        names = args.variants.split(",")
+        if "base" in names and args.baseline_src is None:
+            raise SystemExit("the variant 'base' needs --baseline-src")
+        unknown = [n for n in names if n not in VARIANTS and n != "base"]
+        if unknown:
+            raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}, base")
+        loads, rounds = [], []
+        for _ in range(args.rounds):  # alternating: each round runs every variant once
+            loads.append(Path("/proc/loadavg").read_text().split()[0])
+            rounds.append({name: run_variant(name, args) for name in names})
     print(f"{args.model}, {args.threads} threads, {args.tokens} tokens, {args.dtype}")
-    print(f"load average before the runs: {' '.join(load)}")
+    print(f"1-minute load average before each round: {' '.join(loads)} (cores: {os.cpu_count()})")
+    results = {name: _median_round([r[name] for r in rounds]) for name in names}
     print(table(results))
     first = next(iter(results.values()))["ids"]
     same = all(r["ids"] == first for r in results.values())

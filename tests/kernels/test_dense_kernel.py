@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridmoe.kernels.numba_dense import dense_linear, dense_reference, weight_bytes
-from hybridmoe.kernels.projection import DenseProjection, FusedProjection
+from hybridmoe.kernels.projection import DenseProjection, stack_rows
 from hybridmoe.kernels.torch_dense import dense_linear_torch
 from hybridmoe.quant.formats import weight_format
 from random_weights import random_stored
@@ -126,8 +126,9 @@ def test_multi_item_threads_agree_with_reference():
 
 
 @pytest.mark.parametrize("name", ["bf16", "q8_0"])
-def test_fused_projection_parts_are_the_separate_projections(name):
-    """FusedProjection (q, k, v as one call) gives each part's bits from the CPU kernel."""
+def test_stacked_projection_parts_are_the_separate_projections(name):
+    """stack_rows (q, k, v as one call) gives each part's bits from the CPU kernel, in a
+    block format too (tests/layers/test_stacked_qkv.py: bf16 and float32)."""
     fmt = weight_format(name)
     gen = torch.Generator().manual_seed(4)
     parts = [
@@ -136,19 +137,19 @@ def test_fused_projection_parts_are_the_separate_projections(name):
     ]
     xs = [torch.randn(1, tokens, 256, generator=gen).bfloat16() for tokens in (1, 3, 4)]
     separate = [[part(x) for part in parts] for x in xs]  # each part its own call
-    fused = FusedProjection(parts)
-    assert parts[1].weight.data_ptr() == fused.projection.weight[96:].data_ptr()  # views
+    fused = stack_rows(parts)
+    assert parts[1].weight.data_ptr() == fused.weight[96:].data_ptr()  # views
     for x, expected in zip(xs, separate, strict=True):
-        outs = fused(x)
+        outs = fused(x).split([96, 32, 32], dim=-1)
         for part, out, before in zip(parts, outs, expected, strict=True):
             assert torch.equal(out, before) and torch.equal(part(x), before)
 
 
-def test_fused_projection_refuses_mixed_parts():
+def test_stacked_projection_refuses_mixed_parts():
     gen = torch.Generator().manual_seed(5)
     a = DenseProjection(torch.randn(8, 64, generator=gen).bfloat16())
-    with pytest.raises(ValueError, match="one format"):
-        FusedProjection([a, DenseProjection(torch.randn(8, 32, generator=gen).bfloat16())])
-    with pytest.raises(ValueError, match="bias on every part"):
+    with pytest.raises(ValueError, match="beside a bf16"):
+        stack_rows([a, DenseProjection(torch.randn(8, 32, generator=gen).bfloat16())])
+    with pytest.raises(ValueError, match="some projections have a bias"):
         biased = DenseProjection(torch.randn(8, 64).bfloat16(), torch.zeros(8).bfloat16())
-        FusedProjection([a, biased])
+        stack_rows([a, biased])

@@ -136,3 +136,21 @@ def test_engine_decode_paths_give_the_same_tokens(
     assert [used for _, used in results.values()] == [False, False, True, True]
     tokens = [ids for ids, _ in results.values()]
     assert tokens[0] == tokens[1] == tokens[2] == tokens[3]
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_routes_counted_or_taken_from_the_caller(banks, inline):
+    """stats.routes counts ids >= 0 unless the submitter says how many (a router's ids: all);
+    ids all < 0 give zeros inline too (no early exit there: the job runs and skips them)."""
+    with CpuMoeExecutor(banks, expert_fn=bank_moe, inline=inline) as executor:
+        x, ids, weights = make_inputs(2, 3, seed=1, cpu_fraction=1.0)  # every id a route
+        ids[0, 1] = -1  # but one, computed elsewhere
+        executor.decode_submit(0, x, ids, weights)
+        counted = executor.decode_sync(0)
+        assert executor.stats[0].routes == ids.numel() - 1
+        executor.decode_submit(1, x, ids, weights, routes=4)
+        executor.decode_sync(1)
+        assert executor.stats[1].routes == 4
+        executor.decode_submit(0, x, torch.full_like(ids, -1), weights)
+        assert torch.equal(executor.decode_sync(0), torch.zeros_like(counted))
+        assert executor.stats[0].routes == ids.numel() - 1  # + 0

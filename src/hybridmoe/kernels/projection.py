@@ -5,11 +5,13 @@ On the CPU a decode step's few tokens (at most DECODE_MAX_TOKENS) go through the
 long prefill, an accelerator) through torch (kernels/torch_dense.py). Both follow one
 contract (float32 sums of the exact weights, the bias in float32, one rounding), so which one
 ran moves a value only where float32 summation order tips a rounding; and every decode target
-of a CPU machine shares these projections. FusedProjection computes several projections of
-one input (a layer's q, k and v) as one weight of concatenated rows: one call, one pass.
+of a CPU machine shares these projections. stack_rows makes several projections of one input
+(a layer's q, k and v) one weight of concatenated rows: one call, one pass.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -42,11 +44,15 @@ class DenseProjection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
-        tokens = x.numel() // max(1, x.shape[-1])
-        on_cpu = x.device.type == "cpu" and self.weight.device.type == "cpu"
-        if on_cpu and tokens <= DECODE_MAX_TOKENS and env.dense_kernel():
+        if self.uses_kernel(x):
             return self._kernel(x)
         return dense_linear_torch(x, self.weight, self.fmt, self.bias)
+
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        """Whether __call__(x) runs the CPU kernel (else torch)."""
+        tokens = x.numel() // max(1, x.shape[-1])
+        on_cpu = x.device.type == "cpu" and self.weight.device.type == "cpu"
+        return on_cpu and tokens <= DECODE_MAX_TOKENS and env.dense_kernel()
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         from hybridmoe.kernels import numba_dense  # numba loads on the first CPU decode
@@ -74,37 +80,31 @@ class DenseProjection:
         return [self.weight] if self.bias is None else [self.weight, self.bias]
 
 
-class FusedProjection:
-    """Projections of one input (a layer's q, k and v), one weight of their concatenated rows:
-    a decode step makes one kernel call (one launch, one stream over the weights) instead of
-    one each. On the CPU kernel each part's values are bit for bit its own DenseProjection's
-    (a row's sum does not depend on the rows beside it); torch's GEMM (long prefills,
-    accelerators) may sum a row in another order for the fused shape. The parts share a
-    format, in_features and device, and all have a bias or none. The parts' weights (and
-    biases) become views of the fused tensors, so nothing is held twice; build it after the
-    parts are quantised and placed (a part quantised or moved later is no longer fused)."""
-
-    def __init__(self, parts: list[DenseProjection]):
-        first = parts[0]
-        for part in parts:
-            same = (part.fmt, part.in_features, part.weight.device)
-            if same != (first.fmt, first.in_features, first.weight.device):
-                raise ValueError(
-                    f"fused projections need one format, in_features and device: "
-                    f"{same} differs from {(first.fmt, first.in_features, first.weight.device)}"
-                )
-        if len({part.bias is None for part in parts}) > 1:
-            raise ValueError("fused projections need a bias on every part or on none")
-        weight = torch.cat([part.weight for part in parts])  # [sum out, ...] rows in order
-        bias = None if first.bias is None else torch.cat([part.bias for part in parts])
-        self.sizes = [part.out_features for part in parts]
-        self.projection = DenseProjection(weight, bias, first.fmt, first.in_features)
-        start = 0
-        for part, size in zip(parts, self.sizes, strict=True):  # rows of the fused tensors
-            part.weight = weight[start : start + size]
-            part.bias = None if bias is None else bias[start : start + size]
-            part._host, start = None, start + size
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [..., in] -> one [..., out_i] per part, views of one result, in x's dtype."""
-        return self.projection(x).split(self.sizes, dim=-1)
+def stack_rows(parts: Sequence[DenseProjection]) -> DenseProjection:
+    """One projection whose output is `parts`' outputs side by side (rows stacked in order),
+    over memory the parts share from then on: each part's weight (and bias) becomes a view of
+    the stacked one's rows, so the weights are held once. On the CPU kernel its output's
+    bits are the parts' (each output is one weight row's dot product, whatever the matrix;
+    tests/layers/test_stacked_qkv.py); torch's GEMM gives no such promise, so callers use it
+    where the parts would run the kernel (uses_kernel). The parts must share a format and
+    in_features and device and all have a bias or none (ValueError naming what differs)."""
+    fmt, n, device = parts[0].fmt, parts[0].in_features, parts[0].weight.device
+    for part in parts:
+        if part.fmt != fmt or part.in_features != n or part.weight.device != device:
+            raise ValueError(
+                f"stack_rows: a {part.fmt.name} [{part.out_features}, {part.in_features}] "
+                f"projection on {part.weight.device} beside a {fmt.name} [.., {n}] one on "
+                f"{device}"
+            )
+    biased = {part.bias is not None for part in parts}
+    if len(biased) != 1:
+        raise ValueError("stack_rows: some projections have a bias and some do not")
+    weight = torch.cat([part.weight for part in parts])  # [sum of out, row]
+    bias = torch.cat([part.bias for part in parts]) if biased == {True} else None
+    first = 0
+    for part in parts:
+        rows = slice(first, first + part.out_features)
+        part.weight, part._host = weight[rows], None
+        part.bias = None if bias is None else bias[rows]
+        first += part.out_features
+    return DenseProjection(weight, bias, fmt, n)

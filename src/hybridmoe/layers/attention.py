@@ -12,7 +12,13 @@ import torch.nn.functional as F
 from hybridmoe.layers.batch import ForwardBatch
 from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.norm import rms_norm
-from hybridmoe.layers.rotary import apply_rotary
+from hybridmoe.layers.qkv import (
+    StackedQKV,
+    joint_qk_weight,
+    norm_rotary_qk,
+    norm_rotary_qk_reference,
+    rotate,
+)
 from hybridmoe.loader.weights import WeightSource
 from hybridmoe.registry import registering
 
@@ -77,12 +83,14 @@ def attend(
     layer_idx: int,
     window: int | None = None,
     attend_fn: AttendFn = sdpa,
+    rotated: bool = False,
 ) -> torch.Tensor:
-    """Rotary on q [B, T, heads, D] and k [B, T, kv_heads, D], then `attend_fn` over this
-    step's keys and values (v [B, T, kv_heads, D]) and those `batch.kv` holds for layer
-    `layer_idx`, within `window` positions (None: all) -> [B, T, heads, D]."""
-    q = apply_rotary(q, batch.cos, batch.sin)
-    k = apply_rotary(k, batch.cos, batch.sin)
+    """Rotary on q [B, T, heads, D] and k [B, T, kv_heads, D] (unless `rotated`: done
+    already), then `attend_fn` over this step's keys and values (v [B, T, kv_heads, D]) and
+    those `batch.kv` holds for layer `layer_idx`, within `window` positions (None: all)
+    -> [B, T, heads, D]."""
+    if not rotated:
+        q, k = rotate(q, batch), rotate(k, batch)
     if batch.kv is None:
         k_all, v_all = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, T, D]
     else:
@@ -110,6 +118,8 @@ class GroupedQueryAttention:
         sizes = norm_sizes[cfg.qk_norm]
         self.q_norm = source.get(f"{prefix}.q_norm.weight", sizes[:1]) if sizes else None
         self.k_norm = source.get(f"{prefix}.k_norm.weight", sizes[1:]) if sizes else None
+        self._qk_norm = None  # joint_qk_weight, made on first use (after to())
+        self._qkv: StackedQKV | None = None  # the CPU kernel's q/k/v in one, made on first use
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]."""
@@ -119,11 +129,26 @@ class GroupedQueryAttention:
         q = q.view(B, T, cfg.num_heads, cfg.head_dim)
         k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm == "per_head":
-            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-        out = attend(q, k, v, batch, self.layer_idx, self.window, self._attend)  # [B, T, heads, D]
-        return self.o_proj(out.reshape(B, T, cfg.q_size))
+        rotated = cfg.qk_norm == "per_head"
+        if rotated:
+            q, k = self._norm_rotary(q, k, batch)
+        out = attend(q, k, v, batch, self.layer_idx, self.window, self._attend, rotated)
+        return self.o_proj(out.reshape(B, T, cfg.q_size))  # out [B, T, heads, D]
+
+    def _norm_rotary(
+        self, q: torch.Tensor, k: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q/k norms and rotary: norm_rotary_qk where its bits are the reference's
+        (a half-precision q, every dim rotating), else the reference."""
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        joint = q.dtype in (torch.bfloat16, torch.float16) and batch.cos.shape[-1] == q.shape[-1]
+        if not joint:
+            return norm_rotary_qk_reference(q, k, self.q_norm, self.k_norm, eps, batch)
+        if self._qk_norm is None:
+            self._qk_norm = joint_qk_weight(
+                self.q_norm, self.k_norm, cfg.num_heads, cfg.num_kv_heads
+            )
+        return norm_rotary_qk(q, k, self._qk_norm, eps, batch)
 
     def _attend(
         self,
@@ -141,6 +166,7 @@ class GroupedQueryAttention:
             linear.to(device)
         self.q_norm = None if self.q_norm is None else self.q_norm.to(device)
         self.k_norm = None if self.k_norm is None else self.k_norm.to(device)
+        self._qk_norm = self._qkv = None
 
     def dense_tensors(self) -> list[torch.Tensor]:
         """The weights to() moves."""
@@ -154,7 +180,13 @@ class GroupedQueryAttention:
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        if self.q_proj.uses_kernel(x):  # one kernel call for the three: the same bits
+            if self._qkv is None or not self._qkv.holds(parts):
+                self._qkv = StackedQKV.of(parts)
+            q, k, v = self._qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if cfg.qk_norm == "full":
             q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)

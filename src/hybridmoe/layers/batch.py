@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence, Set
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from hybridmoe.layers.rotary import signed_tables
 
 
 class KVStore(Protocol):
@@ -49,6 +51,13 @@ class ForwardBatch:
     kv: KVStore | None
     is_decode: bool = False  # one new token per sequence: MoE layers use their decode target
     starts: tuple[int, ...] = ()  # each row's first position this step (positions[:, 0], host)
+    _signed: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """rotary.signed_tables(cos, sin), made once per step (every layer rotates by them)."""
+        if self._signed is None:
+            self._signed = signed_tables(self.cos, self.sin)
+        return self._signed
 
     def mask(self, window: int | None) -> tuple[torch.Tensor | None, bool]:
         """(mask, is_causal) of a layer attending within `window` (None: every key)."""
@@ -58,7 +67,7 @@ class ForwardBatch:
 def build_attention_masks(
     positions: torch.Tensor,
     kv_len: int,
-    windows: set[int | None],
+    windows: Set[int | None],
     rings: frozenset[int] = frozenset(),
     starts: Sequence[int] = (),
 ) -> dict[int | None, tuple[torch.Tensor | None, bool]]:

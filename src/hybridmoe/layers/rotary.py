@@ -101,3 +101,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def signed_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary_signed's tables from cos/sin [B, T, D] (every dim rotating): cos
+    [B, T, 1, D] and sin with its first half negated [B, T, 1, D]."""
+    half = sin.shape[-1] // 2
+    return cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
+
+
+def apply_rotary_signed(
+    x: torch.Tensor, cos4: torch.Tensor, signed_sin4: torch.Tensor
+) -> torch.Tensor:
+    """apply_rotary's bits where every dim rotates, in 4 ops instead of ~10: x [B, T, heads, D]
+    with signed_tables' cos4, signed_sin4. The halves swapped times the signed sin is
+    cat(-x2, x1) * sin to the bit: negation is exact and commutes with a rounded product."""
+    return x * cos4 + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin4

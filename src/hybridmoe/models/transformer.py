@@ -89,6 +89,8 @@ class MoeCausalLM:
         self.lm_head = DenseProjection(self._lm_head(cfg, source))  # [V, H]
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
         self.device = torch.device("cpu")
+        # every window some layer attends within (None: full attention), for make_batch
+        self._windows = frozenset(cfg.layer_window(i) for i in range(cfg.num_layers))
 
     def _lm_head(self, cfg: ModelConfig, source: WeightSource) -> torch.Tensor:
         """The output projection [V, H], as transformers picks it: under tie_word_embeddings the
@@ -146,7 +148,7 @@ class MoeCausalLM:
         kv_len = int(positions.max()) + 1  # read on the host, before the copy
         starts = tuple(positions[:, 0].tolist())
         positions = to_device_no_sync(positions, self.device)
-        windows = {self.cfg.layer_window(i) for i in range(self.cfg.num_layers)}
+        windows = self._windows
         rings = frozenset() if kv is None else kv.ring_windows
         masks = build_attention_masks(positions, kv_len, windows, rings, starts)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)

@@ -116,7 +116,8 @@ class CpuExperts(_HostBankExperts):
     cpu_executor: CpuExecutor
 
     def decode(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        self.cpu_executor.decode_submit(self.layer_idx, x, ids, weights)
+        """ids: the router's, every one a route (counted without reading them)."""
+        self.cpu_executor.decode_submit(self.layer_idx, x, ids, weights, routes=ids.numel())
         return self.cpu_executor.decode_sync(self.layer_idx)
 
 

@@ -55,7 +55,7 @@ class _Job:
     output_cpu: torch.Tensor | None = None  # [T, H], written by the worker before `done`
     error: BaseException | None = None
     busy_s: float = 0.0
-    routes: int = 0
+    routes: int | None = None  # ids >= 0: the submitter's count, else counted by the worker
     timed_out: bool = False
 
 
@@ -112,23 +112,28 @@ class CpuMoeExecutor:
         hidden_states: torch.Tensor,
         cpu_expert_ids: torch.Tensor,
         topk_weights: torch.Tensor,
+        routes: int | None = None,
     ) -> None:
         """Start layer `layer_idx`'s CPU routes (ids < 0 skipped) and return without waiting.
 
-        hidden_states [T, H], cpu_expert_ids [T, K] int, topk_weights [T, K].
+        hidden_states [T, H], cpu_expert_ids [T, K] int, topk_weights [T, K]. `routes`: how
+        many ids are >= 0 when the caller knows it (a router's ids: all of them), for the
+        stats; None: counted here.
         """
         self._check_can_submit(layer_idx)
         _check_shapes(layer_idx, hidden_states, cpu_expert_ids, topk_weights, self.banks[layer_idx])
-        if hidden_states.device.type == "cpu" and not bool((cpu_expert_ids >= 0).any()):
+        # inline there is no thread round trip to skip: a job without routes computes zeros
+        on_host = hidden_states.device.type == "cpu" and not self.inline
+        if on_host and routes is None and not bool((cpu_expert_ids >= 0).any()):
             # Nothing to compute and nothing to stage: finish here, skipping a thread
             # round trip. The caller still submits and syncs, so its structure is unchanged.
-            job = _Job(layer_idx, (), None, hidden_states.device)
+            job = _Job(layer_idx, (), None, hidden_states.device, routes=0)
             job.output_cpu = torch.zeros(hidden_states.shape, dtype=torch.float32)
             job.done.release()
             self._pending[layer_idx] = job
             return
         host_inputs, ready = self.sync.to_host((hidden_states, cpu_expert_ids, topk_weights))
-        job = _Job(layer_idx, tuple(host_inputs), ready, hidden_states.device)
+        job = _Job(layer_idx, tuple(host_inputs), ready, hidden_states.device, routes=routes)
         self._pending[layer_idx] = job
         if self.inline:
             self._run(job)  # on this thread; an error is kept for decode_sync
@@ -212,7 +217,8 @@ class CpuMoeExecutor:
             start = time.perf_counter()
             job.output_cpu = self.expert_fn(x_cpu, ids_cpu, weights_cpu, self.banks[job.layer_idx])
             job.busy_s = time.perf_counter() - start
-            job.routes = int((ids_cpu >= 0).sum())
+            if job.routes is None:
+                job.routes = int((ids_cpu >= 0).sum())
         except BaseException as err:  # any failure must reach decode_sync, not kill the worker
             job.error = err
         finally:

@@ -83,19 +83,28 @@ def fused_cpu_moe(
         from hybridmoe.kernels.numba_moe import run_fused_moe
 
     hidden, inter, num_experts = bank.hidden_size, bank.intermediate_size, bank.num_experts
-    x32 = x.to(torch.float32).contiguous().view(-1).numpy()  # [T*H]
-    ids64 = expert_ids.to(torch.int64).contiguous().view(-1).numpy()  # [T*K]
-    w32 = weights.to(torch.float32).contiguous().view(-1).numpy()  # [T*K]
-    y = torch.zeros(tokens, hidden)  # [T, H] float32, accumulated by the kernel
+    x32 = _flat_array(x, np.float32)  # [T*H]
+    ids64 = _flat_array(expert_ids, np.int64)  # [T*K]
+    w32 = _flat_array(weights, np.float32)  # [T*K]
+    y_flat = np.zeros(tokens * hidden, np.float32)  # [T*H], accumulated by the kernel
     gate, up, expert_rows, down = bank.byte_views()  # stacked or separate gate and up
     act_bf16 = _bf16_rounding(x.dtype, weights.dtype)
     args = (x32, ids64, w32, gate, up, expert_rows, down, hidden, inter, num_experts, top_k)
     formats = (bank.gate_up_fmt.name, bank.down_fmt.name)
     extras = (act_bf16, _activation_args(bank), *_bias_arrays(bank, x.dtype))
-    bad_id = run_fused_moe(formats, threads, *args, *extras, y.view(-1).numpy())
+    bad_id = run_fused_moe(formats, threads, *args, *extras, y_flat)
     if bad_id >= 0:
         raise IndexError(f"expert id {bad_id} out of range: the bank has {num_experts} experts")
-    return y
+    return torch.from_numpy(y_flat.reshape(tokens, hidden))  # [T, H] float32
+
+
+def _flat_array(t: torch.Tensor, dtype: np.dtype) -> np.ndarray:
+    """Host tensor `t`'s values as a new flat numpy array of `dtype` (converted exactly: the
+    kernel's inputs are float32 and int64). One torch op (copy_ into numpy's memory), where
+    .to(...).numpy() are up to five: a decode step calls this per layer."""
+    out = np.empty(t.shape, dtype)
+    torch.from_numpy(out).copy_(t)
+    return out.reshape(-1)
 
 
 def compiles_on_first_call(expert_fn: CpuExpertFn) -> bool:

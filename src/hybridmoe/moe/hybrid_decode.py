@@ -41,8 +41,10 @@ class CpuExecutor(Protocol):
         hidden_states: torch.Tensor,
         cpu_expert_ids: torch.Tensor,
         topk_weights: torch.Tensor,
+        routes: int | None = None,
     ) -> None:
-        """Start the CPU routes (ids < 0 skipped) without blocking."""
+        """Start the CPU routes (ids < 0 skipped) without blocking; `routes`: the count of
+        ids >= 0 when the caller knows it (None: the executor counts)."""
         ...
 
     def decode_sync(self, layer_idx: int) -> torch.Tensor:

@@ -1,0 +1,87 @@
+"""Decode fast paths of attention's q/k/v, each beside its reference: q, k and v projected
+by one CPU kernel call (StackedQKV), the per-head q/k norms with rotary done on q and k as
+one tensor (norm_rotary_qk; its reference norm_rotary_qk_reference), rotary in 4 ops
+(rotate; its reference rotary.apply_rotary). Each gives its reference's bits
+(tests/layers/test_norm_rotary_qk.py, tests/layers/test_stacked_qkv.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybridmoe.kernels.projection import DenseProjection, stack_rows
+from hybridmoe.layers.batch import ForwardBatch
+from hybridmoe.layers.norm import rms_norm
+from hybridmoe.layers.rotary import apply_rotary, apply_rotary_signed
+
+
+def norm_rotary_qk_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    batch: ForwardBatch,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm then rotary, of q [B, T, heads, D] and k [B, T, kv_heads, D] one
+    after the other: the reference of norm_rotary_qk."""
+    q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    return apply_rotary(q, batch.cos, batch.sin), apply_rotary(k, batch.cos, batch.sin)
+
+
+def norm_rotary_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    qk_weight: torch.Tensor,
+    eps: float,
+    batch: ForwardBatch,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_rotary_qk_reference's bits for a bf16/fp16 q and k in half the ops: q and k side
+    by side as one [B, T, heads + kv_heads, D] tensor, normalised and rotated at once (every
+    step is per row or elementwise). qk_weight [heads + kv_heads, D]: each head's norm weight
+    (joint_qk_weight). Returns views into that tensor."""
+    heads = q.shape[2]
+    qk = torch.cat((q, k), dim=2)  # [B, T, heads + kv_heads, D]
+    normed = F.rms_norm(qk.float(), (qk.shape[-1],), None, eps).to(qk.dtype)
+    qk = rotate(qk_weight * normed, batch)
+    return qk[:, :, :heads], qk[:, :, heads:]
+
+
+def rotate(x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """apply_rotary(x, batch.cos, batch.sin), by apply_rotary_signed where every dim rotates
+    (the same bits; tests/layers/test_norm_rotary_qk.py)."""
+    if batch.cos.shape[-1] != x.shape[-1]:
+        return apply_rotary(x, batch.cos, batch.sin)
+    return apply_rotary_signed(x, *batch.rotary_tables())
+
+
+def joint_qk_weight(q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int, kv_heads: int):
+    """[heads + kv_heads, D]: the q norm's weight [D] for each query head, then k's for each
+    key head (norm_rotary_qk's qk_weight)."""
+    return torch.cat((q_weight.expand(heads, -1), k_weight.expand(kv_heads, -1)))
+
+
+@dataclass(eq=False)
+class StackedQKV:
+    """q, k and v's projections as one (kernels/projection.stack_rows: the parts' weights
+    become views of its rows), for the CPU kernel: one call instead of three."""
+
+    stacked: DenseProjection
+    weights: tuple[torch.Tensor, ...]  # the parts' weights when stacked (holds() checks them)
+    sizes: tuple[int, ...]  # each part's out_features
+
+    @classmethod
+    def of(cls, parts: tuple[DenseProjection, ...]) -> StackedQKV:
+        stacked = stack_rows(parts)
+        return cls(stacked, tuple(p.weight for p in parts), tuple(p.out_features for p in parts))
+
+    def holds(self, parts: tuple[DenseProjection, ...]) -> bool:
+        """Whether `parts` still compute from this stack (quantize() or to() replace a part's
+        weight: then it must be stacked again)."""
+        return all(p.weight is w for p, w in zip(parts, self.weights, strict=True))
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., H] -> each part's [..., out] (views of one output)."""
+        return self.stacked(x).split(self.sizes, dim=-1)

@@ -1,0 +1,76 @@
+"""layers/qkv.norm_rotary_qk (q and k normalised and rotated as one tensor) against its
+reference (one after the other), and rotary.apply_rotary_signed against apply_rotary: the
+same bits, at decode and prefill shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmoe.config.model import RopeConfig
+from hybridmoe.layers.batch import ForwardBatch
+from hybridmoe.layers.qkv import (
+    joint_qk_weight,
+    norm_rotary_qk,
+    norm_rotary_qk_reference,
+)
+from hybridmoe.layers.rotary import (
+    RotaryEmbedding,
+    apply_rotary,
+    apply_rotary_signed,
+    signed_tables,
+)
+
+
+def _batch(positions: torch.Tensor, head_dim: int, dtype: torch.dtype) -> ForwardBatch:
+    cos, sin = RotaryEmbedding(RopeConfig(theta=1e6), head_dim).cos_sin(positions, dtype)
+    rows = list(range(positions.shape[0]))
+    return ForwardBatch(
+        positions, rows, torch.tensor(rows), int(positions.max()) + 1, {}, cos, sin, None
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (1, 17), (2, 5)])  # (B, T)
+def test_joint_equals_reference(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    B, T = shape
+    heads, kv_heads, D = 8, 2, 64
+    gen = torch.Generator().manual_seed(B * 100 + T)
+    # a projection's output: q and k are views into [B, T, (heads + 2 kv_heads) * D]
+    qkv = (torch.randn(B, T, (heads + 2 * kv_heads) * D, generator=gen) * 3).to(dtype)
+    q = qkv[..., : heads * D].view(B, T, heads, D)
+    k = qkv[..., heads * D : (heads + kv_heads) * D].view(B, T, kv_heads, D)
+    q_w = (torch.rand(D, generator=gen) + 0.5).to(dtype)
+    k_w = (torch.rand(D, generator=gen) + 0.5).to(dtype)
+    positions = torch.randint(0, 4000, (B, 1), generator=gen) + torch.arange(T)  # [B, T]
+    batch = _batch(positions, D, dtype)
+    want_q, want_k = norm_rotary_qk_reference(q, k, q_w, k_w, 1e-6, batch)
+    got_q, got_k = norm_rotary_qk(q, k, joint_qk_weight(q_w, k_w, heads, kv_heads), 1e-6, batch)
+    assert got_q.shape == want_q.shape and got_k.shape == want_k.shape
+    assert got_q.dtype == want_q.dtype == dtype
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_a_wrong_weight_is_seen() -> None:
+    """The comparison above can fail: k's weight for the q heads changes q's bits."""
+    B, T, heads, kv_heads, D = 1, 1, 4, 2, 32
+    q = torch.randn(B, T, heads, D).to(torch.bfloat16)
+    k = torch.randn(B, T, kv_heads, D).to(torch.bfloat16)
+    q_w, k_w = torch.full((D,), 1.5, dtype=torch.bfloat16), torch.ones(D, dtype=torch.bfloat16)
+    batch = _batch(torch.tensor([[7]]), D, torch.bfloat16)
+    want_q, _ = norm_rotary_qk_reference(q, k, q_w, k_w, 1e-6, batch)
+    got_q, _ = norm_rotary_qk(q, k, joint_qk_weight(k_w, k_w, heads, kv_heads), 1e-6, batch)
+    assert not torch.equal(got_q, want_q)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_signed_rotary_equals_rotate_half(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(2, 5, 6, 64, generator=gen) * 4).to(dtype)
+    # any cos/sin (a scaled rope's, random ones), rounded to the activation dtype
+    cos, sin = (torch.randn(2, 2, 5, 64, generator=gen) * 1.3).to(dtype)
+    want = apply_rotary(x, cos, sin)
+    got = apply_rotary_signed(x, *signed_tables(cos, sin))
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    # and it can fail: the unsigned sin rotates the other way
+    assert not torch.equal(apply_rotary_signed(x, cos.unsqueeze(2), sin.unsqueeze(2)), want)

@@ -6,9 +6,9 @@ time.process_time, all threads), so the shares hold on a busy machine where wall
 
 Run it once first (or pass --runs 2: the first run is discarded) so numba's kernels come from
 its cache, as they do for a user's second load. Prints the load average, the CPU seconds of the
-load (getrusage) and each phase's share of the profiled CPU time. The phases nest as listed
-(an indented one is part of the one above it); "numba: kernels from the cache" cuts across
-them (each kernel's first call).
+load (getrusage), its wall seconds, and each phase's share of the profiled CPU time. The phases
+nest as listed (an indented one is part of the one above it); "numba: kernels from the cache"
+cuts across them (each kernel's first call).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 # (label, indent, (file suffix, function name)) of the phases, by cumulative CPU time
 PHASES = [
     ("load_checkpoint (model + tokenizer)", 0, ("models/loading.py", "load_checkpoint")),
-    ("GGUF metadata (GGUFReader)", 1, ("gguf/gguf_reader.py", "__init__")),
+    ("GGUF metadata (gguf_read)", 1, ("loader/gguf_read.py", "read_gguf")),
     ("tokenizer from the GGUF", 1, ("loader/gguf_tokenizer.py", "gguf_tokenizer")),
     ("tokenizer.json", 1, ("loader/tokenizer.py", "from_dir")),
     ("dense weights (safetensors)", 1, ("loader/weights.py", "get")),
@@ -33,6 +33,8 @@ PHASES = [
     ("Engine.__init__", 0, ("engine/engine.py", "__init__")),
     ("experts stacked / quantised", 1, ("engine/moe_runtime.py", "_expert_stores")),
     ("CPU expert kernel set up", 1, ("moe/cpu_experts.py", "create_cpu_expert_fn")),
+    ("CPU expert kernels' first calls", 1, ("moe/cpu_executor.py", "_compile_kernels")),
+    ("KV cache allocated", 1, ("engine/kv_cache.py", "__init__")),
     ("first token (16-token prefill)", 0, ("engine/engine.py", "generate_ids")),
     ("attention projections", 1, ("layers/attention.py", "_project")),
     ("routed experts", 1, ("moe/backends.py", "prefill")),
@@ -55,7 +57,7 @@ def load_average() -> str:
 def profile_once(args: argparse.Namespace) -> None:
     import torch  # noqa: F401  (imported before the clock, as bench_vs_llamacpp's worker does)
 
-    start_cpu = cpu_s()
+    start_cpu, start_wall = cpu_s(), time.perf_counter()
     profiler = cProfile.Profile(time.process_time)
     profiler.enable()
     from hybridmoe.engine import Engine, EngineConfig, SamplingParams
@@ -69,9 +71,12 @@ def profile_once(args: argparse.Namespace) -> None:
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     engine.generate_ids([PROMPT], params)
     profiler.disable()
-    total_cpu = cpu_s() - start_cpu
+    total_cpu, wall_s = cpu_s() - start_cpu, time.perf_counter() - start_wall
     faults = resource.getrusage(resource.RUSAGE_SELF)
-    print(f"load average {load_average()}; load to the first token {total_cpu:.2f} CPU s")
+    print(
+        f"load average {load_average()}; load to the first token {total_cpu:.2f} CPU s, "
+        f"{wall_s:.2f} wall s (profiled: slower than a plain run)"
+    )
     print(f"  page faults: {faults.ru_minflt} minor, {faults.ru_majflt} major")
     if args.dump:
         profiler.dump_stats(args.dump)

@@ -1,5 +1,6 @@
 """GgufFile: one GGUF model (a single file, or a split set `-00001-of-0000N.gguf`), its metadata
-and its tensors, memory-mapped by the `gguf` package's GGUFReader.
+and its tensors, memory-mapped (gguf_read.py parses the header; gguf-py's GGUFReader is its
+reference).
 
 Every problem with the files is a one-line CheckpointError naming the file and what is wrong:
 wrong magic, an unsupported version, a truncated or corrupt file, a missing split part, a
@@ -91,7 +92,7 @@ class GgufFile:
         self.paths = find_gguf_files(Path(path))
         self.path = self.paths[0]
         readers = [_open_reader(p) for p in self.paths]
-        self.fields = {name: f for name, f in readers[0].fields.items()}
+        self.fields = readers[0].fields  # key -> GgufField
         self._check_split(readers)
         self.tensors: dict[str, GgufTensor] = {}
         for reader, part in zip(readers, self.paths, strict=True):
@@ -110,8 +111,8 @@ class GgufFile:
         if key not in self.fields:
             return default
         field = self.fields[key]
-        value = field.contents()
-        if kind is float and field.types == [_float32_type()]:
+        value = field.value
+        if kind is float and field.types == (_float32_type(),):
             value = float(str(np.float32(value)))  # the decimal the writer was given: 1e-06
         return self._typed(key, value, kind)
 
@@ -161,12 +162,13 @@ def _float32_type():
 
 def _field(reader, key: str) -> Any:
     field = reader.fields.get(key)
-    return None if field is None else field.contents()
+    return None if field is None else field.value
 
 
 def _open_reader(path: Path):
-    """GGUFReader over `path`, after checking magic and version ourselves (for clear errors)."""
-    from gguf import GGUFReader  # import cost only when a GGUF is opened
+    """The GgufHeader of `path` (gguf_read), after checking magic and version first (for
+    clear errors)."""
+    from hybridmoe.loader.gguf_read import CorruptGguf, read_gguf  # imports gguf-py: on use
 
     with open(path, "rb") as f:
         head = f.read(8)
@@ -181,12 +183,12 @@ def _open_reader(path: Path):
             f"{', '.join(map(str, SUPPORTED_VERSIONS))})"
         )
     try:
-        return GGUFReader(path, mode="c")
-    except (ValueError, IndexError, KeyError, OverflowError, TypeError, UnicodeError) as exc:
+        return read_gguf(path)
+    except CorruptGguf as exc:
         raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({exc})") from exc
 
 
 def _tensor(tensor, path: Path) -> GgufTensor:
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    data = torch.from_numpy(np.asarray(tensor.data))  # a view of the mapping
+    shape = tuple(reversed(tensor.dims))
+    data = torch.from_numpy(tensor.data)  # a view of the mapping
     return GgufTensor(tensor.name, tensor.tensor_type.name, shape, data, path)

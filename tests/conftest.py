@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +22,42 @@ from safetensors_layout import write_safetensors
 # `--device auto` means cpu in this suite, on a GPU machine too (and in the servers it starts):
 # the suite tests the cpu tier; tests/gpu names its device explicitly.
 os.environ.setdefault("HYBRIDMOE_AUTO_DEVICE", "cpu")
+WARM_SHARDS_MAX = 8
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--warm-kernels",
+        action="store_true",
+        help="before any test, compile the numba kernels most tests call into the kernel cache, "
+        "split across the cores (tests/warm_kernels.py): pytest-xdist workers otherwise each "
+        "compile every one of them cold, at about the same time",
+    )
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """--warm-kernels: tests/warm_kernels.py in one process a core, waited for, in the main
+    process only (pytest-xdist starts its workers after this hook: trylast)."""
+    config = session.config
+    if not config.getoption("--warm-kernels") or hasattr(config, "workerinput"):
+        return
+    shards = max(1, min(os.cpu_count() or 1, WARM_SHARDS_MAX))
+    script = str(Path(__file__).with_name("warm_kernels.py"))
+    start = time.monotonic()
+    logs = [tempfile.TemporaryFile("w+") for _ in range(shards)]  # a pipe could fill and block
+    runs = [
+        subprocess.Popen([sys.executable, script, str(i), str(shards)], stdout=log, stderr=log)
+        for i, log in enumerate(logs)
+    ]
+    report = config.pluginmanager.get_plugin("terminalreporter")
+    for i, (run, log) in enumerate(zip(runs, logs, strict=True)):
+        if run.wait() != 0 and report is not None:  # the tests that call it fail too
+            log.seek(0)
+            report.write_line(f"--warm-kernels shard {i} failed ({run.returncode}):\n{log.read()}")
+        log.close()
+    if report is not None:
+        seconds = time.monotonic() - start
+        report.write_line(f"--warm-kernels: {shards} processes, {seconds:.0f} s")
 
 
 @pytest.fixture(scope="session")

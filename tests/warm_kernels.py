@@ -1,0 +1,66 @@
+"""Compiles the numba kernels that most of the suite calls into the on-disk kernel cache
+(HYBRIDMOE_CACHE_DIR), shard SHARD of SHARDS: `python tests/warm_kernels.py SHARD SHARDS`.
+
+A cold compile of one format's fused kernel takes ~10 s on an idle core (minutes on a busy
+one) and a fresh clone starts with an empty cache. Without this, each pytest-xdist worker
+meets every kernel cold at about the same time and both compile it; with it (conftest.py,
+`--warm-kernels`) the compiles are split across the cores once, before any test starts, and
+the tests load the kernels from the cache. The calls are the ones the tests make (flat
+C-contiguous arrays: one signature a kernel), so the cached code is what the tests would have
+compiled. Nothing is checked here: a kernel this misses, or one that fails to compile, is
+compiled (and fails) in the tests that call it, as without the warm-up."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from hybridmoe.kernels.numba_dense import dense_linear, weight_bytes
+from hybridmoe.moe.cpu_experts import fused_cpu_moe
+from hybridmoe.quant.bank import ExpertBank
+from hybridmoe.quant.formats import WEIGHT_FORMATS, weight_format
+from random_weights import random_bank, random_stored, whole_blocks
+
+# the dense projections' formats the suite's models and tests/kernels/test_dense_kernel.py use
+DENSE_FORMATS = ("f32", "bf16", "f16", "q8_0", "q4_0", "q4_k")
+
+
+def _fused(name: str, activation_quant: str = "none") -> None:
+    bank = random_bank(name, 4, whole_blocks(64, name), whole_blocks(32, name))
+    if activation_quant != "none":
+        bank = bank.with_activation_quant(activation_quant)
+    ids, weights = torch.tensor([[0, 1]]), torch.ones(1, 2)
+    fused_cpu_moe(torch.ones(1, bank.hidden_size), ids, weights, bank)
+
+
+def _quantize(name: str) -> None:
+    """Quantising a float bank (the converters of q8_0 and q4_0 are numba kernels)."""
+    gate_up, down = torch.ones(2, 64, 64), torch.ones(2, 64, 32)
+    ExpertBank(gate_up, down).converted(weight_format(name))
+
+
+def _dense(name: str) -> None:
+    fmt = weight_format(name)
+    cols = whole_blocks(64, name)
+    stored = random_stored(fmt, (8, cols), torch.Generator().manual_seed(0))
+    dense_linear(fmt, weight_bytes(stored), 8, torch.ones(1, cols))
+
+
+def jobs() -> list[tuple]:
+    """(function, format name, ...) for every kernel warmed, in a fixed order."""
+    out: list[tuple] = [(_fused, name) for name in WEIGHT_FORMATS]
+    q8 = [n for n, f in WEIGHT_FORMATS.items() if f.kernel.int8_block_ir is not None]
+    out += [(_fused, name, "q8") for name in q8]
+    out += [(_dense, name) for name in DENSE_FORMATS if name in WEIGHT_FORMATS]
+    out += [(_quantize, n) for n, f in WEIGHT_FORMATS.items() if f.is_quantized and f.can_quantize]
+    return out
+
+
+def main(shard: int, shards: int) -> None:
+    for job in jobs()[shard::shards]:
+        job[0](*job[1:])
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))

@@ -240,9 +240,11 @@ def rss_anon_bytes():
     return int(re.search(r"RssAnon:\\s+(\\d+) kB", status).group(1)) * 1024
 
 # numba and the float32 CPU kernels load (or compile) on a first CPU decode-sized call: their
-# memory is not the weights', so it is spent before measuring
+# memory is not the weights', so it is spent before measuring: the serial entry (a small
+# weight) and the parallel one (>= 1 MiB), for 3 tokens as logits() below calls them
 from hybridmoe.kernels.projection import DenseProjection
-DenseProjection(torch.zeros(4, 8))(torch.zeros(1, 8))
+DenseProjection(torch.zeros(4, 8))(torch.zeros(1, 3, 8))
+DenseProjection(torch.zeros(1024, 1024))(torch.zeros(1, 3, 1024))
 before = rss_anon_bytes()
 model = load_model(sys.argv[1], torch.float32)
 model.logits([1, 2, 3])  # reads every layer's weights

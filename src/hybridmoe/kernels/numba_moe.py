@@ -402,8 +402,9 @@ def fused_moe_kernel(gate_up_fmt: str, down_fmt: str):
 # cores from the engine's torch threads (measured on 2 cores: layer calls 10x slower while
 # another process ran). Numba's OpenMP layer binds to the libgomp already loaded, torch's (the
 # loader reuses a loaded libgomp.so.1; checked with LD_DEBUG=bindings), which read
-# OMP_WAIT_POLICY when torch loaded (env.passive_openmp can make that PASSIVE; unused yet,
-# docs/architecture.md). start_pool sets PASSIVE for a process whose numba loads its own
+# OMP_WAIT_POLICY when torch loaded; on the cpu device every kernel is launched from the
+# calling thread (the inline executor), one team whose spin keeps it hot
+# (docs/architecture.md). start_pool sets PASSIVE for a process whose numba loads its own
 # libgomp. The lock keeps any layer safe from concurrent launches (calls would only fight over
 # the cores).
 _LAUNCH_LOCK = threading.Lock()

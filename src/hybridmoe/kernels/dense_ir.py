@@ -25,7 +25,16 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from hybridmoe.kernels.llvm_ir import F32, I8, I32, V32F, const_vec, declare, i64, load
+from hybridmoe.kernels.llvm_ir import (
+    F32,
+    I8,
+    I32,
+    V32F,
+    declare,
+    i64,
+    load,
+    pairwise_sum,
+)
 from hybridmoe.kernels.numba_simd import KernelFormatType
 from hybridmoe.quant.formats import KERNEL_BLOCK, KernelFormat
 
@@ -35,17 +44,6 @@ GROUPS = ((4, 1), (2, 1), (1, 1), (2, 2), (1, 2), (2, 3), (1, 3), (2, 4), (1, 4)
 PREFETCH_BYTES = 0  # prefetched: one group of rows ahead, and this many bytes further
 PREFETCH_LOCALITY = 2  # llvm.prefetch locality: 2 = into L2 (prefetcht1)
 LINE_BYTES = 64
-
-
-def _reduce(builder: ir.IRBuilder, vec: ir.Value) -> ir.Value:
-    """Sum of the 32 lanes by the pairwise tree above."""
-    width = KERNEL_BLOCK
-    while width > 1:
-        width //= 2
-        lo = builder.shuffle_vector(vec, vec, const_vec(I32, list(range(width))))
-        hi = builder.shuffle_vector(vec, vec, const_vec(I32, list(range(width, 2 * width))))
-        vec = builder.fadd(lo, hi)
-    return builder.extract_element(vec, ir.Constant(I32, 0))
 
 
 def _block_step(builder, kernel: KernelFormat, prefetch_bytes: int, locality: int):
@@ -133,9 +131,8 @@ def _group_body(builder, kernel, rows, tokens, step, args):
             for acc_set in accs[1:]:
                 total = builder.fadd(total, builder.load(acc_set[r][t]))
             index = builder.add(out_off, builder.add(builder.mul(out_stride, i64(t)), first_row))
-            builder.store(
-                _reduce(builder, total), builder.gep(out_data, [builder.add(index, i64(r))])
-            )
+            value = pairwise_sum(builder, total, KERNEL_BLOCK)
+            builder.store(value, builder.gep(out_data, [builder.add(index, i64(r))]))
 
 
 def dense_rows_codegen(

@@ -52,6 +52,17 @@ def i64(value: int) -> ir.Constant:
     return ir.Constant(I64, value)
 
 
+def pairwise_sum(builder: ir.IRBuilder, vec: ir.Value, width: int) -> ir.Value:
+    """The float sum of a vector's `width` lanes (a power of two) by a pairwise tree: the
+    upper half added to the lower, then the upper half of that, ..., to one lane."""
+    while width > 1:
+        width //= 2
+        lo = builder.shuffle_vector(vec, vec, const_vec(I32, list(range(width))))
+        hi = builder.shuffle_vector(vec, vec, const_vec(I32, list(range(width, 2 * width))))
+        vec = builder.fadd(lo, hi)
+    return builder.extract_element(vec, ir.Constant(I32, 0))
+
+
 def load(builder: ir.IRBuilder, ptr: ir.Value, ty: ir.Type, align: int = 1) -> ir.Value:
     """A `ty` read at byte pointer `ptr` (unaligned unless `align` says otherwise)."""
     return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=align)

@@ -21,7 +21,17 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from hybridmoe.kernels.llvm_ir import F32, I8, I32, const_vec, declare, i64, load, target_has
+from hybridmoe.kernels.llvm_ir import (
+    F32,
+    I8,
+    I32,
+    const_vec,
+    declare,
+    i64,
+    load,
+    pairwise_sum,
+    target_has,
+)
 from hybridmoe.kernels.numba_simd import PREFETCH_BYTES, PREFETCH_LOCALITY, TILES
 from hybridmoe.quant.activation_q8 import LANES
 from hybridmoe.quant.formats import KERNEL_BLOCK, KernelFormat
@@ -95,17 +105,6 @@ def _transpose_sum(builder: ir.IRBuilder, parts: list[ir.Value]) -> ir.Value:
     return parts[0]
 
 
-def _lane_tree(builder: ir.IRBuilder, vec: ir.Value) -> ir.Value:
-    """The contract's final sum of the 8 lanes: halves added, then halves of that, ..."""
-    width = LANES
-    while width > 1:
-        width //= 2
-        lo = builder.shuffle_vector(vec, vec, const_vec(I32, list(range(width))))
-        hi = builder.shuffle_vector(vec, vec, const_vec(I32, list(range(width, 2 * width))))
-        vec = builder.fadd(lo, hi)
-    return builder.extract_element(vec, ir.Constant(I32, 0))
-
-
 def _tile_codegen(kernel: KernelFormat, wrows: int, xrows: int):
     path = dot_path()
 
@@ -142,7 +141,7 @@ def _tile_codegen(kernel: KernelFormat, wrows: int, xrows: int):
         for r in range(wrows):
             for c in range(xrows):
                 index = builder.add(out_off, builder.add(builder.mul(stride, i64(c)), i64(r)))
-                total = _lane_tree(builder, builder.load(accs[r][c]))
+                total = pairwise_sum(builder, builder.load(accs[r][c]), LANES)
                 builder.store(total, builder.gep(out_data, [index]))
         return context.get_dummy_value()
 

@@ -25,7 +25,7 @@ from numba.core.imputils import lower_constant, lower_getattr
 from numba.core.typing.templates import AttributeTemplate, infer_getattr
 from numba.extending import intrinsic, models, register_model, typeof_impl
 
-from hybridmoe.kernels.llvm_ir import F32, I8, I32, V32F, const_vec, i64, load
+from hybridmoe.kernels.llvm_ir import F32, I8, I32, V32F, i64, load, pairwise_sum
 from hybridmoe.quant.formats import KERNEL_BLOCK, KernelFormat
 
 # (weight rows, activation rows) of a tile_dot call: at most 8 <32 x float> accumulators,
@@ -93,17 +93,6 @@ def _lower_partial_blocks(context, builder, ty, value):
     return context.get_constant(types.boolean, ty.kernel.partial_blocks)
 
 
-def _reduce(builder: ir.IRBuilder, vec: ir.Value) -> ir.Value:
-    """Sum of the 32 lanes, as a fixed pairwise tree (deterministic)."""
-    width = 32
-    while width > 1:
-        width //= 2
-        lo = builder.shuffle_vector(vec, vec, const_vec(I32, list(range(width))))
-        hi = builder.shuffle_vector(vec, vec, const_vec(I32, list(range(width, 2 * width))))
-        vec = builder.fadd(lo, hi)
-    return builder.extract_element(vec, ir.Constant(I32, 0))
-
-
 def _declare(builder: ir.IRBuilder, name: str, ret: ir.Type, params: list[ir.Type]):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, params), name)
 
@@ -156,7 +145,7 @@ def _tile_dot_codegen(kernel: KernelFormat, wrows: int, xrows: int):
                     total = builder.fadd(total, builder.load(acc_set[r][c]))
                 index = builder.add(out_off, builder.add(builder.mul(out_stride, i64(c)), i64(r)))
                 slot = builder.gep(out_data, [index])
-                builder.store(_reduce(builder, total), slot)
+                builder.store(pairwise_sum(builder, total, 32), slot)
         return context.get_dummy_value()
 
     return codegen

@@ -19,7 +19,6 @@ from hybridmoe.engine.scheduler import OutputCallback, RequestOutput, ScheduledR
 from hybridmoe.engine.sequence import Completion, Sequence
 from hybridmoe.engine.stats import GenerationStats
 from hybridmoe.errors import CheckpointError
-from hybridmoe.kernels.threads import start_kernel_pool
 from hybridmoe.loader.checkpoint import parse_dtype
 from hybridmoe.loader.hub import resolve_model
 from hybridmoe.loader.tokenizer import Tokenizer
@@ -47,8 +46,6 @@ class Engine:
             config = resolve_decode_target(model, config, platform)  # `auto` -> a target
             config = _prefix_cache_for(model, config)
             memory = plan_device_memory(model, config, platform)
-            if platform.device.type == "cpu":  # its kernels are numba's: the pool starts here
-                start_kernel_pool()  # keeping the user's thread count
             runtime = create_moe_runtime(model, config.offload, platform, config.progress, memory)
             model.to(platform.device)
             prefix_blocks = config.resolve_prefix_cache_blocks(self.max_seq_len)

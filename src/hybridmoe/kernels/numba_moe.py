@@ -419,9 +419,17 @@ def _touch_pool(out):
 @functools.cache  # once per process
 def start_pool() -> None:
     """Start numba's thread pool as described above; every parallel numba kernel of the
-    package calls it before its first launch (the first launch starts the pool)."""
+    package calls it before its first launch (the first launch starts the pool). torch's
+    intra-op thread count stays as it was: numba's OpenMP layer binds to torch's libgomp, and
+    starting the pool sets the calling thread's OpenMP thread count to the pool's size, which
+    torch reads as its own (an engine built with threads=1 then ran its dense kernels and
+    torch's ops on every core: tests/engine/test_thread_count.py)."""
+    import torch  # loaded already: the kernels' callers hand them torch tensors' memory
+
+    saved = torch.get_num_threads()
     with env.default_set("OMP_WAIT_POLICY", "PASSIVE"):
         _touch_pool(np.zeros(max_threads(), np.int64))
+    torch.set_num_threads(saved)
 
 
 def max_threads() -> int:

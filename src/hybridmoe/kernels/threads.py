@@ -38,17 +38,3 @@ def kernel_threads() -> int:
     --threads), as it was outside serial_torch_ops."""
     saved = getattr(_SAVED, "threads", None)
     return torch.get_num_threads() if saved is None else saved
-
-
-def start_kernel_pool() -> None:
-    """Start numba's OpenMP pool now (kernels/numba_moe.start_pool, once per process) and keep
-    torch's intra-op thread count as it was. numba's OpenMP layer binds to torch's libgomp, and
-    starting its pool sets the calling thread's OpenMP thread count to the pool's size, which
-    torch reads as its own: after the first kernel launch an engine built with threads=1 ran
-    its dense kernels (kernel_threads) and torch's ops on every core
-    (tests/engine/test_thread_count.py)."""
-    from hybridmoe.kernels import numba_moe  # numba loads with the first CPU kernel user
-
-    saved = torch.get_num_threads()
-    numba_moe.start_pool()
-    torch.set_num_threads(saved)

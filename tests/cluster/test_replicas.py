@@ -157,6 +157,7 @@ def stream_while_killing(cluster, messages, victim: int, pid: int) -> list[str |
     deadline = time.monotonic() + REQUEST_TIMEOUT_S
     while cluster.stats()["replicas"][victim]["stats"]["requests_running"] == 0:
         assert time.monotonic() < deadline, "the streams never started on the victim"
+        assert any(t.is_alive() for t in threads), f"the streams ended unseen: {outcomes}"
         time.sleep(0.02)
     os.kill(pid, signal.SIGKILL)
     for thread in threads:

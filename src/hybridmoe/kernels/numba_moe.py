@@ -29,10 +29,11 @@ from numba.core.dispatcher import Dispatcher
 from hybridmoe import env
 from hybridmoe.kernels import llvm_ir, numba_simd
 from hybridmoe.kernels.numba_cache import cached_njit
-from hybridmoe.kernels.numba_simd import load_weight, tile_dot
+from hybridmoe.kernels.numba_simd import load_weight, prefetch_rows, tile_dot
 from hybridmoe.quant.formats import WEIGHT_FORMATS, KernelFormat
 
-ROWS_PER_ITEM = 16  # weight rows per parallel work item
+ROWS_PER_ITEM = 64  # weight rows per parallel work item: a contiguous run of rows per matrix
+FIRST_TILE_ROWS = 4  # rows of a run's first tile, prefetched before the run ahead of it
 _FLAGS = dict(nogil=True, fastmath={"contract", "arcp"})  # cached_njit adds cache=True
 
 
@@ -295,6 +296,7 @@ def _fused_moe(
         rows = min(inter, i0 + ROWS_PER_ITEM) - i0
         gate, up = np.empty(count * rows, np.float32), np.empty(count * rows, np.float32)
         row_off = (experts[u] * expert_rows + i0) * h_row_bytes  # in w_gate and in w_up
+        prefetch_rows(w_up, row_off, FIRST_TILE_ROWS * h_row_bytes)  # read after gate's rows
         _matmul(fmt, w_gate, row_off, h_row_bytes, hidden, rows, x, x_offs, first, count, gate)
         _matmul(fmt, w_up, row_off, h_row_bytes, hidden, rows, x, x_offs, first, count, up)
         if act_bf16:
@@ -319,6 +321,9 @@ def _fused_moe(
         for u in range(experts.shape[0]):
             first, count = starts[u], starts[u + 1] - starts[u]
             row_off = (experts[u] * hidden + h0) * i_row_bytes
+            if u + 1 < experts.shape[0]:  # the next expert's rows, read after these
+                next_off = (experts[u + 1] * hidden + h0) * i_row_bytes
+                prefetch_rows(down, next_off, FIRST_TILE_ROWS * i_row_bytes)
             _matmul(
                 down_fmt, down, row_off, i_row_bytes, inter, rows, acts, act_offs, first, count, out
             )

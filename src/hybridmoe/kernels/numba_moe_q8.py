@@ -23,6 +23,7 @@ from hybridmoe import env
 from hybridmoe.kernels import numba_moe as nm
 from hybridmoe.kernels import numba_simd_q8
 from hybridmoe.kernels.numba_cache import cached_njit
+from hybridmoe.kernels.numba_simd import prefetch_rows
 from hybridmoe.kernels.numba_simd_q8 import tile_dot_q8
 from hybridmoe.quant import activation_q8
 from hybridmoe.quant.formats import WEIGHT_FORMATS, KernelFormat
@@ -165,6 +166,7 @@ def _gate_up_phase(
         rows = min(inter, i0 + nm.ROWS_PER_ITEM) - i0
         gate, up = np.empty(count * rows, np.float32), np.empty(count * rows, np.float32)
         row_off = (experts[u] * expert_rows + i0) * h_row_bytes
+        prefetch_rows(w_up, row_off, nm.FIRST_TILE_ROWS * h_row_bytes)  # read after gate's
         matmul_q8(
             fmt, w_gate, row_off, h_row_bytes, hidden, rows, xq, xd, x_offs, first, count, gate
         )
@@ -214,6 +216,9 @@ def _down_phase(
         for u in range(experts.shape[0]):
             first, count = starts[u], starts[u + 1] - starts[u]
             row_off = (experts[u] * hidden + h0) * i_row_bytes
+            if u + 1 < experts.shape[0]:  # the next expert's rows, read after these
+                next_off = (experts[u + 1] * hidden + h0) * i_row_bytes
+                prefetch_rows(down, next_off, nm.FIRST_TILE_ROWS * i_row_bytes)
             matmul_q8(
                 fmt, down, row_off, i_row_bytes, inter, rows, aq, ad, act_offs, first, count, out
             )

@@ -5,7 +5,11 @@ bytes it reads and the floats it writes do not alias), so the block loop is writ
 directly in LLVM IR: each 32-weight block is dequantised once into a <32 x float> register
 and multiplied into one register accumulator per (weight row, activation row) pair; each
 activation block is loaded once for all weight rows. Nothing is written to memory until the
-end of the rows, and the weight bytes are prefetched ahead of use.
+end of the rows. While a tile's rows are read, the same place `wrows` rows on is prefetched
+into L2 (every cache line): the next tile of a contiguous run of rows, so that a row's first
+lines are not demand misses and one thread keeps enough reads in flight to stream (as
+kernels/dense_ir.py does; a prefetch into L1 holds one of the core's few line-fill buffers
+until the line arrives). `prefetch_rows` starts the first tile of a run the caller reads next.
 
 Every format is read from a flat uint8 array at a byte offset; the activations are a flat
 float32 array. What a format's bytes are is its `KernelFormat` (quant/formats.py), which the
@@ -31,8 +35,8 @@ from hybridmoe.quant.formats import KERNEL_BLOCK, KernelFormat
 # (weight rows, activation rows) of a tile_dot call: at most 8 <32 x float> accumulators,
 # which with the dequantised blocks and activations fit AVX-512's 32 vector registers
 TILES = ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2), (1, 3), (2, 3), (1, 4), (2, 4))
-PREFETCH_BYTES = 1024  # how far ahead of the block being read the weights are prefetched
-PREFETCH_LOCALITY = 3  # llvm.prefetch locality: 3 = into L1 (prefetcht0)
+PREFETCH_LOCALITY = 2  # llvm.prefetch locality: 2 = into L2 (prefetcht1)
+LINE_BYTES = 64
 
 
 class KernelFormatType(types.Type):
@@ -118,17 +122,18 @@ def _tile_dot_codegen(kernel: KernelFormat, wrows: int, xrows: int):
             )
             for c in range(xrows)
         ]
+        tile_bytes = builder.mul(row_bytes, i64(wrows))  # the next tile: `wrows` rows on
         zero = ir.Constant(V32F, None)
         accs = [
             [[cgutils.alloca_once_value(builder, zero) for _ in x_rows] for _ in w_rows]
             for _ in range(sets)
         ]
         if kernel.pieces > 1:  # whole super-blocks, each piece on the next accumulator set
-            step = _superblock_step(builder, kernel, w_rows, x_rows)
+            step = _superblock_step(builder, kernel, w_rows, x_rows, tile_bytes)
             with cgutils.for_range(builder, builder.udiv(nblocks, i64(kernel.pieces))) as loop:
                 step(loop.index, accs)
         else:
-            step = _block_step(builder, kernel, w_rows, x_rows)
+            step = _block_step(builder, kernel, w_rows, x_rows, tile_bytes)
             main_iters = builder.udiv(nblocks, i64(sets))
             with cgutils.for_range(builder, main_iters) as loop:
                 first_block = builder.mul(loop.index, i64(sets))
@@ -152,22 +157,28 @@ def _tile_dot_codegen(kernel: KernelFormat, wrows: int, xrows: int):
 
 
 def _block_step(
-    builder: ir.IRBuilder, kernel: KernelFormat, w_rows: list[ir.Value], x_rows: list[ir.Value]
+    builder: ir.IRBuilder,
+    kernel: KernelFormat,
+    w_rows: list[ir.Value],
+    x_rows: list[ir.Value],
+    tile_bytes: ir.Value,
 ):
-    """step(block_index, accs[wrow][xrow]): per weight row, prefetch ahead and dequantise the
-    block once (the format's own IR); FMA it with each activation row's 32 values (each
-    loaded once per block)."""
+    """step(block_index, accs[wrow][xrow]): per weight row, prefetch the block `tile_bytes`
+    on (the next tile's; each line the block touches) and dequantise it once (the format's
+    own IR); FMA it with each activation row's 32 values (each loaded once per block)."""
     fma = _declare(builder, "llvm.fma.v32f32", V32F, [V32F] * 3)
     prefetch = _declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
-    read, high_locality, data_cache = (ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1))
+    hints = [ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1)]
+    lines = range(0, kernel.block_bytes, LINE_BYTES)
 
     def step(index: ir.Value, accs: list[list[ir.Value]]) -> None:
         first_weight = builder.mul(index, i64(KERNEL_BLOCK))
         xs = [load(builder, builder.gep(x_row, [first_weight]), V32F, align=4) for x_row in x_rows]
         for w_row, row_accs in zip(w_rows, accs, strict=True):
             block = builder.gep(w_row, [builder.mul(index, i64(kernel.block_bytes))])
-            ahead = builder.bitcast(builder.gep(block, [i64(PREFETCH_BYTES)]), I8.as_pointer())
-            builder.call(prefetch, [ahead, read, high_locality, data_cache])
+            for line in lines:
+                ahead = builder.gep(block, [builder.add(tile_bytes, i64(line))])
+                builder.call(prefetch, [ahead, *hints])
             w = kernel.dequantize_block_ir(builder, block)
             for acc, xv in zip(row_accs, xs, strict=True):
                 builder.store(builder.call(fma, [w, xv, builder.load(acc)]), acc)
@@ -176,24 +187,28 @@ def _block_step(
 
 
 def _superblock_step(
-    builder: ir.IRBuilder, kernel: KernelFormat, w_rows: list[ir.Value], x_rows: list[ir.Value]
+    builder: ir.IRBuilder,
+    kernel: KernelFormat,
+    w_rows: list[ir.Value],
+    x_rows: list[ir.Value],
+    tile_bytes: ir.Value,
 ):
     """step(superblock_index, accs[set][wrow][xrow]): per weight row, prefetch the super-block
-    `PREFETCH_BYTES` ahead (each of its cache lines) and decode its scales once (the format's
-    DequantizeSuperBlockIR); then piece by piece, the activations' 32 values loaded once and
-    each row's piece dequantised and FMAed into accumulator set `piece % sets`."""
+    `tile_bytes` on (the next tile's; each of its cache lines) and decode its scales once (the
+    format's DequantizeSuperBlockIR); then piece by piece, the activations' 32 values loaded
+    once and each row's piece dequantised and FMAed into accumulator set `piece % sets`."""
     fma = _declare(builder, "llvm.fma.v32f32", V32F, [V32F] * 3)
     prefetch = _declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
-    read, high_locality, data_cache = (ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1))
-    lines = [*range(0, kernel.block_bytes, 64), kernel.block_bytes - 1]  # every line it spans
+    hints = [ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1)]
+    lines = [*range(0, kernel.block_bytes, LINE_BYTES), kernel.block_bytes - 1]  # all it spans
 
     def step(index: ir.Value, accs: list[list[list[ir.Value]]]) -> None:
         pieces = []
         for w_row in w_rows:
             block = builder.gep(w_row, [builder.mul(index, i64(kernel.block_bytes))])
             for line in lines:
-                ahead = builder.gep(block, [i64(PREFETCH_BYTES + line)])
-                builder.call(prefetch, [ahead, read, high_locality, data_cache])
+                ahead = builder.gep(block, [builder.add(tile_bytes, i64(line))])
+                builder.call(prefetch, [ahead, *hints])
             pieces.append(kernel.dequantize_block_ir(builder, block))
         first_weight = builder.mul(index, i64(kernel.block_weights))
         for p in range(kernel.pieces):
@@ -261,3 +276,27 @@ def load_weight(typingctx, fmt, weights, byte_off):
         return kernel.load_weight_ir(builder, ptr)
 
     return types.float32(fmt, weights, byte_off), codegen
+
+
+@intrinsic
+def prefetch_rows(typingctx, weights, byte_off, nbytes):
+    """Prefetch weights[byte_off : byte_off + nbytes] into L2, each cache line once: the first
+    tile of the run of rows a caller reads next (tile_dot prefetches the rest of a run as it
+    goes). Addresses past the array are harmless: a prefetch never faults."""
+    if not isinstance(weights, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        prefetch = _declare(
+            builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3]
+        )
+        hints = [ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1)]
+        start = builder.gep(data, [args[1]])
+        lines = builder.udiv(builder.add(args[2], i64(LINE_BYTES - 1)), i64(LINE_BYTES))
+        with cgutils.for_range(builder, lines) as loop:
+            at = builder.gep(start, [builder.mul(loop.index, i64(LINE_BYTES))])
+            builder.call(prefetch, [at, *hints])
+        return context.get_dummy_value()
+
+    return types.void(weights, types.intp, types.intp), codegen

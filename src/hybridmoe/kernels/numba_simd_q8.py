@@ -32,7 +32,7 @@ from hybridmoe.kernels.llvm_ir import (
     pairwise_sum,
     target_has,
 )
-from hybridmoe.kernels.numba_simd import PREFETCH_BYTES, PREFETCH_LOCALITY, TILES
+from hybridmoe.kernels.numba_simd import LINE_BYTES, PREFETCH_LOCALITY, TILES
 from hybridmoe.quant.activation_q8 import LANES
 from hybridmoe.quant.formats import KERNEL_BLOCK, KernelFormat
 
@@ -128,7 +128,8 @@ def _tile_codegen(kernel: KernelFormat, wrows: int, xrows: int):
             [cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(xrows)]
             for _ in range(wrows)
         ]
-        rows = (w_rows, q_rows, d_rows, accs)
+        tile_bytes = builder.mul(row_bytes, i64(wrows))  # the next tile: `wrows` rows on
+        rows = (w_rows, q_rows, d_rows, accs, tile_bytes)
         groups = builder.udiv(nblocks, i64(LANES))
         group_step = _group_step(builder, kernel, path, rows)
         with cgutils.for_range(builder, groups) as loop:
@@ -150,8 +151,9 @@ def _tile_codegen(kernel: KernelFormat, wrows: int, xrows: int):
 
 def _group_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tuple):
     """step(first_block): blocks first_block .. + 7 of every (weight row, activation row)
-    pair into its lane accumulator."""
-    w_rows, q_rows, d_rows, accs = rows
+    pair into its lane accumulator; the same blocks of the next tile (`tile_bytes` on)
+    prefetched into L2, as numba_simd.tile_dot does."""
+    w_rows, q_rows, d_rows, accs, tile_bytes = rows
     prepare, dot = _block_dot(builder, path)
     prefetch = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
     hints = [ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1)]
@@ -161,8 +163,9 @@ def _group_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tu
         weights = []  # per weight row: ([prepared block] * 8, <8 x float> scales)
         for w_row in w_rows:
             group = builder.gep(w_row, [builder.mul(first_block, i64(kernel.block_bytes))])
-            for line in range(0, group_bytes, 64):
-                builder.call(prefetch, [builder.gep(group, [i64(PREFETCH_BYTES + line)]), *hints])
+            for line in range(0, group_bytes, LINE_BYTES):
+                ahead = builder.gep(group, [builder.add(tile_bytes, i64(line))])
+                builder.call(prefetch, [ahead, *hints])
             blocks, scales = [], ir.Constant(V8F, None)
             for b in range(LANES):
                 v, d = kernel.int8_block_ir(
@@ -189,7 +192,7 @@ def _group_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tu
 
 def _tail_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tuple):
     """step(block, lane): one block of every pair added into lane `lane` of its accumulator."""
-    w_rows, q_rows, d_rows, accs = rows
+    w_rows, q_rows, d_rows, accs, _ = rows
     prepare, dot = _block_dot(builder, path)
     reduce_add = declare(builder, "llvm.vector.reduce.add.v8i32", I32, [V8I])
 

@@ -76,6 +76,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prefill-tokens", type=int, default=384)
     parser.add_argument("--batch", type=int, default=4, help="aggregate decode; 1: skip it")
     parser.add_argument(
+        "--activation-quant",
+        choices=("none", "q8"),
+        default="none",
+        help="hybridmoe's --activation-quant (q8: q8_0/q4_0 experts by integer dots)",
+    )
+    parser.add_argument(
         "--busy-cores", type=float, default=0.5, help="others' cores that make a round busy"
     )
     parser.add_argument("--json", type=Path, default=None, help="write every round here")
@@ -123,6 +129,7 @@ def run_worker(engine: str, path: Path, threads: int, args: argparse.Namespace) 
     command += ["--threads", str(threads), "--tokens", str(args.tokens)]
     command += ["--prompt-tokens", str(args.prompt_tokens), "--batch", str(args.batch)]
     command += ["--prefill-tokens", str(args.prefill_tokens)]
+    command += ["--activation-quant", args.activation_quant]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{engine} on {path.name}, {threads} threads failed:\n{done.stderr}")

@@ -81,14 +81,17 @@ def _peak_rss_mib() -> float:
     raise RuntimeError("/proc/self/status has no VmHWM line")
 
 
-def hybridmoe_config(threads: int, batch: int):
+def hybridmoe_config(threads: int, batch: int, activation_quant: str = "none"):
     """The EngineConfig the bench runs hybridmoe with: `--decode-target cpu`, bf16, no prefix
     cache (llama.cpp's KV is cleared before every request, so each prefills it all); nothing
-    about the file's expert format (a GGUF's experts stay in its types)."""
+    about the file's expert format (a GGUF's experts stay in its types); `activation_quant`
+    as --activation-quant (q8: int8-block experts by integer dots, as llama.cpp computes)."""
     from hybridmoe.engine import EngineConfig
     from hybridmoe.moe.config import OffloadConfig
 
-    offload = OffloadConfig(decode_target="cpu", cpu_threads=threads)
+    offload = OffloadConfig(
+        decode_target="cpu", cpu_threads=threads, activation_quant=activation_quant
+    )
     return EngineConfig(
         dtype="bfloat16",
         threads=threads,
@@ -104,7 +107,7 @@ def load_hybridmoe(path: Path, threads: int, args):
     from hybridmoe.engine import Engine, SamplingParams
 
     torch.set_num_threads(threads)
-    config = hybridmoe_config(threads, args.batch)
+    config = hybridmoe_config(threads, args.batch, args.activation_quant)
     engine = Engine.from_pretrained(path, config)
 
     def generate(batch_prompts: list[list[int]], n: int) -> list[list[int]]:

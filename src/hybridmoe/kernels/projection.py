@@ -87,7 +87,9 @@ def stack_rows(parts: Sequence[DenseProjection]) -> DenseProjection:
     bits are the parts' (each output is one weight row's dot product, whatever the matrix;
     tests/layers/test_stacked_qkv.py); torch's GEMM gives no such promise, so callers use it
     where the parts would run the kernel (uses_kernel). The parts must share a format and
-    in_features and device and all have a bias or none (ValueError naming what differs)."""
+    in_features and device and all have a bias or none (ValueError naming what differs).
+    Weights stored back to back in one storage (a GGUF's q, k and v: loader/gguf.py) are
+    stacked as the view spanning them (adjacent_rows), not copied."""
     fmt, n, device = parts[0].fmt, parts[0].in_features, parts[0].weight.device
     for part in parts:
         if part.fmt != fmt or part.in_features != n or part.weight.device != device:
@@ -99,7 +101,9 @@ def stack_rows(parts: Sequence[DenseProjection]) -> DenseProjection:
     biased = {part.bias is not None for part in parts}
     if len(biased) != 1:
         raise ValueError("stack_rows: some projections have a bias and some do not")
-    weight = torch.cat([part.weight for part in parts])  # [sum of out, row]
+    weight = adjacent_rows([part.weight for part in parts])  # [sum of out, row]
+    if weight is None:
+        weight = torch.cat([part.weight for part in parts])
     bias = torch.cat([part.bias for part in parts]) if biased == {True} else None
     first = 0
     for part in parts:
@@ -108,3 +112,21 @@ def stack_rows(parts: Sequence[DenseProjection]) -> DenseProjection:
         part.bias = None if bias is None else bias[rows]
         first += part.out_features
     return DenseProjection(weight, bias, fmt, n)
+
+
+def adjacent_rows(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """torch.cat(weights) as a view, when the weights (contiguous, alike in dtype, device and
+    row shape) lie back to back in one storage, in order: the same values, no copy; else
+    None."""
+    first = weights[0]
+    storage = first.untyped_storage().data_ptr()
+    end = first.storage_offset()
+    for w in weights:
+        alike = w.dtype == first.dtype and w.device == first.device and w.dim() == first.dim()
+        if not (alike and w.shape[1:] == first.shape[1:] and w.is_contiguous()):
+            return None
+        if w.untyped_storage().data_ptr() != storage or w.storage_offset() != end:
+            return None
+        end += w.numel()
+    rows = sum(w.shape[0] for w in weights)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())

@@ -5,7 +5,9 @@ reference).
 Every problem with the files is a one-line CheckpointError naming the file and what is wrong:
 wrong magic, an unsupported version, a truncated or corrupt file, a missing split part, a
 missing or mistyped metadata key. Tensor data stays in the mapping (opened copy-on-write, so a
-view handed to torch is writable without ever touching the file).
+view handed to torch is writable without ever touching the file): every tensor of a file is a
+view of one torch tensor over its whole mapping, so tensors stored back to back are adjacent
+in one storage (kernels/projection.stack_rows then stacks a layer's q, k and v without a copy).
 """
 
 from __future__ import annotations
@@ -96,8 +98,9 @@ class GgufFile:
         self._check_split(readers)
         self.tensors: dict[str, GgufTensor] = {}
         for reader, part in zip(readers, self.paths, strict=True):
+            whole = torch.from_numpy(reader.mapped)  # uint8 [file bytes], one storage
             for tensor in reader.tensors:
-                self.tensors[tensor.name] = _tensor(tensor, part)
+                self.tensors[tensor.name] = _tensor(tensor, part, whole)
 
     @property
     def architecture(self) -> str:
@@ -188,7 +191,17 @@ def _open_reader(path: Path):
         raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({exc})") from exc
 
 
-def _tensor(tensor, path: Path) -> GgufTensor:
+def _tensor(tensor, path: Path, whole: torch.Tensor) -> GgufTensor:
+    """The GgufTensor of gguf_read's `tensor`: its data as a view of `whole` (the file's
+    mapping as uint8), in the dtype and shape of tensor.data (the same bytes); a view of its
+    own storage where its offset is no multiple of its item size (torch cannot view such
+    bytes of `whole` as that dtype; numpy can)."""
     shape = tuple(reversed(tensor.dims))
-    data = torch.from_numpy(tensor.data)  # a view of the mapping
+    array = tensor.data
+    if tensor.offset % array.itemsize:
+        return GgufTensor(
+            tensor.name, tensor.tensor_type.name, shape, torch.from_numpy(array), path
+        )
+    dtype = torch.from_numpy(array[:0]).dtype
+    data = whole[tensor.offset : tensor.offset + array.nbytes].view(dtype).view(array.shape)
     return GgufTensor(tensor.name, tensor.tensor_type.name, shape, data, path)

@@ -84,6 +84,7 @@ class GgufHeader:
     version: int
     fields: dict[str, GgufField]
     tensors: list[GgufTensorData]
+    mapped: np.ndarray  # uint8 [file bytes]: the mapping every tensor's data is a view of
 
 
 def read_gguf(path: Path) -> GgufHeader:
@@ -108,7 +109,7 @@ def read_gguf(path: Path) -> GgufHeader:
     except UnicodeDecodeError as exc:
         raise CorruptGguf(f"a string is not UTF-8 ({exc})") from exc
     start = _aligned(pos, _alignment(fields))
-    return GgufHeader(version, fields, [_tensor(mapped, start, *info) for info in table])
+    return GgufHeader(version, fields, [_tensor(mapped, start, *info) for info in table], mapped)
 
 
 def _string(buf: memoryview, pos: int) -> tuple[str, int]:

@@ -13,7 +13,12 @@ F32 as llama.cpp's converter keeps them); both engines load the same file and de
 from token ids, hybridmoe without its prefix cache, and the report compares their logits after
 the prompt and their greedy tokens, per round. llama.cpp runs through its
 C API (llama_batch, one sequence id per prompt for the batched rows). Each measurement runs in
-a fresh process (so its peak RSS is its own); the two engines alternate which goes first.
+a fresh process (so its peak RSS is its own; llamacpp_workers.py's main, which imports
+nothing of either engine before the load timer starts: each engine's imports, torch's for
+hybridmoe, count in its load, as they do for a user); the two engines alternate which goes
+first. The workers write Python's bytecode cache (PYTHONDONTWRITEBYTECODE is dropped for
+them): the untimed warm-up compiles the source tree's modules once, as an install does, not
+every measured run.
 
 A round is one (format, threads) pair of both engines; before it the bench records
 /proc/loadavg and, over a 1 s pause of its own, how many cores other processes keep busy. A
@@ -43,10 +48,11 @@ from llamacpp_checkpoints import (
     checkpoint_bytes,
     ensure_files,
 )
-from llamacpp_workers import MISSING_LLAMA_CPP, measure
+from llamacpp_workers import MISSING_LLAMA_CPP
 
 ENGINES = ("hybridmoe", "llama.cpp")
 DEFAULT_DIR = Path("~/.cache/hybridmoe/bench-vs-llamacpp").expanduser()
+WORKER = Path(__file__).with_name("llamacpp_workers.py")
 
 
 @dataclass
@@ -88,8 +94,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--report", type=Path, default=None, help="only print the tables of a --json file"
     )
-    parser.add_argument("--worker", choices=ENGINES, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--gguf", type=Path, default=None, help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
@@ -125,12 +129,12 @@ def dram_read_gbps(threads: int) -> float:
 
 
 def run_worker(engine: str, path: Path, threads: int, args: argparse.Namespace) -> dict:
-    command = [sys.executable, __file__, "--worker", engine, "--gguf", str(path)]
-    command += ["--threads", str(threads), "--tokens", str(args.tokens)]
-    command += ["--prompt-tokens", str(args.prompt_tokens), "--batch", str(args.batch)]
-    command += ["--prefill-tokens", str(args.prefill_tokens)]
+    command = [sys.executable, str(WORKER), engine, str(path), "--threads", str(threads)]
+    command += ["--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens)]
+    command += ["--batch", str(args.batch), "--prefill-tokens", str(args.prefill_tokens)]
     command += ["--activation-quant", args.activation_quant]
-    done = subprocess.run(command, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{engine} on {path.name}, {threads} threads failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -219,7 +223,7 @@ def report(rounds: list[Round], files: dict[str, Path], args: argparse.Namespace
     rows = [_row(labels[k], g, "prefill_tok_s") for k, g in groups.items()]
     _table(f"Prefill of a {args.prefill_tokens}-token prompt", [*engines, "rounds"], rows)
     rows = [_load_row(labels[k], g) for k, g in groups.items()]
-    columns = ["experts, threads", "hybridmoe load", "llama.cpp load"]
+    columns = ["experts, threads", "hybridmoe load (imports)", "llama.cpp load (imports)"]
     _table("Load to the first token, peak RSS", [*columns, "hybridmoe RSS", "llama.cpp RSS"], rows)
     read = ", ".join(f"{fmt} {n / 1e6:.1f} MB" for fmt, n in per_token.items())
     gbps = _median([r.dram_gbps for r in _chosen(rounds)[0]])
@@ -228,12 +232,15 @@ def report(rounds: list[Round], files: dict[str, Path], args: argparse.Namespace
 
 
 def _load_row(label: str, rounds: list[Round]) -> str:
+    """Each engine's median load to the first token, with the part of it its imports took
+    (rounds recorded before import_s was: the load alone)."""
     chosen, _ = _chosen(rounds)
-    load_s, rss_mib = (
-        [_median([r.results[e][key] for r in chosen]) for e in ENGINES]
-        for key in ("load_s", "peak_rss_mib")
+    load_s, import_s, rss_mib = (
+        [_median([r.results[e].get(key, float("nan")) for r in chosen]) for e in ENGINES]
+        for key in ("load_s", "import_s", "peak_rss_mib")
     )
-    cells = [label, *(f"{s:.1f} s" for s in load_s), *(f"{m:.0f} MiB" for m in rss_mib)]
+    loads = (f"{s:.2f} s ({i:.2f} s)" for s, i in zip(load_s, import_s, strict=True))
+    cells = [label, *loads, *(f"{m:.0f} MiB" for m in rss_mib)]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -278,10 +285,6 @@ def _require_llama_cpp() -> None:
 
 def main() -> None:
     args = parse_args()
-    if args.worker:
-        threads = args.threads[0]
-        print(json.dumps(measure(args.worker, args.gguf, threads, args)))
-        return
     if not args.report:
         _require_llama_cpp()
     shape = SHAPES[args.shape]

@@ -1,17 +1,23 @@
 """One engine's measurements on one GGUF file, run in a process of its own (so that its peak
-RSS is its own): bench_vs_llamacpp.py starts `python bench_vs_llamacpp.py --worker ...`, which
-calls `measure` and prints its result as one JSON line.
+RSS is its own): bench_vs_llamacpp.py starts `python llamacpp_workers.py ENGINE GGUF ...`,
+which calls `measure` and prints its result as one JSON line. This module imports nothing
+of either engine at its top (numpy only, which both import): in a worker, each engine's
+imports (torch's and hybridmoe's; llama_cpp's) run inside its load timer.
 
 Both engines are measured alike: greedy (argmax) decoding of token ids, decode tok/s as
 (N - 1) / (t(prompt + N tokens) - t(prompt + 1 token)) so that prefill and the first token are
 excluded the same way; prefill tok/s as the prompt length over t(long prompt + 1 token); load
-as the time from the start of loading to the first token of the first request. Each result also
-holds the logits after the decode prompt (float32 [V]), to compare the engines' models.
+as the time from the start of the engine's imports to the first token of the first request
+(import_s: the imports' part of it; near 0 where the caller imported them already). Each
+result also holds the logits after the decode prompt (float32 [V]), to compare the engines'
+models.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,9 +40,11 @@ def prompts(batch: int, length: int) -> list[list[int]]:
 def measure(engine: str, path: Path, threads: int, args) -> dict:
     """Load `path` with `engine`, time it, and return the figures (see the module docstring)."""
     start = time.perf_counter()
+    IMPORTS[engine]()
+    imported = time.perf_counter()
     generate, make_batched, logits, close = LOADERS[engine](path, threads, args)
     first_ids = generate(prompts(1, args.prompt_tokens), 1)
-    result = {"load_s": time.perf_counter() - start}
+    result = {"load_s": time.perf_counter() - start, "import_s": imported - start}
     result["prompt_logits"] = logits(prompts(1, args.prompt_tokens)[0]).tolist()
     result["decode_tok_s"], [result["tokens"]] = _decode(generate, args, 1)
     result["prefill_tok_s"] = _prefill_tok_s(generate, args.prefill_tokens)
@@ -236,4 +244,34 @@ class LlamaContext:
         self.ll.llama_free(self.ctx)
 
 
+def import_hybridmoe() -> None:
+    import torch  # noqa: F401
+
+    import hybridmoe.engine  # noqa: F401
+
+
+def import_llamacpp() -> None:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(MISSING_LLAMA_CPP) from exc
+
+
 LOADERS = {"hybridmoe": load_hybridmoe, "llama.cpp": load_llamacpp}
+IMPORTS = {"hybridmoe": import_hybridmoe, "llama.cpp": import_llamacpp}
+
+
+def main() -> None:
+    """The worker: `measure` ENGINE on GGUF, its result printed as one JSON line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("engine", choices=sorted(LOADERS))
+    parser.add_argument("gguf", type=Path)
+    for flag in ("--threads", "--tokens", "--prompt-tokens", "--batch", "--prefill-tokens"):
+        parser.add_argument(flag, type=int, required=True)
+    parser.add_argument("--activation-quant", choices=("none", "q8"), default="none")
+    args = parser.parse_args()
+    print(json.dumps(measure(args.engine, args.gguf, args.threads, args)))
+
+
+if __name__ == "__main__":
+    main()

@@ -20,7 +20,7 @@ from safetensors import safe_open
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from bench_vs_llamacpp import Round, _row, first_divergence  # noqa: E402
+from bench_vs_llamacpp import Round, _load_row, _row, first_divergence  # noqa: E402
 from llamacpp_checkpoints import SHAPES, bytes_read_per_token, ensure_files  # noqa: E402
 from llamacpp_workers import MISSING_LLAMA_CPP, llamacpp_last_logits, measure, prompts  # noqa: E402
 
@@ -101,6 +101,29 @@ def test_rows_take_quiet_rounds_only_and_say_busy_otherwise() -> None:
     assert _row("q4_0, 2t", all_busy, "decode_tok_s") == (
         "| q4_0, 2t | 30.0 tok/s | 30.0 tok/s | 1.00 | 3 BUSY |"
     )
+
+
+def test_load_rows_show_each_engines_imports_share() -> None:
+    def result(load_s: float, import_s: float) -> dict:
+        return {"load_s": load_s, "import_s": import_s, "peak_rss_mib": 100.0}
+
+    results = {"hybridmoe": result(2.5, 1.75), "llama.cpp": result(0.5, 0.25)}
+    rounds = [Round("q4_0", 2, 0.0, 0.0, 10.0, False, results)]
+    assert _load_row("q4_0, 2t", rounds) == (
+        "| q4_0, 2t | 2.50 s (1.75 s) | 0.50 s (0.25 s) | 100 MiB | 100 MiB |"
+    )
+
+
+def test_a_worker_holds_nothing_of_either_engine_before_its_timer() -> None:
+    """The worker module's imports (what a worker holds when measure() starts timing): each
+    engine's own imports then count in its load."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(BENCHMARKS)!r}); import llamacpp_workers; "
+        "print(sorted(m for m in ('torch', 'hybridmoe', 'llama_cpp', 'numba') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_first_divergence() -> None:

@@ -16,17 +16,27 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import llguidance
-import llguidance.numpy
 import numpy as np
 import torch
 from torch import Tensor
 
+if TYPE_CHECKING:
+    import llguidance
+
 GRAMMAR_KINDS = ("json_object", "json_schema", "lark")
 # Read by llguidance from a schema's "x-guidance" key; also how a %json schema in Lark gets them.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _llguidance():
+    """The llguidance module (with llguidance.numpy), imported on first use: an engine only
+    needs it once a request is constrained."""
+    import llguidance
+    import llguidance.numpy  # noqa: F401  (its attribute of the package from then on)
+
+    return llguidance
 
 
 class GrammarError(ValueError):
@@ -55,10 +65,11 @@ class Grammar:
     def llguidance_grammar(self) -> str:
         """This grammar in llguidance's serialised form."""
         if self.kind == "lark":
-            return llguidance.LLMatcher.grammar_from_lark(self.source)
+            return _llguidance().LLMatcher.grammar_from_lark(self.source)
         schema = '{"type": "object"}' if self.kind == "json_object" else self.source
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+            matcher = _llguidance().LLMatcher
+            return matcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         except ValueError as e:
             raise GrammarError(f"not a JSON schema: {e}") from e
 
@@ -69,11 +80,12 @@ class TokenConstraint:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self._matcher, self._vocab_size = matcher, vocab_size
-        self._bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)  # int32 [1, W]
+        self._llg_numpy = _llguidance().numpy
+        self._bitmask = self._llg_numpy.allocate_token_bitmask(1, vocab_size)  # int32 [1, W]
 
     def allowed(self) -> Tensor:
         """bool [V]: True for the tokens the grammar accepts next (EOS once it is complete)."""
-        llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask)
+        self._llg_numpy.fill_next_token_bitmask(self._matcher, self._bitmask)
         self._check()
         # Bit j of word w is token 32w + j: little-endian words, so little-endian bits of bytes.
         bits = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")  # uint8 [32W]
@@ -135,6 +147,7 @@ class GrammarCompiler:
         if not eos_ids:
             raise GrammarError("constrained decoding needs an end-of-sequence token")
         vocabulary = _Vocabulary(list(token_bytes), sorted(eos_ids), list(special_ids), encode)
+        llguidance = _llguidance()
         self._tokenizer = llguidance.LLTokenizer(
             llguidance.TokenizerWrapper(vocabulary),
             n_vocab=len(token_bytes),
@@ -145,7 +158,7 @@ class GrammarCompiler:
     def check(self, grammar: Grammar) -> str:
         """The compiled grammar; GrammarError naming the problem if it does not compile."""
         compiled = grammar.llguidance_grammar()
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        failed, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(
             compiled, self._tokenizer
         )
         # A warning is a part of the schema llguidance would not enforce: refused, not ignored.
@@ -155,7 +168,7 @@ class GrammarCompiler:
 
     def constraint(self, grammar: Grammar) -> TokenConstraint:
         """A fresh TokenConstraint for one sequence; GrammarError if `grammar` does not compile."""
-        matcher = llguidance.LLMatcher(self._tokenizer, self.check(grammar), log_level=0)
+        matcher = _llguidance().LLMatcher(self._tokenizer, self.check(grammar), log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         return TokenConstraint(matcher, self.vocab_size)

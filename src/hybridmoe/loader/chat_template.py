@@ -2,25 +2,16 @@
 
 Templates come from the Hub and are untrusted code, so they run in jinja's immutable sandbox with
 the same globals, filters and environment options `transformers` gives them; a template that
-renders there renders the same here.
+renders there renders the same here. jinja itself loads on the first render (chat_jinja.py): a
+checkpoint's template is read at load, compiled when a chat request first needs it.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
-
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.parser
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from hybridmoe.errors import CheckpointError
 
@@ -63,7 +54,9 @@ class ChatTemplate:
         Raises CheckpointError if the template does not compile, and ValueError if it rejects the
         messages (its `raise_exception`) or fails to render them.
         """
-        compiled = _compile(self.source, self.origin)
+        from hybridmoe.loader.chat_jinja import TemplateError, compile_template
+
+        compiled = compile_template(self.source, self.origin)
         context = {
             **{name: _plain_copy(value) for name, value in (variables or {}).items()},
             "messages": normalize_messages(messages),
@@ -75,7 +68,7 @@ class ChatTemplate:
         }
         try:
             return compiled.render(context)
-        except jinja2.TemplateError as e:
+        except TemplateError as e:
             raise ValueError(f"chat template from {self.origin} failed to render: {e}") from e
 
 
@@ -161,90 +154,3 @@ def _pick_default(entry: Any, origin: str) -> str:
         names = sorted(map(str, named))
         raise CheckpointError(f"{origin}: no template named 'default' among {names}")
     raise CheckpointError(f"{origin}: expected a string or a list of templates, got {type(entry)}")
-
-
-@lru_cache(maxsize=16)
-def _compile(source: str, origin: str) -> jinja2.Template:
-    try:
-        return _ENVIRONMENT.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise CheckpointError(f"{origin}: chat template does not compile: {e}") from e
-
-
-def _raise_exception(message: str) -> None:
-    # The template's own check on the conversation, e.g. "roles must alternate user/assistant".
-    raise ValueError(f"chat template rejected the conversation: {message}")
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # jinja's own tojson escapes <, >, & and ' for HTML and takes no options; templates expect this.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-class _DictFactory:
-    """`dict(...)` and `dict.fromkeys(...)` for templates, without handing them the `dict` type."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _PublicNamespace(jinja2.utils.Namespace):
-    """jinja's `namespace()` refusing underscore names, which could reach interpreter internals."""
-
-    def __init__(self, /, *args: Any, **kwargs: Any) -> None:
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _check_public(name)
-        super().__init__(attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _check_public(name)
-        super().__setitem__(name, value)
-
-
-def _check_public(name: object) -> None:
-    if isinstance(name, str) and name.startswith("_"):
-        raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} starts with '_'")
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; for
-    inference it renders its body unchanged."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
-        next(parser.stream)  # the `generation` name itself
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-def _create_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _DictFactory()
-    env.globals["namespace"] = _PublicNamespace
-    return env
-
-
-_ENVIRONMENT = _create_environment()

@@ -1,7 +1,8 @@
 """Run as a script (tests/kernels/test_kquant_paths.py does, under forced NUMBA_CPU_FEATURES):
 compiles the k-quants' tile_dot for several tile shapes and row lengths on random block bytes
-(finite scales), saves every output to the .npz file named by argv[1] and prints whether the
-target had AVX-512 (the table-lookup path of q4_k and q5_k) as JSON."""
+(finite scales), saves every output to the .npz file named by argv[1] and prints as JSON
+whether the target had AVX-512 (q4_k's table lookups) and byte permutes (VBMI and GFNI: the
+byte-level paths of q5_k and q6_k, llvm_ir.byte_permutes)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numba
 import numpy as np
 import torch
 
-from hybridmoe.kernels.llvm_ir import target_has
+from hybridmoe.kernels.llvm_ir import byte_permutes, target_has
 from hybridmoe.kernels.numba_simd import tile_dot
 from hybridmoe.quant.formats import weight_format
 from random_weights import random_stored
@@ -62,7 +63,8 @@ def main() -> None:
     for name in K_QUANTS:
         results.update(run(name))
     np.savez(sys.argv[1], **results)
-    print(json.dumps({"avx512": target_has("avx512f"), "cases": len(results)}))
+    paths = {"avx512": target_has("avx512f"), "byte_permutes": byte_permutes()}
+    print(json.dumps({**paths, "cases": len(results)}))
 
 
 if __name__ == "__main__":

@@ -41,10 +41,11 @@ def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
     return v.mul_(scale).sub_(low).reshape(-1, 256)  # in place: few temporaries
 
 
-def scale_min_ir(builder, block):
+def scale_min_ir(builder, block, negated: bool = False):
     """LLVM IR: <16 x float> [d * sc_0 .. d * sc_7, dmin * m_0 .. dmin * m_7] of a Q4_K/Q5_K
     super-block at byte pointer `block` (scale_min_k4's unpacking in 32-bit lanes: one
-    widening load, two constant lane shuffles, shifts and masks)."""
+    widening load, two constant lane shuffles, shifts and masks); the minimums negated,
+    -(dmin * m_j), when `negated` (exact: the product's sign flips, not its rounding)."""
     from hybridmoe.kernels import llvm_ir as ll
 
     wide = ll.widened_bytes(builder, ll.offset(builder, block, 4))  # lane i: scale byte i
@@ -55,7 +56,10 @@ def scale_min_ir(builder, block):
     top = ll.bits(builder, top, 2, [0] * 4 + [0x30] * 4 + [0] * 4 + [0x30] * 4)
     values = builder.uitofp(builder.or_(low, top), ll.V16F)
     d_dmin = builder.fpext(ll.load(builder, block, ll.vector(ll.HALF, 2)), ll.vector(ll.F32, 2))
-    return builder.fmul(values, ll.lanes(builder, d_dmin, [0] * 8 + [1] * 8))
+    scales = builder.fmul(values, ll.lanes(builder, d_dmin, [0] * 8 + [1] * 8))
+    if not negated:
+        return scales
+    return builder.fmul(scales, ll.ir.Constant(ll.V16F, [1.0] * 8 + [-1.0] * 8))
 
 
 def _superblock_ir(builder, block):

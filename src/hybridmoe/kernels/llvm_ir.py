@@ -81,6 +81,14 @@ def fp16_scale(builder: ir.IRBuilder, ptr: ir.Value) -> ir.Value:
     return builder.fpext(builder.bitcast(bits, HALF), F32)
 
 
+def fp16_splat(builder: ir.IRBuilder, ptr: ir.Value, count: int = 16) -> ir.Value:
+    """fp16_scale's float in all `count` lanes, splat as fp16 then widened (exact): one
+    vcvtph2psx from a broadcast load on AVX512-FP16 targets, instead of a conversion and a
+    register broadcast."""
+    half = builder.bitcast(load(builder, ptr, I16), HALF)
+    return builder.fpext(splat(builder, half, count), ir.VectorType(F32, count))
+
+
 def lanes(builder: ir.IRBuilder, vec: ir.Value, indices: list[int]) -> ir.Value:
     """A vector of vec's lanes `indices` (a lane may repeat: a splat of one sub-block's scale
     over its weights)."""

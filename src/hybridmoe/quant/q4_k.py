@@ -68,9 +68,10 @@ def _superblock_ir(builder, block):
     its high ones piece 2g + 1), the scales broadcast from the stack."""
     from hybridmoe.kernels import llvm_ir as ll
 
-    scales = ll.ScaleTable(builder, scale_min_ir(builder, block))  # sc_p at p, m_p at 8 + p
-    wide = {}
     lut = ll.target_has("avx512f")
+    # sc_p at p, m_p (the lookup's: -m_p) at 8 + p
+    scales = ll.ScaleTable(builder, scale_min_ir(builder, block, negated=lut))
+    wide = {}
     iota = ll.ir.Constant(ll.V16F, [float(i) for i in range(16)])
 
     def half(p: int, h: int, table):
@@ -89,9 +90,8 @@ def _superblock_ir(builder, block):
         return builder.fsub(w, scales.splat(8 + p))
 
     def piece(p):
-        table = (
-            builder.fsub(builder.fmul(iota, scales.splat(p)), scales.splat(8 + p)) if lut else None
-        )
+        # (d sc_p) v - dmin m_p for v < 16: the product exact, so one FMA rounds as fsub
+        table = ll.exact_fma(builder, iota, scales.splat(p), scales.splat(8 + p)) if lut else None
         return ll.halves(builder, half(p, 0, table), half(p, 1, table))
 
     return piece

@@ -1,11 +1,12 @@
-"""The tile of the k-quants and of the 4- and 5-bit 32-weight formats (kernels/numba_simd.py
-with the formats' IR in quant/) on every instruction path this machine can run: AVX-512 with
-VBMI and GFNI (q5_k and q6_k assemble their integers 64 bytes at a time), AVX-512 without them
-(q4_k, q4_0 and q4_1 look their weights up in a per-block table), AVX2 and portable code (the
-weights converted and scaled), each in its own process compiled for the host with features
-taken away (NUMBA_CPU_FEATURES). Every path gives the same bits (each weight is the same float,
-summed in the same order), and those are the float64 dot products of the torch
-dequantisation to within fp32 summation error."""
+"""The tile of the k-quants and of the 4- and 5-bit 32-weight formats, mxfp4's included
+(kernels/numba_simd.py with the formats' IR in quant/), on every instruction path this machine
+can run: AVX-512 with VBMI and GFNI (q5_k and q6_k assemble their integers 64 bytes at a time),
+AVX-512 without them (q4_k, q4_0, q4_1, q5_0, q5_1 and mxfp4 look their weights up in a
+per-block table), AVX2 (mxfp4: a byte shuffle) and portable code (the weights converted and
+scaled), each in its own process compiled for the host with features taken away
+(NUMBA_CPU_FEATURES). Every path gives the same bits (each weight is the same float, summed in
+the same order), and those are the float64 dot products of the torch dequantisation to within
+fp32 summation error."""
 
 from __future__ import annotations
 

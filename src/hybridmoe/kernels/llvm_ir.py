@@ -182,6 +182,29 @@ def nibble_lookup(builder: ir.IRBuilder, packed: ir.Value, table: ir.Value) -> i
     return halves(builder, lookup16(builder, table, wide), lookup16(builder, table, high))
 
 
+def five_bit_lookup(
+    builder: ir.IRBuilder, packed: ir.Value, low: ir.Value, high: ir.Value
+) -> ir.Value:
+    """<32 x float>: lane j = the table [low, high] (<16 x float> each: 32 entries) at the 5-bit
+    value j of pack_5_bits' 20 bytes at byte pointer `packed` (quant/q5_0.py: a little-endian
+    uint32 whose bit j is bit 4 of value j, then nibbles as nibble_lookup's): the nibbles
+    widened once, each qh bit rotated to bit 4 of its lane (one vprorvd a half, from the
+    broadcast uint32), merged by a bit select, two vpermi2ps. Only for targets with avx512f."""
+    wide = widened_bytes(builder, offset(builder, packed, 4))
+    nibbles = (wide, builder.lshr(wide, const_vec(I32, [4] * 16)))
+    qh = splat(builder, load(builder, packed, I32), 16)  # <16 x i32>
+    rotate = declare(builder, "llvm.fshr.v16i32", V16I, [V16I] * 3)
+    lookup = declare(builder, "llvm.x86.avx512.vpermi2var.ps.512", V16F, [V16F, V16I, V16F])
+    bit4, parts = const_vec(I32, [0x10] * 16), []
+    for h, nibble in enumerate(nibbles):
+        # bit 16 h + i of qh to bit 4: a right rotation by 16 h + i - 4 (mod 32)
+        amounts = const_vec(I32, [(16 * h + i - 4) % 32 for i in range(16)])
+        hb = builder.and_(builder.call(rotate, [qh, qh, amounts]), bit4)
+        index = builder.or_(builder.and_(nibble, const_vec(I32, [~0x10] * 16)), hb)
+        parts.append(builder.call(lookup, [low, index, high]))  # bit 4 picks `high`
+    return halves(builder, *parts)
+
+
 def scaled_halves(
     builder: ir.IRBuilder,
     values: ir.Value,

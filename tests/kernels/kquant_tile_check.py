@@ -1,5 +1,5 @@
 """Run as a script (tests/kernels/test_kquant_paths.py does, under forced NUMBA_CPU_FEATURES):
-compiles tile_dot of the k-quants and of the 4- and 5-bit 32-weight formats (mxfp4's too) for
+compiles tile_dot of the k-quants and of the 32-weight block formats (q4_0 ... q8_0, mxfp4) for
 several tile shapes and row lengths on random block bytes (finite scales), saves every output
 to the .npz file named by argv[1] and prints as JSON whether the target had AVX-512 (table
 lookups: q4_k, q4_0, q4_1, q5_0, q5_1, mxfp4) and byte permutes (VBMI and GFNI: the byte-level
@@ -19,7 +19,7 @@ from hybridmoe.kernels.numba_simd import tile_dot
 from hybridmoe.quant.formats import weight_format
 from random_weights import random_stored
 
-FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4")
+FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q8_0")
 SHAPES = ((4, 1), (1, 1), (2, 3))  # (weight rows, activation rows): 1, 4 and 1 sets
 SUPER_BLOCKS = (1, 3)  # per row
 

@@ -1,4 +1,4 @@
-"""The tile of the k-quants and of the 4- and 5-bit 32-weight formats, mxfp4's included
+"""The tile of the k-quants and of the 32-weight block formats (q4_0 ... q8_0, mxfp4)
 (kernels/numba_simd.py with the formats' IR in quant/), on every instruction path this machine
 can run: AVX-512 with VBMI and GFNI (q5_k and q6_k assemble their integers 64 bytes at a time),
 AVX-512 without them (q4_k, q4_0, q4_1, q5_0, q5_1 and mxfp4 look their weights up in a

@@ -215,15 +215,19 @@ def scaled_halves(
 ) -> ir.Value:
     """<32 x float> of 32 integers `values` (<32 x i8>, signed or not): each half h of 16 lanes
     times scale `scale_at[h]` of `table`, less its entry `low_at[h]` when given (a sub-block of
-    16 weights a half; two of 32 give the same index twice)."""
+    16 weights a half; two of 32 give the same index twice; with `low_at` the products must be
+    exact in fp32: they are FMAs where the target has FMA)."""
     convert = builder.sitofp if signed else builder.uitofp
     parts = []
     for h in range(2):
         part = builder.shuffle_vector(
             values, values, const_vec(I32, list(range(16 * h, 16 * h + 16)))
         )
-        w = builder.fmul(convert(part, V16F), table.splat(scale_at[h]))
-        parts.append(w if low_at is None else builder.fsub(w, table.splat(low_at[h])))
+        w, scale = convert(part, V16F), table.splat(scale_at[h])
+        if low_at is None:
+            parts.append(builder.fmul(w, scale))
+        else:  # the product exact (the callers'), so fmul then fsub's bits
+            parts.append(exact_fma(builder, w, scale, builder.fneg(table.splat(low_at[h]))))
     return halves(builder, *parts)
 
 

@@ -68,7 +68,7 @@ def _dequantize_block_ir(builder, block):
     packed = ll.load(builder, builder.gep(block, [ll.i64(4)]), ll.vector(ll.I8, 16))
     both = builder.shuffle_vector(packed, packed, ll.const_vec(ll.I32, list(range(32))))
     quants = ll.bits(builder, both, [0] * 16 + [4] * 16, 0xF)  # weights 0..15, then 16..31
-    return builder.fadd(builder.fmul(builder.uitofp(quants, ll.V32F), scale), low)
+    return ll.exact_fma(builder, builder.uitofp(quants, ll.V32F), scale, low)  # d * v exact
 
 
 Q4_1 = register_format(

@@ -86,8 +86,8 @@ def _superblock_ir(builder, block):
                 v = builder.lshr(v, ll.const_vec(ll.I32, [4] * 16))
             return ll.lookup16(builder, table, v)
         v = ll.bits(builder, wide[group, h], 4 * (p % 2), 0x0F)
-        w = builder.fmul(builder.uitofp(v, ll.V16F), scales.splat(p))
-        return builder.fsub(w, scales.splat(8 + p))
+        low = builder.fneg(scales.splat(8 + p))  # the product exact: fmul then fsub's bits
+        return ll.exact_fma(builder, builder.uitofp(v, ll.V16F), scales.splat(p), low)
 
     def piece(p):
         # (d sc_p) v - dmin m_p for v < 16: the product exact, so one FMA rounds as fsub

@@ -56,7 +56,7 @@ def _dequantize_block_ir(builder, block):
     scale = ll.splat(builder, ll.fp16_scale(builder, block))
     low = ll.splat(builder, ll.fp16_scale(builder, builder.gep(block, [ll.i64(2)])))
     values = five_bit_ir(builder, builder.gep(block, [ll.i64(4)]))
-    return builder.fadd(builder.fmul(builder.uitofp(values, ll.V32F), scale), low)
+    return ll.exact_fma(builder, builder.uitofp(values, ll.V32F), scale, low)  # d * v exact
 
 
 Q5_1 = register_format(

@@ -94,14 +94,10 @@ def _round_half_away_from_zero(v: torch.Tensor) -> torch.Tensor:
 
 
 def _dequantize_block_ir(builder, block):
-    """LLVM IR: the weights d * q of the block at byte pointer `block`, <32 x float> (d splat as
-    fp16 then widened on AVX-512: one broadcast conversion on AVX512-FP16; the same float)."""
+    """LLVM IR: the weights d * q of the block at byte pointer `block`, <32 x float>."""
     from hybridmoe.kernels import llvm_ir as ll
 
-    if ll.target_has("avx512f"):
-        scale = ll.fp16_splat(builder, block, 32)
-    else:
-        scale = ll.splat(builder, ll.fp16_scale(builder, block))
+    scale = ll.splat(builder, ll.fp16_scale(builder, block))
     quants = ll.load(builder, builder.gep(block, [ll.i64(2)]), ll.vector(ll.I8, 32))
     return builder.fmul(builder.sitofp(quants, ll.V32F), scale)
 

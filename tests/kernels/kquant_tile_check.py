@@ -1,7 +1,9 @@
 """Run as a script (tests/kernels/test_kquant_paths.py does, under forced NUMBA_CPU_FEATURES):
-compiles the k-quants' tile_dot for several tile shapes and row lengths on random block bytes
-(finite scales), saves every output to the .npz file named by argv[1] and prints whether the
-target had AVX-512 (the table-lookup path of q4_k and q5_k) as JSON."""
+compiles tile_dot of the k-quants and of the 32-weight block formats (q4_0 ... q8_0, mxfp4) for
+several tile shapes and row lengths on random block bytes (finite scales), saves every output
+to the .npz file named by argv[1] and prints as JSON whether the target had AVX-512 (table
+lookups: q4_k, q4_0, q4_1, q5_0, q5_1, mxfp4) and byte permutes (VBMI and GFNI: the byte-level
+paths of q5_k and q6_k, llvm_ir.byte_permutes)."""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ import numba
 import numpy as np
 import torch
 
-from hybridmoe.kernels.llvm_ir import target_has
+from hybridmoe.kernels.llvm_ir import byte_permutes, target_has
 from hybridmoe.kernels.numba_simd import tile_dot
 from hybridmoe.quant.formats import weight_format
 from random_weights import random_stored
 
-K_QUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q8_0")
 SHAPES = ((4, 1), (1, 1), (2, 3))  # (weight rows, activation rows): 1, 4 and 1 sets
 SUPER_BLOCKS = (1, 3)  # per row
 
@@ -59,10 +61,11 @@ def run(name: str) -> dict[str, np.ndarray]:
 
 def main() -> None:
     results = {}
-    for name in K_QUANTS:
+    for name in FORMATS:
         results.update(run(name))
     np.savez(sys.argv[1], **results)
-    print(json.dumps({"avx512": target_has("avx512f"), "cases": len(results)}))
+    paths = {"avx512": target_has("avx512f"), "byte_permutes": byte_permutes()}
+    print(json.dumps({**paths, "cases": len(results)}))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""The k-quants' tile (kernels/numba_simd.py with the formats' IR in quant/q*_k.py) on every
-instruction path this machine can run: AVX-512 (q4_k and q5_k look their weights up in a
-per-piece table), AVX2 and portable code (the same weights converted and scaled), each in its
-own process compiled for the host with features taken away (NUMBA_CPU_FEATURES). Every path
-gives the same bits (each weight is the same float, summed in the same order), and those are
-the float64 dot products of the torch dequantisation to within fp32 summation error."""
+"""The tile of the k-quants and of the 32-weight block formats (q4_0 ... q8_0, mxfp4)
+(kernels/numba_simd.py with the formats' IR in quant/), on every instruction path this machine
+can run: AVX-512 with VBMI and GFNI (q5_k and q6_k assemble their integers 64 bytes at a time),
+AVX-512 without them (q4_k, q4_0, q4_1, q5_0, q5_1 and mxfp4 look their weights up in a
+per-block table), AVX2 (mxfp4: a byte shuffle) and portable code (the weights converted and
+scaled), each in its own process compiled for the host with features taken away
+(NUMBA_CPU_FEATURES). Every path gives the same bits (each weight is the same float, summed in
+the same order), and those are the float64 dot products of the torch dequantisation to within
+fp32 summation error."""
 
 from __future__ import annotations
 
@@ -24,16 +27,20 @@ SCRIPT = Path(__file__).with_name("kquant_tile_check.py")
 sys.path.insert(0, str(SCRIPT.parent))
 import kquant_tile_check as check  # noqa: E402
 
+# path -> (NUMBA_CPU_FEATURES or None for the host's, what the host needs for it to be a path
+# of its own, what the script must report: (avx512, byte_permutes))
 PATHS = {
-    "host": {},
-    "avx2": {"NUMBA_CPU_FEATURES": _without(("avx512", "amx", "avxvnni", "avx10"))},
-    "portable": {"NUMBA_CPU_FEATURES": _without(ABOVE_AVX)},
+    "host": (None, "", None),
+    "avx512": (_without(("avx512vbmi", "gfni")), "+avx512vbmi", (True, False)),
+    "avx2": (_without(("avx512", "amx", "avxvnni", "avx10")), "+avx512f", (False, False)),
+    "portable": (_without(ABOVE_AVX), "+avx2", (False, False)),
 }
 
 
 def _outputs(path: str, tmp_path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     tests = str(SCRIPT.parent.parent)
-    env = {**os.environ, **PATHS[path]}
+    features = PATHS[path][0]
+    env = {**os.environ, **({"NUMBA_CPU_FEATURES": features} if features else {})}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, env.get("PYTHONPATH")) if p)
     out = tmp_path / f"{path}.npz"
     done = subprocess.run(
@@ -65,13 +72,13 @@ def test_the_tile_is_the_float64_dot_product(host_outputs: dict[str, np.ndarray]
         assert np.all(np.abs(out - expected) <= bound), key
 
 
-@pytest.mark.parametrize("path", ["avx2", "portable"])
+@pytest.mark.parametrize("path", ["avx512", "avx2", "portable"])
 def test_every_path_gives_the_same_bits(path, host_outputs, tmp_path) -> None:
-    feature = "+avx512f" if path == "avx2" else "+avx2"
-    if feature not in HOST:
-        pytest.skip(f"the host has no {feature[1:]}: its own path is the {path} one")
+    _, needs, reported = PATHS[path]
+    if needs not in HOST:
+        pytest.skip(f"the host has no {needs[1:]}: its own path is the {path} one")
     info, outputs = _outputs(path, tmp_path)
-    assert info["avx512"] is False
+    assert (info["avx512"], info["byte_permutes"]) == reported
     assert outputs.keys() == host_outputs.keys()
     for key, out in outputs.items():
         assert np.array_equal(out, host_outputs[key]), f"{path}: {key}"

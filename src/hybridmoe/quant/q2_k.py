@@ -25,19 +25,32 @@ def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
     return v.mul_(scale).sub_(low).reshape(-1, 256)
 
 
-def _superblock_ir(builder, block):
-    """LLVM IR: piece(p) -> <32 x float>, the weights (d sc) v - dmin m of piece p."""
+def _scale_table(builder, block, negated: bool = False):
+    """LLVM IR: the ScaleTable of d sc_s at s and dmin m_s (or, `negated`, -(dmin m_s), the
+    same product's negation, exact) at 16 + s."""
     from hybridmoe.kernels import llvm_ir as ll
 
     packed = ll.load(builder, block, ll.vector(ll.I8, 16))
     v16f = ll.vector(ll.F32, 16)
+    d, dmin = (ll.fp16_scale(builder, ll.offset(builder, block, at)) for at in (80, 82))
     d, dmin = (
-        ll.splat(builder, ll.fp16_scale(builder, ll.offset(builder, block, at)), 16)
-        for at in (80, 82)
+        ll.splat(builder, d, 16),
+        ll.splat(builder, builder.fneg(dmin) if negated else dmin, 16),
     )
     scales = builder.fmul(d, builder.uitofp(ll.bits(builder, packed, 0, 0x0F), v16f))
     lows = builder.fmul(dmin, builder.uitofp(ll.bits(builder, packed, 4, 0x0F), v16f))
-    table = ll.ScaleTable(builder, ll.halves(builder, scales, lows))  # sc at s, m at 16 + s
+    return ll.ScaleTable(builder, ll.halves(builder, scales, lows))
+
+
+def _superblock_ir(builder, block):
+    """LLVM IR: piece(p) -> <32 x float>, the weights (d sc) v - dmin m of piece p: on targets
+    with byte permutes (llvm_ir.byte_permutes) assembled 64 at a time in bytes (_byte_pieces),
+    else in 32 bytes a piece (the same weights)."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    if ll.byte_permutes():
+        return _byte_pieces(builder, block)
+    table = _scale_table(builder, block)  # sc at s, m at 16 + s
     halves = [
         ll.load(builder, ll.offset(builder, block, 16 + 32 * h), ll.vector(ll.I8, 32))
         for h in range(2)
@@ -47,6 +60,37 @@ def _superblock_ir(builder, block):
         half, j = divmod(p, 4)
         v = ll.bits(builder, halves[half], 2 * j, 3)
         return ll.scaled_halves(builder, v, table, (2 * p, 2 * p + 1), (16 + 2 * p, 17 + 2 * p))
+
+    return piece
+
+
+def _byte_pieces(builder, block):
+    """piece(p) of _superblock_ir on byte-permute targets: v of pieces 4 h + 2 k (bytes 0..31)
+    and 4 h + 2 k + 1 (bytes 32..63) in one <64 x i8>, half h's 32 qs bytes twice with each
+    piece's 2 bits moved to bits 0, 1 (GFNI); each 16 then spread to 32-bit lanes (one byte
+    permute) and converted, the weight one FMA, (d sc) v - dmin m, exactly fmul then fsub (the
+    product is exact)."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    table = _scale_table(builder, block, negated=True)  # sc at s, -m at 16 + s
+    values = {}
+
+    def pair(half: int, k: int):
+        if (half, k) not in values:
+            qs = ll.load(builder, ll.offset(builder, block, 16 + 32 * half), ll.vector(ll.I8, 32))
+            qs = ll.lanes(builder, qs, [*range(32), *range(32)])  # [qs, qs]
+            moves = [{0: 2 * j, 1: 2 * j + 1} for j in (2 * k, 2 * k + 1) for _ in range(4)]
+            values[half, k] = ll.gf2_affine(builder, qs, moves)
+        return values[half, k]
+
+    def piece(p: int):
+        half, j = divmod(p, 4)
+        v, out = pair(half, j // 2), []
+        for h in range(2):
+            w = builder.sitofp(ll.dword_bytes(builder, v, 32 * (j % 2) + 16 * h), ll.V16F)
+            s = 2 * p + h
+            out.append(ll.exact_fma(builder, w, table.splat(s), table.splat(16 + s)))
+        return ll.halves(builder, *out)
 
     return piece
 

@@ -37,16 +37,31 @@ def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
     return v.reshape(-1, 16, 16).to(torch.float32).mul_(scale).reshape(-1, 256)
 
 
-def _superblock_ir(builder, block):
-    """LLVM IR: piece(p) -> <32 x float>, the weights (d (scale - 32)) v of piece p."""
+def _scale_table(builder, block, factor: float = 1.0):
+    """LLVM IR: the ScaleTable of the 16 d (scale - 32), each times `factor` (a power of two:
+    exact, d * factor first)."""
     from hybridmoe.kernels import llvm_ir as ll
 
     packed = ll.load(builder, ll.offset(builder, block, 96), ll.vector(ll.I8, 12))
     low = ll.bits(builder, ll.lanes(builder, packed, [*range(8), *range(8)]), _LOW_SHIFTS, 0x0F)
     top = ll.bits(builder, ll.lanes(builder, packed, [8, 9, 10, 11] * 4), _TOP_SHIFTS, 3)
     signed = builder.sub(builder.or_(low, ll.shl(builder, top, 4)), ll.const_vec(ll.I8, [32] * 16))
-    d = ll.splat(builder, ll.fp16_scale(builder, ll.offset(builder, block, 108)), 16)
-    scales = ll.ScaleTable(builder, builder.fmul(d, builder.sitofp(signed, ll.V16F)))
+    d = ll.fp16_scale(builder, ll.offset(builder, block, 108))
+    if factor != 1.0:
+        d = builder.fmul(d, ll.ir.Constant(ll.F32, factor))
+    d = ll.splat(builder, d, 16)
+    return ll.ScaleTable(builder, builder.fmul(d, builder.sitofp(signed, ll.V16F)))
+
+
+def _superblock_ir(builder, block):
+    """LLVM IR: piece(p) -> <32 x float>, the weights (d (scale - 32)) v of piece p: on targets
+    with byte permutes (llvm_ir.byte_permutes) assembled 64 at a time in bytes (_byte_pieces),
+    else in 32 bytes a piece (the same weights)."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    if ll.byte_permutes():
+        return _byte_pieces(builder, block)
+    scales = _scale_table(builder, block)
     hmask = ll.load(builder, block, ll.vector(ll.I8, 32))
     halves = [
         ll.load(builder, ll.offset(builder, block, 32 + 32 * h), ll.vector(ll.I8, 32))
@@ -58,6 +73,41 @@ def _superblock_ir(builder, block):
         clear = builder.xor(ll.bits(builder, hmask, p, 1), ll.const_vec(ll.I8, [1] * 32))
         v = builder.sub(ll.bits(builder, halves[half], 2 * j, 3), ll.shl(builder, clear, 2))
         return ll.scaled_halves(builder, v, scales, (2 * p, 2 * p + 1), signed=True)
+
+    return piece
+
+
+def _byte_pieces(builder, block):
+    """piece(p) of _superblock_ir on byte-permute targets: v of pieces 4 h + 2 k (bytes 0..31)
+    and 4 h + 2 k + 1 (bytes 32..63) in one <64 x i8>, as int8: half h's 32 qs bytes twice,
+    each piece's 2 bits moved to bits 0, 1 and its hmask bit, flipped, into bits 2..7 (GFNI:
+    -4 when clear); each 16 then placed in the top byte of 32-bit lanes (one byte permute:
+    v 2^24) and converted, times d (scale - 32) 2^-24: the same product, exact."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    scales = _scale_table(builder, block, 2.0**-24)
+    hmask = ll.load(builder, block, ll.vector(ll.I8, 32))
+    hmask = ll.lanes(builder, hmask, [*range(32), *range(32)])  # [hmask, hmask]
+    values = {}
+
+    def pair(half: int, k: int):
+        if (half, k) not in values:
+            qs = ll.load(builder, ll.offset(builder, block, 32 + 32 * half), ll.vector(ll.I8, 32))
+            qs = ll.lanes(builder, qs, [*range(32), *range(32)])  # [qs, qs]
+            js = (2 * k, 2 * k + 1)
+            low = [{0: 2 * j, 1: 2 * j + 1} for j in js for _ in range(4)]
+            low = ll.gf2_affine(builder, qs, low)
+            sign = [{t: 4 * half + j for t in range(2, 8)} for j in js for _ in range(4)]
+            values[half, k] = builder.or_(low, ll.gf2_affine(builder, hmask, sign, xor=0xFC))
+        return values[half, k]
+
+    def piece(p: int):
+        half, j = divmod(p, 4)
+        v, out = pair(half, j // 2), []
+        for h in range(2):
+            w = builder.sitofp(ll.dword_bytes(builder, v, 32 * (j % 2) + 16 * h, at=3), ll.V16F)
+            out.append(builder.fmul(w, scales.splat(2 * p + h)))
+        return ll.halves(builder, *out)
 
     return piece
 

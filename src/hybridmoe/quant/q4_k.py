@@ -41,10 +41,11 @@ def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
     return v.mul_(scale).sub_(low).reshape(-1, 256)  # in place: few temporaries
 
 
-def scale_min_ir(builder, block):
+def scale_min_ir(builder, block, negated: bool = False):
     """LLVM IR: <16 x float> [d * sc_0 .. d * sc_7, dmin * m_0 .. dmin * m_7] of a Q4_K/Q5_K
     super-block at byte pointer `block` (scale_min_k4's unpacking in 32-bit lanes: one
-    widening load, two constant lane shuffles, shifts and masks)."""
+    widening load, two constant lane shuffles, shifts and masks); the minimums negated,
+    -(dmin * m_j), when `negated` (exact: the product's sign flips, not its rounding)."""
     from hybridmoe.kernels import llvm_ir as ll
 
     wide = ll.widened_bytes(builder, ll.offset(builder, block, 4))  # lane i: scale byte i
@@ -55,7 +56,10 @@ def scale_min_ir(builder, block):
     top = ll.bits(builder, top, 2, [0] * 4 + [0x30] * 4 + [0] * 4 + [0x30] * 4)
     values = builder.uitofp(builder.or_(low, top), ll.V16F)
     d_dmin = builder.fpext(ll.load(builder, block, ll.vector(ll.HALF, 2)), ll.vector(ll.F32, 2))
-    return builder.fmul(values, ll.lanes(builder, d_dmin, [0] * 8 + [1] * 8))
+    scales = builder.fmul(values, ll.lanes(builder, d_dmin, [0] * 8 + [1] * 8))
+    if not negated:
+        return scales
+    return builder.fmul(scales, ll.ir.Constant(ll.V16F, [1.0] * 8 + [-1.0] * 8))
 
 
 def _superblock_ir(builder, block):
@@ -64,9 +68,10 @@ def _superblock_ir(builder, block):
     its high ones piece 2g + 1), the scales broadcast from the stack."""
     from hybridmoe.kernels import llvm_ir as ll
 
-    scales = ll.ScaleTable(builder, scale_min_ir(builder, block))  # sc_p at p, m_p at 8 + p
-    wide = {}
     lut = ll.target_has("avx512f")
+    # sc_p at p, m_p (the lookup's: -m_p) at 8 + p
+    scales = ll.ScaleTable(builder, scale_min_ir(builder, block, negated=lut))
+    wide = {}
     iota = ll.ir.Constant(ll.V16F, [float(i) for i in range(16)])
 
     def half(p: int, h: int, table):
@@ -81,13 +86,12 @@ def _superblock_ir(builder, block):
                 v = builder.lshr(v, ll.const_vec(ll.I32, [4] * 16))
             return ll.lookup16(builder, table, v)
         v = ll.bits(builder, wide[group, h], 4 * (p % 2), 0x0F)
-        w = builder.fmul(builder.uitofp(v, ll.V16F), scales.splat(p))
-        return builder.fsub(w, scales.splat(8 + p))
+        low = builder.fneg(scales.splat(8 + p))  # the product exact: fmul then fsub's bits
+        return ll.exact_fma(builder, builder.uitofp(v, ll.V16F), scales.splat(p), low)
 
     def piece(p):
-        table = (
-            builder.fsub(builder.fmul(iota, scales.splat(p)), scales.splat(8 + p)) if lut else None
-        )
+        # (d sc_p) v - dmin m_p for v < 16: the product exact, so one FMA rounds as fsub
+        table = ll.exact_fma(builder, iota, scales.splat(p), scales.splat(8 + p)) if lut else None
         return ll.halves(builder, half(p, 0, table), half(p, 1, table))
 
     return piece

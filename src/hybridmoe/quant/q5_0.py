@@ -81,9 +81,18 @@ def five_bit_ir(builder, packed):
 
 
 def _dequantize_block_ir(builder, block):
-    """LLVM IR: the weights (v - 16) * d of the block at byte pointer `block`, <32 x float>."""
+    """LLVM IR: the weights (v - 16) * d of the block at byte pointer `block`, <32 x float>: on
+    AVX-512 looked up in the block's table of the 32 (v - 16) * d (llvm_ir.five_bit_lookup),
+    elsewhere converted and scaled (the same products, exact)."""
     from hybridmoe.kernels import llvm_ir as ll
 
+    if ll.target_has("avx512f"):
+        d = ll.fp16_splat(builder, block)
+        low, high = (
+            builder.fmul(ll.ir.Constant(ll.V16F, [float(v - 16) for v in at]), d)
+            for at in (range(16), range(16, 32))
+        )
+        return ll.five_bit_lookup(builder, ll.offset(builder, block, 2), low, high)
     scale = ll.splat(builder, ll.fp16_scale(builder, block))
     values = five_bit_ir(builder, builder.gep(block, [ll.i64(2)]))
     return ll.scaled(builder, builder.sub(values, ll.const_vec(ll.I8, [16] * 32)), scale)

@@ -41,13 +41,22 @@ def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _dequantize_block_ir(builder, block):
-    """LLVM IR: the weights d * v + m of the block at byte pointer `block`, <32 x float>."""
+    """LLVM IR: the weights d * v + m of the block at byte pointer `block`, <32 x float>: on
+    AVX-512 looked up in the block's table of the 32 d * v + m (llvm_ir.five_bit_lookup; d * v
+    is exact, so the table's FMA rounds as fmul then fadd), elsewhere computed."""
     from hybridmoe.kernels import llvm_ir as ll
 
+    if ll.target_has("avx512f"):
+        d, m = (ll.fp16_splat(builder, ll.offset(builder, block, at)) for at in (0, 2))
+        low, high = (
+            ll.exact_fma(builder, ll.ir.Constant(ll.V16F, [float(v) for v in at]), d, m)
+            for at in (range(16), range(16, 32))
+        )
+        return ll.five_bit_lookup(builder, ll.offset(builder, block, 4), low, high)
     scale = ll.splat(builder, ll.fp16_scale(builder, block))
     low = ll.splat(builder, ll.fp16_scale(builder, builder.gep(block, [ll.i64(2)])))
     values = five_bit_ir(builder, builder.gep(block, [ll.i64(4)]))
-    return builder.fadd(builder.fmul(builder.uitofp(values, ll.V32F), scale), low)
+    return ll.exact_fma(builder, builder.uitofp(values, ll.V32F), scale, low)  # d * v exact
 
 
 Q5_1 = register_format(

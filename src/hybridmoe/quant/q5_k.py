@@ -26,9 +26,13 @@ def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _superblock_ir(builder, block):
-    """LLVM IR: piece(p) -> <32 x float>, sub-block p's weights (d sc_p) v - dmin m_p."""
+    """LLVM IR: piece(p) -> <32 x float>, sub-block p's weights (d sc_p) v - dmin m_p: on
+    targets with byte permutes (llvm_ir.byte_permutes) assembled 64 at a time in bytes
+    (_byte_pieces), else piece by piece in 32 bytes (the same weights)."""
     from hybridmoe.kernels import llvm_ir as ll
 
+    if ll.byte_permutes():
+        return _byte_pieces(builder, block)
     scales = ll.ScaleTable(builder, scale_min_ir(builder, block))  # sc_p at p, m_p at 8 + p
     qh = ll.load(builder, ll.offset(builder, block, 16), ll.vector(ll.I8, 32))
     packed = {}
@@ -41,6 +45,42 @@ def _superblock_ir(builder, block):
         low = ll.bits(builder, packed[group], 4 * (p % 2), 0x0F)
         v = builder.or_(low, ll.shl(builder, ll.bits(builder, qh, p, 1), 4))
         return ll.scaled_halves(builder, v, scales, (p, p), (8 + p, 8 + p))
+
+    return piece
+
+
+def _byte_pieces(builder, block):
+    """piece(p) of _superblock_ir on byte-permute targets: the 5-bit v of pieces 4k + {0, 2}
+    (even: low nibbles) or 4k + {1, 3} (odd: high nibbles) in one <64 x i8>, the qs bytes of
+    groups 2k and 2k + 1 (64 bytes) with their qh bits moved to bit 4 (GFNI, per 32-byte half);
+    each 16 of them then spread to 32-bit lanes (one byte permute) and converted, and the
+    weight one FMA, (d sc_p) v - dmin m_p, exactly fmul then fsub (the product is exact)."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    scales = ll.ScaleTable(builder, scale_min_ir(builder, block, negated=True))  # -m_p: 8 + p
+    qh = ll.load(builder, ll.offset(builder, block, 16), ll.vector(ll.I8, 32))
+    qh2 = ll.lanes(builder, qh, [*range(32), *range(32)])  # [qh, qh]
+    values = {}
+
+    def pair(k: int, odd: int):  # <64 x i8>: v of pieces 4k + odd (bytes 0..31), 4k + 2 + odd
+        if (k, odd) not in values:
+            qs = ll.load(builder, ll.offset(builder, block, 48 + 64 * k), ll.V64B)
+            if odd:
+                qs = ll.gf2_affine(builder, qs, {0: 4, 1: 5, 2: 6, 3: 7})
+            else:
+                qs = builder.and_(qs, ll.const_vec(ll.I8, [0x0F] * 64))
+            bit = [{4: 4 * k + odd}] * 4 + [{4: 4 * k + 2 + odd}] * 4
+            values[k, odd] = builder.or_(qs, ll.gf2_affine(builder, qh2, bit))
+        return values[k, odd]
+
+    def piece(p: int):
+        k, j = divmod(p, 4)
+        v = pair(k, j % 2)
+        halves = []
+        for h in range(2):
+            w = builder.sitofp(ll.dword_bytes(builder, v, 32 * (j // 2) + 16 * h), ll.V16F)
+            halves.append(ll.exact_fma(builder, w, scales.splat(p), scales.splat(8 + p)))
+        return ll.halves(builder, *halves)
 
     return piece
 

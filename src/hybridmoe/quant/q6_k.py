@@ -27,11 +27,14 @@ def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _superblock_ir(builder, block):
-    """LLVM IR: piece(p) -> <32 x float>, the weights (d scale) (v - 32) of piece p: v - 32
-    assembled in 32 bytes, each half of 16 (one sub-block) times its scale, broadcast from
-    the stack."""
+    """LLVM IR: piece(p) -> <32 x float>, the weights (d scale) (v - 32) of piece p: on targets
+    with byte permutes (llvm_ir.byte_permutes) assembled 64 at a time in bytes (_byte_pieces),
+    else v - 32 in 32 bytes a piece, each half of 16 (one sub-block) times its scale,
+    broadcast from the stack (the same weights)."""
     from hybridmoe.kernels import llvm_ir as ll
 
+    if ll.byte_permutes():
+        return _byte_pieces(builder, block)
     raw = ll.load(builder, ll.offset(builder, block, 192), ll.vector(ll.I8, 16))
     d = ll.splat(builder, ll.fp16_scale(builder, ll.offset(builder, block, 208)), 16)
     scales = builder.fmul(d, builder.sitofp(raw, ll.V16F))  # [16] d * scale
@@ -49,6 +52,48 @@ def _superblock_ir(builder, block):
         high = ll.shl(builder, ll.bits(builder, load32(128 + 32 * half), 2 * j, 3), 4)
         v = builder.sub(builder.or_(low, high), ll.const_vec(ll.I8, [32] * 32))  # -32 .. 31
         return ll.scaled_halves(builder, v, table, (2 * p, 2 * p + 1), signed=True)
+
+    return piece
+
+
+def _byte_pieces(builder, block):
+    """piece(p) of _superblock_ir on byte-permute targets. Half h's pieces 4h + j, j = 0, 1
+    (low nibbles) or 2, 3 (high ones) in one <64 x i8> (its 64 ql bytes; j odd: bytes 32..63):
+    v - 32 as int8, the nibble or'ed with qh's bits 2j, 2j + 1 moved to bit 4 and bits 5..7
+    less 32 (GFNI: bit 2j + 1 flipped into bits 5, 6, 7 is -32's sign extension); each 16 of
+    them then placed in the top byte of 32-bit lanes (one byte permute: (v - 32) 2^24) and
+    converted, times (d scale) 2^-24: the same product, exact."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    raw = ll.load(builder, ll.offset(builder, block, 192), ll.vector(ll.I8, 16))
+    d = ll.fp16_scale(builder, ll.offset(builder, block, 208))
+    d = ll.splat(builder, builder.fmul(d, ll.ir.Constant(ll.F32, 2.0**-24)), 16)
+    table = ll.ScaleTable(builder, builder.fmul(d, builder.sitofp(raw, ll.V16F)))
+    values = {}
+
+    def quad(half: int, high: int):  # <64 x i8>: v - 32 of pieces 4 half + 2 high + {0, 1}
+        if (half, high) not in values:
+            ql = ll.load(builder, ll.offset(builder, block, 64 * half), ll.V64B)
+            if high:
+                ql = ll.gf2_affine(builder, ql, {0: 4, 1: 5, 2: 6, 3: 7})
+            else:
+                ql = builder.and_(ql, ll.const_vec(ll.I8, [0x0F] * 64))
+            qh = ll.load(builder, ll.offset(builder, block, 128 + 32 * half), ll.vector(ll.I8, 32))
+            qh = ll.lanes(builder, qh, [*range(32), *range(32)])  # [qh, qh]
+            js = (2 * high, 2 * high + 1)  # the pieces of bytes 0..31, 32..63
+            top = [{4: 2 * j, 5: 2 * j + 1, 6: 2 * j + 1, 7: 2 * j + 1} for j in js]
+            top = ll.gf2_affine(builder, qh, [top[0]] * 4 + [top[1]] * 4, xor=0xE0)
+            values[half, high] = builder.or_(ql, top)
+        return values[half, high]
+
+    def piece(p: int):
+        half, j = divmod(p, 4)
+        v = quad(half, j // 2)
+        out = []
+        for h in range(2):
+            w = builder.sitofp(ll.dword_bytes(builder, v, 32 * (j % 2) + 16 * h, at=3), ll.V16F)
+            out.append(builder.fmul(w, table.splat(2 * p + h)))
+        return ll.halves(builder, *out)
 
     return piece
 

@@ -87,3 +87,10 @@ def default_set(name: str, value: str) -> Iterator[None]:
         yield
     finally:
         os.environ.pop(name, None)
+
+
+def glue_kernels() -> bool:
+    """HYBRIDMOE_GLUE_KERNELS=0 computes the decode step's norms, residual adds, router top-k
+    and MoE output rounding with torch on the CPU too (a measurement switch: the numba glue
+    kernels' before/after, kernels/numba_glue.py)."""
+    return os.environ.get("HYBRIDMOE_GLUE_KERNELS", "1") != "0"

@@ -23,12 +23,17 @@ _templates: dict[tuple[torch.Size | tuple[int, ...], torch.dtype], torch.Tensor]
 MAX_TEMPLATES = 256  # decode shapes: a few per model and batch size
 
 
+_DTYPES = (_BF16, _F32)
+
+
 def _host(t: torch.Tensor) -> bool:
-    return t.is_cpu and (t.dtype is _BF16 or t.dtype is _F32) and t.is_contiguous()
+    return t.is_cpu and t.dtype in _DTYPES and t.is_contiguous()
 
 
 def _decode_sized(x: torch.Tensor) -> bool:
-    return _host(x) and 0 < x.numel() <= MAX_NUMEL and x.shape[-1] <= MAX_ROW
+    """Host memory the kernels read, of at most MAX_NUMEL values in rows of at most MAX_ROW."""
+    ok = x.is_cpu and x.dtype in _DTYPES and x.is_contiguous()
+    return ok and 0 < x.numel() <= MAX_NUMEL and x.shape[-1] <= MAX_ROW
 
 
 def _empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -65,7 +70,9 @@ def norm(
     n = x.shape[-1]
     if not (_decode_sized(x) and _host(scale) and scale.shape == (n,) and env.glue_kernels()):
         return None
-    if y is not None and not (_host(y) and y.shape == x.shape):
+    if y is not None and not (y.is_cpu and y.dtype in _DTYPES and y.is_contiguous()):
+        return None
+    if y is not None and y.shape != x.shape:
         return None
     k = _numba_glue()
     flags = (x.dtype is _BF16) * k.X_BF16 + (scale.dtype is _BF16) * k.SCALE_BF16

@@ -80,6 +80,21 @@ def test_sum_order_is_torchs(n: int) -> None:
         assert got == np.float32(want), (n, got, want)
 
 
+@pytest.mark.parametrize("rows,n", [(2, 16384), (8, 4096), (16, 2048), (3, 100)])
+def test_sum_order_holds_with_torch_threads(rows: int, n: int) -> None:
+    """torch's threads share out whole rows (a decode step's [B, H] norm input), not parts of
+    one: each row's sum keeps the order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        v = (torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)) * 10) ** 2
+        want = v.sum(-1)
+    finally:
+        torch.set_num_threads(threads)
+    for r in range(rows):
+        assert _numba_sum(v[r].numpy()) == np.float32(want[r].item()), r
+
+
 def test_another_order_differs() -> None:
     """The sum test can fail: sequential float32 addition misses torch's sum on some rows."""
     gen = torch.Generator().manual_seed(0)

@@ -65,12 +65,22 @@ class DecoderLayer:
         expert's (not the router)."""
         return self.attn.projections() + self.mlp.projections()
 
-    def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.attn(self.norm_kind.apply(x, self.input_norm, self.eps), batch)
-        h = self.norm_kind.apply(x, self.post_attention_norm, self.eps)
+    def __call__(
+        self, x: torch.Tensor, batch: ForwardBatch, delta: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the residual stream x + delta [B, T, H] (delta: the previous layer's
+        MLP output, None before the first layer) -> (the stream after attention, this layer's
+        MLP output), whose sum is the layer's output: each residual add is fused with the
+        norm after it (`norm_kind.add_apply`), the last one with the next layer's."""
+        if delta is None:
+            h = self.norm_kind.apply(x, self.input_norm, self.eps)
+        else:
+            x, h = self.norm_kind.add_apply(x, delta, self.input_norm, self.eps)
+        attn_out = self.attn(h, batch)
+        x, h = self.norm_kind.add_apply(x, attn_out, self.post_attention_norm, self.eps)
         if isinstance(self.mlp, OffloadMoELayer):
-            return x + self.mlp(h, batch.is_decode)
-        return x + self.mlp(h)
+            return x, self.mlp(h, batch.is_decode)
+        return x, self.mlp(h)
 
 
 class MoeCausalLM:
@@ -164,11 +174,12 @@ class MoeCausalLM:
         """input_ids [B, T] -> float32 logits [B, V] (last token) or [B, T, V], in host
         memory (where sampling runs)."""
         x = F.embedding(to_device_no_sync(input_ids, self.device), self.embed)  # [B, T, H]
+        delta = None
         for layer in self.layers:
-            x = layer(x, batch)
+            x, delta = layer(x, batch, delta)  # the stream is x + delta
         if last_only:
-            x = x[:, -1]
-        x = self.norm_kind.apply(x, self.norm, self.cfg.rms_norm_eps)
+            x, delta = x[:, -1].contiguous(), delta[:, -1].contiguous()
+        _, x = self.norm_kind.add_apply(x, delta, self.norm, self.cfg.rms_norm_eps)
         logits = self.lm_head(x)  # [B, (T,) V]
         return logits.float().cpu()  # waits for the step: the one sync sampling needs
 

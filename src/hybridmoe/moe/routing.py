@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from hybridmoe.kernels import glue
 from hybridmoe.kernels.projection import DenseProjection
 from hybridmoe.registry import registering
 
@@ -113,14 +114,35 @@ register_router("topk_softmax")(TopKSoftmaxRouter.create)
 def route(
     router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, weights_fp32: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_torch's ids and weights, bit for bit: on the host (a decode step's few rows) the
+    top-k, renormalisation and rounding after torch's softmax are one numba call
+    (kernels/numba_glue.topk_route), unless a row's k + 1 largest probabilities hold a tie
+    (torch.topk's order among equal values is not reproduced: then torch decides)."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    dtype = torch.float32 if weights_fp32 else router_logits.dtype
+    routed = glue.route_topk(probs, top_k, norm_topk_prob, dtype)
+    if routed is not None:
+        return routed
+    return _topk_torch(probs, router_logits.dtype, top_k, norm_topk_prob, weights_fp32)
+
+
+def route_torch(
+    router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, weights_fp32: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (topk_ids [T, K] int64, topk_weights [T, K]): softmax in
     float32, top-k, optionally renormalised, the weights then rounded to the logits' dtype
     unless `weights_fp32` (each family rounds where its reference does: Mixtral keeps them)."""
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    return _topk_torch(probs, router_logits.dtype, top_k, norm_topk_prob, weights_fp32)
+
+
+def _topk_torch(
+    probs: torch.Tensor, dtype: torch.dtype, top_k: int, norm_topk_prob: bool, weights_fp32: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
     if norm_topk_prob:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    return topk_ids, topk_weights if weights_fp32 else topk_weights.to(router_logits.dtype)
+    return topk_ids, topk_weights if weights_fp32 else topk_weights.to(dtype)
 
 
 def group_routes(topk_ids: torch.Tensor) -> dict[int, tuple[list[int], list[int]]]:

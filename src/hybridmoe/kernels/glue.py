@@ -1,0 +1,120 @@
+"""The torch side of the numba glue kernels (kernels/numba_glue.py): a decode step's small host
+ops (RMSNorm and the residual add before it, the router's top-k, the MoE output's rounding)
+in one call each, the same bits as their torch references (layers/norm.py, moe/routing.py,
+layers/moe.py, which call these first and fall back to torch on None).
+
+Each function returns None, computing nothing, unless every tensor is contiguous host memory
+in bfloat16 or float32 and x is decode-sized (at most MAX_NUMEL values, rows of at most
+MAX_ROW), and the kernels are not switched off (HYBRIDMOE_GLUE_KERNELS=0). numba loads on the
+first call that computes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridmoe import env
+
+MAX_NUMEL = 1 << 16  # larger tensors (prefill) stay with torch's threaded kernels
+MAX_ROW = 16384  # a row of over 32768 values torch's threads may split (numba_glue.MAX_SUM_N)
+_BF16, _F32 = torch.bfloat16, torch.float32
+_DTYPES = (_BF16, _F32)
+_kernels = None  # kernels/numba_glue once imported
+_templates: dict[tuple[torch.Size | tuple[int, ...], torch.dtype], torch.Tensor] = {}
+MAX_TEMPLATES = 256  # decode shapes: a few per model and batch size
+
+
+def _host(t: torch.Tensor) -> bool:
+    return t.is_cpu and t.dtype in _DTYPES and t.is_contiguous()
+
+
+def _decode_sized(x: torch.Tensor) -> bool:
+    """Host memory the kernels read, of at most MAX_NUMEL values in rows of at most MAX_ROW."""
+    ok = x.is_cpu and x.dtype in _DTYPES and x.is_contiguous()
+    return ok and 0 < x.numel() <= MAX_NUMEL and x.shape[-1] <= MAX_ROW
+
+
+def _empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty(shape, dtype=dtype), as empty_like of a kept tensor of that shape and dtype
+    (torch parses a dtype keyword slower than a small op runs)."""
+    template = _templates.get((shape, dtype))
+    if template is None:
+        template = torch.empty(shape, dtype=dtype)
+        if len(_templates) < MAX_TEMPLATES:
+            _templates[(shape, dtype)] = template
+    return torch.empty_like(template)
+
+
+def _numba_glue():
+    global _kernels
+    if _kernels is None:
+        from hybridmoe.kernels import numba_glue
+
+        _kernels = numba_glue
+    return _kernels
+
+
+def norm(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    scale_rounded: bool,
+    y: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(s, norm(s)) for s = x (+ y): x [..., N], y of x's shape and dtype (or float32: rounded
+    to x's dtype first), scale [N]; both results in x's dtype (numba_glue.norm_rows;
+    `scale_rounded`: x * rsqrt is rounded to bfloat16 before scale multiplies). None: see
+    the module's docstring."""
+    n = x.shape[-1]
+    if not (_decode_sized(x) and _host(scale) and scale.shape == (n,) and env.glue_kernels()):
+        return None
+    if y is not None and not (_host(y) and y.shape == x.shape):
+        return None
+    k = _numba_glue()
+    flags = (x.dtype is _BF16) * k.X_BF16 + (scale.dtype is _BF16) * k.SCALE_BF16
+    flags += scale_rounded * k.SCALE_ROUNDED
+    out, x_at = torch.empty_like(x), x.data_ptr()
+    if y is None:
+        total, y_at = x, x_at
+    else:
+        total, y_at = torch.empty_like(x), y.data_ptr()
+        flags += k.ADD + (y.dtype is _BF16) * k.Y_BF16
+    rows = x.numel() // n
+    k.norm_rows(x_at, y_at, scale.data_ptr(), total.data_ptr(), out.data_ptr(), rows, n, eps, flags)
+    return total, out
+
+
+def route_topk(
+    probs: torch.Tensor, top_k: int, renorm: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ids [T, K] int64, weights [T, K] in dtype) of float32 probs [T, E]: the top-k, divided
+    by their sum where `renorm`, then rounded to dtype (bfloat16 or float32), as
+    moe/routing.route_torch computes them. None where a row has ties among its k + 1 largest
+    or NaNs (torch then decides), or see the module's docstring."""
+    if not (_decode_sized(probs) and probs.dtype is _F32 and probs.dim() == 2):
+        return None
+    T, E = probs.shape
+    if not (0 < top_k <= E and (dtype is _BF16 or dtype is _F32) and env.glue_kernels()):
+        return None
+    ids, weights = _empty((T, top_k), torch.int64), _empty((T, top_k), dtype)
+    bf16 = dtype is _BF16
+    ok = _numba_glue().topk_route(
+        probs.data_ptr(), ids.data_ptr(), weights.data_ptr(), bf16, T, E, top_k, renorm
+    )
+    return (ids, weights) if ok else None
+
+
+def round_partial(partial: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor | None:
+    """partial.to(bfloat16) (+ shared) for a float32 partial [N, H] and a bfloat16 shared
+    [N, H]. None: see the module's docstring."""
+    if not (_decode_sized(partial) and partial.dtype is _F32 and env.glue_kernels()):
+        return None
+    if shared is not None and not (
+        _host(shared) and shared.dtype is _BF16 and shared.shape == partial.shape
+    ):
+        return None
+    out = _empty(partial.shape, _BF16)
+    shared_at = out.data_ptr() if shared is None else shared.data_ptr()
+    add = shared is not None
+    _numba_glue().round_add(partial.data_ptr(), shared_at, out.data_ptr(), partial.numel(), add)
+    return out

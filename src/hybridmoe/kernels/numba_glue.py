@@ -1,0 +1,276 @@
+"""Small serial numba kernels for the host glue of a decode step: RMSNorm (with the residual add
+before it), the softmax router's top-k, and the MoE layer's output rounding. Each replaces a
+handful of torch ops on [1, H]-sized tensors, whose dispatch costs more than their arithmetic,
+with one call of a few µs, and computes the torch reference's values bit for bit:
+
+- bfloat16 values are widened exactly and rounded once where torch rounds, to nearest, ties to
+  even (c10::BFloat16's rounding; NaN becomes 0x7FC0 as there);
+- every float32 sum is added in the order of torch's CPU cascade sum (SumKernel.cpp
+  `vectorized_inner_sum` over a contiguous row, see `_inner_sum`), which the norm's mean and
+  the top-k renormalisation use;
+- no fastmath: LLVM neither reassociates nor contracts a multiply-add.
+
+Tensors come as addresses of contiguous host memory (kernels/glue.py checks them and keeps
+the torch reference); an int argument is typed in nanoseconds, an array in about a µs.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from hybridmoe import env
+from hybridmoe.kernels.numba_cache import cached_njit
+
+_previous_cache_dir = numba.config.CACHE_DIR
+numba.config.CACHE_DIR = str(env.kernel_cache_dir(__file__))
+
+# Vectorized<float> lanes of the kernel build torch's sum runs: its inner-sum kernel has no
+# AVX512 build, so x86 sums 8 lanes (AVX2 or the default 32-byte vectors) and ARM 4 (NEON)
+LANES = 4 if platform.machine().lower() in ("arm64", "aarch64") else 8
+ILP = 4  # SumKernel.cpp row_sum: a row is viewed as (-1, 4) accumulators
+LEVELS = 4  # multi_row_sum's cascade levels
+MAX_SUM_N = 32768  # longer rows: torch may split the reduction (a different order)
+
+# norm_rows' flags
+X_BF16, Y_BF16, SCALE_BF16, ADD, SCALE_ROUNDED = 1, 2, 4, 8, 16
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    """The int64 `address` as a void pointer (for numba.carray)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(address), codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, value):
+    """A float32's bits as uint32."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(value), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, bits):
+    """The low 32 bits of an integer as a float32."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        low = args[0]
+        if bits.bitwidth > 32:
+            low = builder.trunc(low, ir.IntType(32))
+        elif bits.bitwidth < 32:
+            low = builder.zext(low, ir.IntType(32))
+        return builder.bitcast(low, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@cached_njit(nogil=True)
+def _bf16_bits(value):
+    """The bfloat16 bits (uint32, 0..0xFFFF) nearest the float32 `value`, ties to even; NaN ->
+    0x7FC0 (c10::round_to_nearest_even)."""
+    bits = _f32_bits(value)
+    if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint32(0x7FC0)
+    return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+
+
+@cached_njit(nogil=True)
+def _round(value):
+    """The float32 `value` rounded to its nearest bfloat16 value."""
+    return _bits_f32(_bf16_bits(value) << np.uint32(16))
+
+
+@cached_njit(nogil=True)
+def _load(address, bf16, dst, n):
+    """dst[:n] (float32) = the n values at `address`: bfloat16 widened exactly, or float32."""
+    if bf16:
+        src = numba.carray(_pointer(address), n, np.uint16)
+        for i in range(n):
+            dst[i] = _bits_f32(np.uint32(src[i]) << np.uint32(16))
+    else:
+        src32 = numba.carray(_pointer(address), n, np.float32)
+        for i in range(n):
+            dst[i] = src32[i]
+
+
+@cached_njit(nogil=True)
+def _save(h, address, bf16, n):
+    """The n values at `address` = h[:n] (float32), rounded to bfloat16 where `bf16`."""
+    if bf16:
+        dst = numba.carray(_pointer(address), n, np.uint16)
+        for i in range(n):
+            dst[i] = np.uint16(_bf16_bits(h[i]))
+    else:
+        dst32 = numba.carray(_pointer(address), n, np.float32)
+        for i in range(n):
+            dst32[i] = h[i]
+
+
+def _row_sum_of(width):
+    """SumKernel.cpp row_sum over elements of `width` lanes (element e is v[e * width :
+    (e + 1) * width]): multi_row_sum's cascade over the (count // 4, 4) view of `count`
+    elements, the leftover elements into partial 0, then partials 1..3 into partial 0,
+    lane-wise. acc [LEVELS * ILP * width] float32 scratch; the result is acc[:width]."""
+
+    @cached_njit(nogil=True)
+    def row_sum(v, count, acc):
+        acc[:] = 0
+        rows = count // ILP
+        log2 = 0
+        while (1 << log2) < rows:
+            log2 += 1
+        power = max(4, log2 // LEVELS)
+        step, i = 1 << power, 0
+        while i < rows:
+            full = i + step <= rows
+            for _ in range(step if full else rows - i):
+                for j in range(ILP * width):  # the 4 accumulators' lanes, one after the other
+                    acc[j] += v[i * ILP * width + j]
+                i += 1
+            if not full:
+                break
+            for level in range(1, LEVELS):
+                for j in range(ILP * width):
+                    acc[level * ILP * width + j] += acc[(level - 1) * ILP * width + j]
+                    acc[(level - 1) * ILP * width + j] = 0
+                if i & ((step - 1) << (level * power)):
+                    break
+        for level in range(1, LEVELS):
+            for j in range(ILP * width):
+                acc[j] += acc[level * ILP * width + j]
+        for j in range(rows * ILP * width, count * width):
+            acc[j % width] += v[j]
+        for k in range(1, ILP):
+            for lane in range(width):
+                acc[lane] += acc[k * width + lane]
+
+    return row_sum
+
+
+_row_sum_vectors, _row_sum_scalars = _row_sum_of(LANES), _row_sum_of(1)
+
+
+@cached_njit(nogil=True)
+def _inner_sum(v, n, acc):
+    """Σ v[:n] (float32) in the order of torch's CPU sum over a contiguous row: for n >= LANES
+    (vectorized_inner_sum) row_sum over the n // LANES vectors, then 0 + the scalar tail in
+    index order + the vector's lanes in lane order; for shorter rows row_sum over scalars.
+    acc [LEVELS * ILP * LANES] float32 scratch."""
+    if n < LANES:
+        _row_sum_scalars(v, n, acc)
+        return acc[0]
+    vectors = n // LANES
+    _row_sum_vectors(v, vectors, acc)
+    total = np.float32(0)
+    for i in range(vectors * LANES, n):
+        total += v[i]
+    for lane in range(LANES):
+        total += acc[lane]
+    return total
+
+
+@cached_njit(nogil=True)
+def norm_rows(x, y, scale, total, out, rows, n, eps, flags):
+    """Per row r of `rows` rows of n values: h = x[r] (+ y[r] where ADD, rounded to x's dtype
+    and stored in total[r]); out[r] = scale * (h * rsqrt(Σ h² / n + eps)) in x's dtype, as
+    torch's composite rms_norm computes it in float32: the mean is the cascade sum divided
+    by n, rsqrt is 1 / sqrt (two roundings); with SCALE_ROUNDED h * rsqrt is rounded to
+    bfloat16 before scale multiplies. x, y, scale, total, out: addresses of contiguous host
+    memory, bfloat16 where flags say X_BF16 (x, total, out), Y_BF16, SCALE_BF16, else
+    float32; a float32 y added to a bfloat16 x is rounded first (`x + y.to(x.dtype)`). eps
+    is rounded to float32, as torch adds it."""
+    x_bf16, y_bf16 = (flags & X_BF16) != 0, (flags & Y_BF16) != 0
+    size, y_size = 2 if x_bf16 else 4, 2 if y_bf16 else 4
+    h, t = np.empty(n, np.float32), np.empty(n, np.float32)
+    w, sq = np.empty(n, np.float32), np.empty(n, np.float32)
+    acc = np.empty(LEVELS * ILP * LANES, np.float32)
+    _load(scale, (flags & SCALE_BF16) != 0, w, n)
+    eps32, scale_rounded = np.float32(eps), (flags & SCALE_ROUNDED) != 0
+    for r in range(rows):
+        _load(x + r * n * size, x_bf16, h, n)
+        if flags & ADD:
+            _load(y + r * n * y_size, y_bf16, t, n)
+            for i in range(n):
+                term = _round(t[i]) if x_bf16 and not y_bf16 else t[i]
+                h[i] = _round(h[i] + term) if x_bf16 else h[i] + term
+            _save(h, total + r * n * size, x_bf16, n)
+        for i in range(n):
+            sq[i] = h[i] * h[i]
+        inv = np.float32(1) / np.sqrt(_inner_sum(sq, n, acc) / np.float32(n) + eps32)
+        for i in range(n):
+            normed = h[i] * inv
+            h[i] = (_round(normed) if scale_rounded else normed) * w[i]
+        _save(h, out + r * n * size, x_bf16, n)
+
+
+@cached_njit(nogil=True)
+def topk_route(probs, ids, weights, weights_bf16, T, E, k, renorm):
+    """probs [T, E] float32 -> ids [T, k] int64 (largest first), weights [T, k] (bfloat16
+    where `weights_bf16`, else float32), all addresses of contiguous host memory: the k
+    largest probabilities, divided by their cascade sum where `renorm`, then rounded to the
+    weights' dtype. Returns False, with ids and weights unspecified, where a row holds a NaN
+    or two equal values among its k + 1 largest: for those torch.topk's order is its sort's,
+    which is not reproduced here."""
+    p = numba.carray(_pointer(probs), (T, E), np.float32)
+    ids_out = numba.carray(_pointer(ids), (T, k), np.int64)
+    vals = np.empty(k, np.float32)
+    chosen = np.empty(E, np.bool_)
+    acc = np.empty(LEVELS * ILP * LANES, np.float32)
+    for t in range(T):
+        row = p[t]
+        chosen[:] = False
+        for j in range(E):
+            if row[j] != row[j]:
+                return False
+        for s in range(min(k + 1, E)):
+            best = -1
+            for j in range(E):
+                if not chosen[j] and (best < 0 or row[j] > row[best]):
+                    best = j
+            if s > 0 and row[best] == vals[s - 1]:
+                return False
+            if s == k:
+                break
+            chosen[best] = True
+            ids_out[t, s], vals[s] = best, row[best]
+        if renorm:
+            total = _inner_sum(vals, k, acc)
+            for s in range(k):
+                vals[s] = vals[s] / total
+        _save(vals, weights + t * k * (2 if weights_bf16 else 4), weights_bf16, k)
+    return True
+
+
+@cached_njit(nogil=True)
+def round_add(partial, shared, out, count, add):
+    """out [count] bfloat16 = round(partial [count] float32) (+ shared [count] bfloat16, the
+    sum rounded again, where `add`): `partial.to(bf16) + shared`; addresses of contiguous
+    host memory."""
+    h, t = np.empty(count, np.float32), np.empty(count, np.float32)
+    _load(partial, False, h, count)
+    if add:
+        _load(shared, True, t, count)
+    for i in range(count):
+        h[i] = _round(_round(h[i]) + t[i]) if add else h[i]
+    _save(h, out, True, count)
+
+
+numba.config.CACHE_DIR = _previous_cache_dir  # every cached function above is decorated

@@ -1,0 +1,237 @@
+"""kernels/numba_glue.py (through kernels/glue.py) against torch, the references in
+layers/norm.py, moe/routing.py and layers/moe.py, and against a scalar Python restatement of
+its sum order: the same bits, measured on every row (not most of them)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridmoe import env
+from hybridmoe.kernels import glue, numba_glue
+from hybridmoe.layers import norm
+from hybridmoe.moe import routing
+
+LANES, ILP, LEVELS = numba_glue.LANES, numba_glue.ILP, numba_glue.LEVELS
+
+
+def _row_sum_reference(elements: list[np.ndarray]) -> np.ndarray:
+    """SumKernel.cpp row_sum restated: the (-1, 4) view's cascade (multi_row_sum), the leftover
+    elements into partial 0, partials 1..3 into partial 0; elements are float32 arrays."""
+    rows = len(elements) // ILP
+    power = max(4, (math.ceil(math.log2(rows)) if rows > 1 else 0) // LEVELS)
+    step = 1 << power
+    zero = np.zeros_like(elements[0]) if elements else np.zeros(1, np.float32)
+    acc = [[zero.copy() for _ in range(ILP)] for _ in range(LEVELS)]
+    i = 0
+    while i + step <= rows:
+        for _ in range(step):
+            for k in range(ILP):
+                acc[0][k] = acc[0][k] + elements[i * ILP + k]
+            i += 1
+        for level in range(1, LEVELS):
+            for k in range(ILP):
+                acc[level][k] = acc[level][k] + acc[level - 1][k]
+                acc[level - 1][k] = zero.copy()
+            if i & ((step - 1) << (level * power)):
+                break
+    for row in range(i, rows):
+        for k in range(ILP):
+            acc[0][k] = acc[0][k] + elements[row * ILP + k]
+    for level in range(1, LEVELS):
+        for k in range(ILP):
+            acc[0][k] = acc[0][k] + acc[level][k]
+    for e in range(rows * ILP, len(elements)):
+        acc[0][0] = acc[0][0] + elements[e]
+    for k in range(1, ILP):
+        acc[0][0] = acc[0][0] + acc[0][k]
+    return acc[0][0]
+
+
+def cascade_sum_reference(v: np.ndarray) -> np.float32:
+    """torch's CPU sum of a contiguous float32 row, one float32 addition at a time."""
+    n = len(v)
+    if n < LANES:
+        return np.float32(_row_sum_reference([v[i : i + 1] for i in range(n)])[0])
+    vectors = n // LANES
+    lanes = _row_sum_reference([v[e * LANES : (e + 1) * LANES] for e in range(vectors)])
+    total = np.float32(0)
+    for x in list(v[vectors * LANES :]) + list(lanes):
+        total = np.float32(total + x)
+    return total
+
+
+def _numba_sum(v: np.ndarray) -> np.float32:
+    return numba_glue._inner_sum(v, len(v), np.empty(LEVELS * ILP * LANES, np.float32))
+
+
+@pytest.mark.parametrize("n", [1, 3, 7, 8, 9, 31, 64, 100, 128, 257, 2048, 3000, 4096, 32768])
+def test_sum_order_is_torchs(n: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    for _ in range(3):
+        v = (torch.randn(n, generator=gen) * 10) ** 2  # squares, as the norm sums
+        want = v.sum().item()
+        got = _numba_sum(v.numpy())
+        assert got == cascade_sum_reference(v.numpy()), (n, got)
+        assert got == np.float32(want), (n, got, want)
+
+
+@pytest.mark.parametrize("rows,n", [(2, 16384), (8, 4096), (16, 2048), (3, 100)])
+def test_sum_order_holds_with_torch_threads(rows: int, n: int) -> None:
+    """torch's threads share out whole rows (a decode step's [B, H] norm input), not parts of
+    one: each row's sum keeps the order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        v = (torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)) * 10) ** 2
+        want = v.sum(-1)
+    finally:
+        torch.set_num_threads(threads)
+    for r in range(rows):
+        assert _numba_sum(v[r].numpy()) == np.float32(want[r].item()), r
+
+
+def test_another_order_differs() -> None:
+    """The sum test can fail: sequential float32 addition misses torch's sum on some rows."""
+    gen = torch.Generator().manual_seed(0)
+    misses = 0
+    for _ in range(50):
+        v = (torch.randn(2048, generator=gen) * 10) ** 2
+        sequential = np.float32(0)
+        for x in v.numpy():
+            sequential = np.float32(sequential + x)
+        misses += sequential != np.float32(v.sum().item())
+    assert misses > 0
+
+
+def _norm_reference_row(x: np.ndarray, w: np.ndarray, eps: float, scale_rounded: bool):
+    """One row of numba_glue.norm_rows restated in float32 scalars (bfloat16 as float32
+    values; the caller rounds the result)."""
+    mean = np.float32(cascade_sum_reference(x * x) / np.float32(len(x)))
+    inv = np.float32(1) / np.sqrt(np.float32(mean + np.float32(eps)))
+    h = (x * inv).astype(np.float32)
+    if scale_rounded:
+        h = torch.from_numpy(h).bfloat16().float().numpy()
+    return (h * w).astype(np.float32)
+
+
+SHAPES = [(1, 2048), (1, 1, 2048), (3, 1, 128), (1, 32, 128), (16, 2048), (4, 7), (2, 3000)]
+
+
+def _inputs(shape, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    y = torch.randn(shape, generator=gen).to(dtype)
+    w = (torch.rand(shape[-1], generator=gen) + 0.5).to(dtype)
+    return x, y, w
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_equals_torch(shape, dtype) -> None:
+    x, y, w = _inputs(shape, dtype, sum(shape))
+    assert glue.norm(x, w, 1e-6, dtype == torch.bfloat16) is not None  # the kernel ran
+    assert torch.equal(norm.rms_norm(x, w, 1e-6), norm.rms_norm_torch(x, w, 1e-6))
+    s, h = norm.add_rms_norm(x, y, w, 1e-5)
+    assert torch.equal(s, x + y) and torch.equal(h, norm.rms_norm_torch(x + y, w, 1e-5))
+    assert s.dtype == h.dtype == dtype and h.shape == x.shape
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_offset_rms_norm_equals_torch(shape, dtype) -> None:
+    x, y, w = _inputs(shape, dtype, 7 + sum(shape))
+    scale = norm.offset_weight(w - 1)
+    assert torch.equal(
+        norm.offset_rms_norm(x, scale, 1e-6), norm.offset_rms_norm_torch(x, scale, 1e-6)
+    )
+    s, h = norm.add_offset_rms_norm(x, y, scale, 1e-6)
+    assert torch.equal(s, x + y)
+    assert torch.equal(h, norm.offset_rms_norm_torch(x + y, scale, 1e-6))
+
+
+def test_norm_equals_scalar_reference() -> None:
+    x, _, w = _inputs((4, 2048), torch.bfloat16, 1)
+    got = norm.rms_norm(x, w, 1e-6).float().numpy()
+    for r in range(4):
+        row = _norm_reference_row(x[r].float().numpy(), w.float().numpy(), 1e-6, True)
+        assert np.array_equal(got[r], torch.from_numpy(row).bfloat16().float().numpy())
+
+
+def test_norm_rounds_like_torch_at_the_edges() -> None:
+    """Large values (rounding to inf), tiny ones, zeros and a NaN row."""
+    x = torch.tensor([[3e38, -3e38, 1.0, 0.0], [1e-30, 2e-30, 0.0, 0.0], [0.0] * 4])
+    x = torch.cat([x, torch.tensor([[float("nan"), 1.0, 2.0, 3.0]])]).bfloat16()
+    w = torch.tensor([1.0, 2.0, 3e38, 0.5]).bfloat16()
+    want, got = norm.rms_norm_torch(x, w, 1e-6), norm.rms_norm(x, w, 1e-6)
+    assert torch.equal(want.isnan(), got.isnan())
+    assert torch.equal(want.nan_to_num(), got.nan_to_num())
+
+
+def test_the_switch_and_the_limits(monkeypatch) -> None:
+    """Only decode-sized contiguous host bfloat16/float32 tensors reach the kernels."""
+    x, w = torch.randn(1, 2048), torch.ones(2048)
+    assert glue.norm(x, w, 1e-6, False) is not None
+    assert glue.norm(x.half(), w.half(), 1e-6, False) is None  # float16 stays with torch
+    assert glue.norm(torch.randn(64, 2048), w, 1e-6, False) is None  # prefill-sized
+    assert glue.norm(torch.randn(4, 16)[:, ::2], w[:8], 1e-6, False) is None  # strided
+    assert glue.norm(x, w, 1e-6, False, torch.randn(2048, 2)[:, 0][None]) is None  # a strided y
+    assert glue.route_topk(torch.rand(1, 8).half(), 2, True, torch.bfloat16) is None
+    assert glue.round_partial(torch.randn(1, 8), torch.randn(1, 8)) is None  # float32 shared
+    monkeypatch.setenv("HYBRIDMOE_GLUE_KERNELS", "0")
+    env.glue_kernels.cache_clear()
+    try:
+        assert glue.norm(x, w, 1e-6, False) is None
+        assert glue.route_topk(torch.rand(1, 8), 2, True, torch.float32) is None
+    finally:
+        monkeypatch.delenv("HYBRIDMOE_GLUE_KERNELS")
+        env.glue_kernels.cache_clear()
+    assert glue.norm(x, w, 1e-6, False) is not None
+
+
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (60, 4), (64, 6), (128, 8), (16, 16)])
+@pytest.mark.parametrize("renorm", [False, True])
+@pytest.mark.parametrize("weights_fp32", [False, True])
+def test_route_equals_torch(experts, top_k, renorm, weights_fp32) -> None:
+    gen = torch.Generator().manual_seed(experts * top_k)
+    fast = 0
+    for t in (1, 1, 1, 3):
+        logits = (torch.randn(t, experts, generator=gen) * 2).bfloat16()
+        want = routing.route_torch(logits, top_k, renorm, weights_fp32)
+        got = routing.route(logits, top_k, renorm, weights_fp32)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert got[1].dtype == want[1].dtype
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        fast += glue.route_topk(probs, top_k, renorm, want[1].dtype) is not None
+    assert fast > 0  # the kernel's answer was compared, not only torch's
+
+
+def test_route_refuses_ties() -> None:
+    """A tie among the k + 1 largest (here at the k-th place) is left to torch.topk."""
+    probs = torch.tensor([[0.1, 0.3, 0.2, 0.3, 0.1]])
+    assert glue.route_topk(probs, 1, False, torch.float32) is None
+    assert glue.route_topk(probs, 2, False, torch.float32) is None
+    top = torch.tensor([[0.4, 0.3]])
+    ids, weights = glue.route_topk(torch.tensor([[0.1, 0.3, 0.2, 0.4]]), 2, True, torch.float32)
+    assert ids.tolist() == [[3, 1]] and torch.equal(weights, top / top.sum())
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 1.0]]).bfloat16()
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            routing.route(logits, 2, True), routing.route_torch(logits, 2, True), strict=True
+        )
+    )
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (5, 64)])
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_round_partial_equals_torch(shape, with_shared) -> None:
+    gen = torch.Generator().manual_seed(3)
+    partial = torch.randn(shape, generator=gen) * 4
+    shared = torch.randn(shape, generator=gen).bfloat16() if with_shared else None
+    want = partial.bfloat16() if shared is None else partial.bfloat16() + shared
+    assert torch.equal(glue.round_partial(partial, shared), want)

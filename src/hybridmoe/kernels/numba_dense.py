@@ -27,6 +27,7 @@ from numba import prange
 from hybridmoe import env
 from hybridmoe.kernels import dense_ir
 from hybridmoe.kernels.dense_ir import dense_rows, fma32
+from hybridmoe.kernels.host_arrays import host_array
 from hybridmoe.kernels.numba_cache import cached_njit
 from hybridmoe.kernels.numba_moe import _round_bf16, kernel_sources, launch
 from hybridmoe.kernels.numba_simd import load_weight
@@ -179,36 +180,79 @@ def dense_linear(
     bytes `w_bytes` (weight_bytes); `bias_f32` float32 [out_features] or None. `threads` None:
     torch's intra-op thread count (the user's --threads; threads.kernel_threads), at most
     numba's pool; the calling thread alone for a weight under MIN_PARALLEL_BYTES. The result
-    does not depend on the thread count."""
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"dense kernel: activations must be float32 or bfloat16, got {x.dtype}")
-    n = x.shape[-1]
-    row_bytes = fmt.row_bytes(n)
-    if w_bytes.shape[0] != out_features * row_bytes:
-        raise ValueError(
-            f"dense kernel: {w_bytes.shape[0]} weight bytes, expected {out_features} rows of "
-            f"{n} {fmt.name} weights ({out_features * row_bytes} bytes)"
-        )
-    flat = x.reshape(-1)  # [T * n], a view when x is contiguous
-    tokens = flat.shape[0] // n
-    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)  # [..., out]
-    bias = _NO_BIAS if bias_f32 is None else bias_f32
-    if tokens:
+    does not depend on the thread count. A caller with a weight to call again prepares its
+    call once: DenseCall."""
+    _check_dtype(x.dtype)
+    return DenseCall(fmt, w_bytes, out_features, x.shape[-1], bias_f32, threads)(x)
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype != torch.float32 and dtype != torch.bfloat16:
+        raise TypeError(f"dense kernel: activations must be float32 or bfloat16, got {dtype}")
+
+
+class DenseCall:
+    """dense_linear for one weight, with what does not change between its calls worked out
+    once (the size checks, row_bytes, the work items, the entry points, the bias): a decode
+    step calls each projection once, and that setup took more host time than the numba call.
+    A call is then a numpy view of x by address (kernels/host_arrays.py), one numpy output
+    array, the kernel: 1 aten op for float32 activations (from_numpy's lift_fresh), 2 for
+    bf16 (and the output's view as bf16), in torch.inference_mode (outside it the view adds a
+    detach)."""
+
+    def __init__(
+        self,
+        fmt: WeightFormat,
+        w_bytes: np.ndarray,
+        out_features: int,
+        in_features: int,
+        bias_f32: np.ndarray | None = None,
+        threads: int | None = None,
+    ):
+        row_bytes = fmt.row_bytes(in_features)
+        if w_bytes.shape[0] != out_features * row_bytes:
+            raise ValueError(
+                f"dense kernel: {w_bytes.shape[0]} weight bytes, expected {out_features} rows of "
+                f"{in_features} {fmt.name} weights ({out_features * row_bytes} bytes)"
+            )
+        self.fmt, self.out_features, self.in_features = fmt, out_features, in_features
+        self._w, self._row_bytes, self._item_rows = w_bytes, row_bytes, item_rows(row_bytes)
+        self._bias = _NO_BIAS if bias_f32 is None else bias_f32
+        self._serial, self._parallel = DENSE_SERIAL[fmt.name], DENSE[fmt.name]
+        small = w_bytes.shape[0] < MIN_PARALLEL_BYTES
+        self._threads = 1 if threads is None and small else threads  # None: per call
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] float32 or bfloat16, host -> new [..., out_features]."""
+        shape, n = x.shape, self.in_features
+        if shape[-1] != n:
+            raise ValueError(f"dense kernel: x {tuple(shape)} for a weight of {n} columns")
+        out_shape = (*shape[:-1], self.out_features)
+        if not x.is_contiguous():  # the kernel reads x as one dense row per token
+            x = x.contiguous()
         if x.dtype == torch.bfloat16:  # converted and rounded inside the kernel
-            ins = (_NO_F32, flat.view(torch.int16).numpy().view(np.uint16), tokens, bias, _NO_F32)
-            outs = (y.view(torch.int16).view(-1).numpy().view(np.uint16),)
-        else:
-            ins = (flat.numpy(), _NO_BF16, tokens, bias, y.view(-1).numpy())
-            outs = (_NO_BF16,)
-        args = (w_bytes, row_bytes, n, out_features, *ins, *outs, item_rows(row_bytes))
+            x_bits = host_array(x, np.uint16)  # [T * n]
+            y = np.empty(out_shape, np.uint16)
+            self._run(x_bits.shape[0] // n, _NO_F32, x_bits, _NO_F32, y.reshape(-1))
+            return torch.from_numpy(y).view(torch.bfloat16)
+        _check_dtype(x.dtype)
+        x32 = host_array(x, np.float32)  # [T * n]
+        y = np.empty(out_shape, np.float32)
+        self._run(x32.shape[0] // n, x32, _NO_BF16, y.reshape(-1), _NO_BF16)
+        return torch.from_numpy(y)
+
+    def _run(self, tokens: int, x, x_bf16, y, y_bf16) -> None:
+        if not tokens:
+            return
+        args = (self._w, self._row_bytes, self.in_features, self.out_features, x, x_bf16)
+        args += (tokens, self._bias, y, y_bf16, self._item_rows)
+        threads = self._threads
         if threads is None:
-            small = w_bytes.shape[0] < MIN_PARALLEL_BYTES
-            threads = 1 if small else min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
+            threads = min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
         if threads == 1:
-            DENSE_SERIAL[fmt.name](*args)
-        else:
-            launch(DENSE[fmt.name], threads, *args)
-    return y
+            self._serial(*args)
+        else:  # the module's name, looked up per call (the counting benchmarks replace it)
+            launch(self._parallel, threads, *args)
 
 
 @numba.njit(cache=False)

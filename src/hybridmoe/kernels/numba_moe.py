@@ -448,16 +448,26 @@ def run_fused_moe(fmt: str | tuple[str, str], threads: int | None, *args) -> int
     return launch(fused_moe_kernel(*((fmt, fmt) if isinstance(fmt, str) else fmt)), threads, *args)
 
 
+# per calling thread: the thread count numba holds for it as launch last set it (numba's count
+# and chunk size are per calling thread; a parallel region restores the chunk size it found)
+_LAUNCHER = threading.local()
+
+
 def launch(kernel, threads: int | None, *args):
     """kernel(*args), a parallel kernel of the package, on `threads` threads (None: all of
-    numba's pool), under the launch lock with the pool started as above. The thread count is
-    per calling thread in numba, so it is set on every call."""
+    numba's pool), under the launch lock with the pool started as above. numba's thread count
+    and chunk size are per calling thread: launch sets them on a thread's first launch and
+    when its count changes (each set costs ~5 µs of numba's init locks; launch is the package's
+    only caller of numba.set_num_threads)."""
+    count = threads or max_threads()
     with _LAUNCH_LOCK:
-        start_pool()
-        numba.set_num_threads(threads or max_threads())
-        # work items handed out one at a time: a thread the OS preempts (another process on
-        # the core) delays the call by one item, not by half the layer
-        numba.set_parallel_chunksize(1)
+        start_pool()  # functools.cache: a dict lookup after the first call
+        if getattr(_LAUNCHER, "threads", None) != count:
+            numba.set_num_threads(count)
+            # work items handed out one at a time: a thread the OS preempts (another process
+            # on the core) delays the call by one item, not by half the layer
+            numba.set_parallel_chunksize(1)
+            _LAUNCHER.threads = count
         return kernel(*args)
 
 

@@ -40,28 +40,36 @@ class DenseProjection:
             raise ValueError(f"a {self.fmt.name} projection needs in_features")
         self.in_features = weight.shape[-1] if in_features is None else in_features
         self.out_features = weight.shape[0]
-        self._host = None  # (weight bytes, float32 bias) for the CPU kernel, made on first use
+        self._host = None  # numba_dense.DenseCall for the CPU kernel, made on first use
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
         if self.uses_kernel(x):
-            return self._kernel(x)
+            return self.kernel(x)
         return dense_linear_torch(x, self.weight, self.fmt, self.bias)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """__call__(x) by the CPU kernel, for an x that uses_kernel accepts (the caller checked:
+        StackedQKV, where attention did)."""
+        return (self._host or self._prepare())(x)
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
         """Whether __call__(x) runs the CPU kernel (else torch)."""
         tokens = x.numel() // max(1, x.shape[-1])
-        on_cpu = x.device.type == "cpu" and self.weight.device.type == "cpu"
+        on_cpu = x.is_cpu and self.weight.is_cpu
         return on_cpu and tokens <= DECODE_MAX_TOKENS and env.dense_kernel()
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+    def _prepare(self):
+        """The CPU kernel's call of this weight (its byte view, the float32 bias, the sizes),
+        kept until the weight changes (quantize, to, stack_rows reset it)."""
         from hybridmoe.kernels import numba_dense  # numba loads on the first CPU decode
 
-        if self._host is None:
-            bias_f32 = None if self.bias is None else self.bias.float().contiguous().numpy()
-            self._host = (numba_dense.weight_bytes(self.weight), bias_f32)
-        w_bytes, bias_f32 = self._host
-        return numba_dense.dense_linear(self.fmt, w_bytes, self.out_features, x, bias_f32)
+        bias_f32 = None if self.bias is None else self.bias.float().contiguous().numpy()
+        w_bytes = numba_dense.weight_bytes(self.weight)
+        self._host = numba_dense.DenseCall(
+            self.fmt, w_bytes, self.out_features, self.in_features, bias_f32
+        )
+        return self._host
 
     def quantize(self, fmt: WeightFormat) -> None:
         """Store the weight in `fmt` from now on (quantised by fmt.quantize from the stored

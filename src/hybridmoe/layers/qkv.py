@@ -83,5 +83,6 @@ class StackedQKV:
         return all(p.weight is w for p, w in zip(parts, self.weights, strict=True))
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [..., H] -> each part's [..., out] (views of one output)."""
-        return self.stacked(x).split(self.sizes, dim=-1)
+        """x [..., H] -> each part's [..., out] (views of one output), for an x the parts'
+        uses_kernel accepts (attention checks it before calling): the kernel at once."""
+        return self.stacked.kernel(x).split(self.sizes, dim=-1)

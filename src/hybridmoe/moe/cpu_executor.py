@@ -123,7 +123,7 @@ class CpuMoeExecutor:
         self._check_can_submit(layer_idx)
         _check_shapes(layer_idx, hidden_states, cpu_expert_ids, topk_weights, self.banks[layer_idx])
         # inline there is no thread round trip to skip: a job without routes computes zeros
-        on_host = hidden_states.device.type == "cpu" and not self.inline
+        on_host = not self.inline and hidden_states.device.type == "cpu"
         if on_host and routes is None and not bool((cpu_expert_ids >= 0).any()):
             # Nothing to compute and nothing to stage: finish here, skipping a thread
             # round trip. The caller still submits and syncs, so its structure is unchanged.
@@ -153,7 +153,7 @@ class CpuMoeExecutor:
                 f"decode_sync({layer_idx}): layer {layer_idx} has no submitted CPU work; "
                 "call decode_submit first"
             )
-        stats = self.stats.setdefault(layer_idx, CpuLayerStats())
+        stats = self.stats.get(layer_idx) or self.stats.setdefault(layer_idx, CpuLayerStats())
         start = time.perf_counter()
         finished = job.done.acquire(timeout=self.timeout_s)
         stats.wait_s += time.perf_counter() - start

@@ -14,12 +14,14 @@ partial sum [T, H], which the MoE layer rounds to the activation dtype once.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from functools import partial
 
 import numpy as np
 import torch
 
+from hybridmoe.kernels.host_arrays import host_array
 from hybridmoe.moe.routing import combine_experts
 from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.registry import registering
@@ -73,35 +75,80 @@ def fused_cpu_moe(
     """The same sum as `bank_moe`, on a host bank of any format, on `threads` threads, with
     the same rounding points (and, for a bank with q8 activations, the same contract:
     quant/activation_q8.py); x [T, H] (float32 or bfloat16), expert_ids [T, K], weights [T, K]
-    -> the float32 partial [T, H]. IndexError for an expert id >= the bank's experts."""
+    -> the float32 partial [T, H]. IndexError for an expert id >= the bank's experts.
+    A decode step calls it once per layer: what does not change for a bank is prepared once
+    (_BankCall), inputs already of the kernel's dtype are passed as views (the kernel only
+    reads them): a call with float32 x is 1 aten op (from_numpy's), a bf16 x's copy 2 more."""
     tokens, top_k = expert_ids.shape
     if tokens > FUSED_MAX_TOKENS:
         return bank_moe(x, expert_ids, weights, bank)
-    if bank.q8_activations:  # the q8 contract's kernel, compiled only for such banks
-        from hybridmoe.kernels.numba_moe_q8 import run_fused_moe_q8 as run_fused_moe
-    else:
-        from hybridmoe.kernels.numba_moe import run_fused_moe
+    call = _BANK_CALLS.get(bank) or _BankCall.of(bank)
+    x32 = _kernel_array(x, torch.float32, np.float32)  # [T*H]
+    ids64 = _kernel_array(expert_ids, torch.int64, np.int64)  # [T*K]
+    w32 = _kernel_array(weights, torch.float32, np.float32)  # [T*K]
+    y = np.zeros((tokens, call.hidden), np.float32)  # [T, H], accumulated by the kernel
+    extras = call.extras(bank, x.dtype, weights.dtype)
+    args = (x32, ids64, w32, *call.weights, top_k, *extras, y.reshape(-1))
+    bad_id = call.numba_moe.launch(call.kernel, threads, *args)  # looked up per call: the
+    if bad_id >= 0:  # counting benchmarks and tests replace numba_moe.launch
+        raise IndexError(f"expert id {bad_id} out of range: the bank has {call.experts} experts")
+    return torch.from_numpy(y)  # [T, H] float32
 
-    hidden, inter, num_experts = bank.hidden_size, bank.intermediate_size, bank.num_experts
-    x32 = _flat_array(x, np.float32)  # [T*H]
-    ids64 = _flat_array(expert_ids, np.int64)  # [T*K]
-    w32 = _flat_array(weights, np.float32)  # [T*K]
-    y_flat = np.zeros(tokens * hidden, np.float32)  # [T*H], accumulated by the kernel
-    gate, up, expert_rows, down = bank.byte_views()  # stacked or separate gate and up
-    act_bf16 = _bf16_rounding(x.dtype, weights.dtype)
-    args = (x32, ids64, w32, gate, up, expert_rows, down, hidden, inter, num_experts, top_k)
-    formats = (bank.gate_up_fmt.name, bank.down_fmt.name)
-    extras = (act_bf16, _activation_args(bank), *_bias_arrays(bank, x.dtype))
-    bad_id = run_fused_moe(formats, threads, *args, *extras, y_flat)
-    if bad_id >= 0:
-        raise IndexError(f"expert id {bad_id} out of range: the bank has {num_experts} experts")
-    return torch.from_numpy(y_flat.reshape(tokens, hidden))  # [T, H] float32
+
+class _BankCall:
+    """What fused_cpu_moe hands the kernel for one bank, made on its first call: the entry
+    point of its formats, its byte views and sizes, and per (activation, router weight)
+    dtype the rounding code, activation and bias arrays. Holds no reference to the bank (the
+    bank keys it in _BANK_CALLS, weakly); a bank's tensors never change (to() and the like
+    make new banks)."""
+
+    @classmethod
+    def of(cls, bank: ExpertBank) -> _BankCall:
+        call = _BANK_CALLS[bank] = cls(bank)
+        return call
+
+    def __init__(self, bank: ExpertBank):
+        from hybridmoe.kernels import numba_moe
+
+        if bank.q8_activations:  # the q8 contract's kernel, compiled only for such banks
+            from hybridmoe.kernels.numba_moe_q8 import fused_moe_q8_kernel as entry
+        else:
+            entry = numba_moe.fused_moe_kernel
+        self.numba_moe = numba_moe
+        self.kernel = entry(bank.gate_up_fmt.name, bank.down_fmt.name)
+        self.hidden, self.experts = bank.hidden_size, bank.num_experts
+        gate, up, expert_rows, down = bank.byte_views()  # stacked or separate gate and up
+        inter = bank.intermediate_size
+        self.weights = (gate, up, expert_rows, down, self.hidden, inter, self.experts)
+        self._extras: dict[tuple[torch.dtype, torch.dtype], tuple] = {}
+
+    def extras(self, bank: ExpertBank, act_dtype: torch.dtype, weights_dtype: torch.dtype):
+        """(rounding code, activation args, gate_up bias, down bias) for these dtypes."""
+        key = (act_dtype, weights_dtype)
+        extras = self._extras.get(key)
+        if extras is None:
+            act_bf16 = _bf16_rounding(act_dtype, weights_dtype)
+            extras = (act_bf16, _activation_args(bank), *_bias_arrays(bank, act_dtype))
+            self._extras[key] = extras
+        return extras
+
+
+_BANK_CALLS: weakref.WeakKeyDictionary[ExpertBank, _BankCall] = weakref.WeakKeyDictionary()
+
+
+def _kernel_array(t: torch.Tensor, dtype: torch.dtype, np_dtype: type[np.generic]) -> np.ndarray:
+    """Host tensor `t` flat as `np_dtype` (`dtype` in torch) for the kernel: a view of its
+    memory when it has that dtype and is contiguous (host_array: no aten op), else
+    _flat_array's exact converting copy."""
+    if t.dtype == dtype and t.is_contiguous():
+        return host_array(t, np_dtype)
+    return _flat_array(t, np_dtype)
 
 
 def _flat_array(t: torch.Tensor, dtype: np.dtype) -> np.ndarray:
     """Host tensor `t`'s values as a new flat numpy array of `dtype` (converted exactly: the
     kernel's inputs are float32 and int64). One torch op (copy_ into numpy's memory), where
-    .to(...).numpy() are up to five: a decode step calls this per layer."""
+    .to(...).numpy() are up to five."""
     out = np.empty(t.shape, dtype)
     torch.from_numpy(out).copy_(t)
     return out.reshape(-1)

@@ -1,0 +1,89 @@
+"""fused_cpu_moe's per-bank prepared arguments (cpu_experts._BankCall): inputs of the kernel's
+dtypes go in as views, others converted, with the same bits either way; the bank's call is
+made once, per bank, and not kept past the bank; a layer call is a few aten ops."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hybridmoe.moe import cpu_experts
+from hybridmoe.moe.cpu_experts import fused_cpu_moe
+from hybridmoe.quant.bank import ExpertBank
+from hybridmoe.quant.formats import weight_format
+
+
+class CountingOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _bank(seed: int = 0) -> ExpertBank:
+    g = torch.Generator().manual_seed(seed)
+    dense = ExpertBank(
+        torch.randn(8, 64, 64, generator=g) * 0.1, torch.randn(8, 64, 32, generator=g) * 0.1
+    )
+    return dense.converted(weight_format("q8_0"))
+
+
+def _routes(tokens: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(tokens)])  # int64
+    return ids, torch.rand(tokens, 3, generator=g), torch.randn(tokens, 64, generator=g)
+
+
+def test_views_and_conversions_give_the_same_bits():
+    bank = _bank()
+    ids, weights, x = _routes(4)
+    for act_dtype in (torch.float32, torch.bfloat16):
+        xa = x.to(act_dtype)
+        expected = fused_cpu_moe(xa.contiguous(), ids, weights, bank)
+        wide = torch.zeros(4, 128, dtype=act_dtype)
+        wide[:, ::2] = xa
+        assert torch.equal(fused_cpu_moe(wide[:, ::2], ids, weights, bank), expected)  # strided
+        assert torch.equal(fused_cpu_moe(xa, ids.int(), weights, bank), expected)  # int32 ids
+        assert torch.equal(fused_cpu_moe(xa, ids.t().contiguous().t(), weights, bank), expected)
+        doubled = fused_cpu_moe(xa, ids, weights.double(), bank)  # float64 weights: converted
+        assert torch.equal(doubled, expected)
+    flipped = fused_cpu_moe(x, ids, weights.flip(1), bank)  # the weights show in the bits
+    assert not torch.equal(flipped, fused_cpu_moe(x, ids, weights, bank))
+
+
+def test_the_bank_call_is_made_once_and_not_kept_past_the_bank():
+    bank, other = _bank(0), _bank(1)
+    ids, weights, x = _routes(1)
+    fused_cpu_moe(x, ids, weights, bank)
+    call = cpu_experts._BANK_CALLS[bank]
+    fused_cpu_moe(x.bfloat16(), ids, weights.bfloat16(), bank)  # other dtypes: the same call
+    assert cpu_experts._BANK_CALLS[bank] is call
+    assert not torch.equal(
+        fused_cpu_moe(x, ids, weights, other), fused_cpu_moe(x, ids, weights, bank)
+    )
+    assert cpu_experts._BANK_CALLS[other] is not call
+    size = len(cpu_experts._BANK_CALLS)
+    del bank, call
+    gc.collect()
+    assert len(cpu_experts._BANK_CALLS) == size - 1
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_a_layer_call_is_a_few_aten_ops(inference: bool):
+    """float32 x, int64 ids, float32 weights: the output's from_numpy only; bf16 x: and its
+    converting copy (from_numpy, copy_)."""
+    bank = _bank()
+    ids, weights, x = _routes(1)
+    for act_dtype, most in ((torch.float32, 1), (torch.bfloat16, 3)):
+        xa = x.to(act_dtype)
+        expected = fused_cpu_moe(xa, ids, weights, bank)
+        with torch.inference_mode(inference), CountingOps() as counted:
+            actual = fused_cpu_moe(xa, ids, weights, bank)
+        assert torch.equal(actual, expected)
+        assert len(counted.ops) <= most, counted.ops

@@ -9,22 +9,12 @@ import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridmoe.moe import cpu_experts
 from hybridmoe.moe.cpu_experts import fused_cpu_moe
 from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.formats import weight_format
-
-
-class CountingOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+from op_counting import CountingOps
 
 
 def _bank(seed: int = 0) -> ExpertBank:

@@ -6,22 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridmoe.kernels.numba_dense import DenseCall, dense_linear, weight_bytes
 from hybridmoe.kernels.projection import DenseProjection
 from hybridmoe.quant.formats import weight_format
+from op_counting import CountingOps
 from random_weights import random_stored
-
-
-class CountingOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _inputs(act_dtype: torch.dtype, cols: int, gen: torch.Generator) -> list[torch.Tensor]:

@@ -442,12 +442,6 @@ def max_threads() -> int:
     return numba.config.NUMBA_NUM_THREADS
 
 
-def run_fused_moe(fmt: str | tuple[str, str], threads: int | None, *args) -> int:
-    """The entry point for `fmt` (one format's name, or the (gate/up, down) pair of names)
-    called with `args` on `threads` threads (None: all of numba's pool)."""
-    return launch(fused_moe_kernel(*((fmt, fmt) if isinstance(fmt, str) else fmt)), threads, *args)
-
-
 # per calling thread: the thread count numba holds for it as launch last set it (numba's count
 # and chunk size are per calling thread; a parallel region restores the chunk size it found)
 _LAUNCHER = threading.local()

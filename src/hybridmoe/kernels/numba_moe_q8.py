@@ -360,9 +360,4 @@ def fused_moe_q8_kernel(gate_up_fmt: str, down_fmt: str) -> Dispatcher:
         return _ENTRIES[key]
 
 
-def run_fused_moe_q8(formats: tuple[str, str], threads: int | None, *args) -> int:
-    """numba_moe.run_fused_moe for a bank with q8 activations."""
-    return nm.launch(fused_moe_q8_kernel(*formats), threads, *args)
-
-
 numba.config.CACHE_DIR = _previous_cache_dir  # every cached function above is decorated

@@ -17,7 +17,6 @@ import torch
 
 from hybridmoe import env
 from hybridmoe.layers import norm
-from hybridmoe.layers.moe import _round_and_add
 from hybridmoe.moe import routing
 
 
@@ -34,12 +33,10 @@ def _cases(hidden: int, experts: int, top_k: int) -> dict[str, Callable[[], obje
     x, y = torch.randn(1, hidden).bfloat16(), torch.randn(1, hidden).bfloat16()
     w = (torch.rand(hidden) + 0.5).bfloat16()
     logits = torch.randn(1, experts).bfloat16()
-    partial = torch.randn(1, hidden)
     return {
         "rms_norm": lambda: norm.rms_norm(x, w, 1e-6),
         "add_rms_norm": lambda: norm.add_rms_norm(x, y, w, 1e-6),
         "route (softmax top-k, renorm)": lambda: routing.route(logits, top_k, True),
-        "MoE output (round + shared add)": lambda: _round_and_add(partial, y, torch.bfloat16),
     }
 
 

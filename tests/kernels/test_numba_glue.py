@@ -181,7 +181,6 @@ def test_the_switch_and_the_limits(monkeypatch) -> None:
     assert glue.norm(torch.randn(4, 16)[:, ::2], w[:8], 1e-6, False) is None  # strided
     assert glue.norm(x, w, 1e-6, False, torch.randn(2048, 2)[:, 0][None]) is None  # a strided y
     assert glue.route_topk(torch.rand(1, 8).half(), 2, True, torch.bfloat16) is None
-    assert glue.round_partial(torch.randn(1, 8), torch.randn(1, 8)) is None  # float32 shared
     monkeypatch.setenv("HYBRIDMOE_GLUE_KERNELS", "0")
     env.glue_kernels.cache_clear()
     try:
@@ -225,13 +224,3 @@ def test_route_refuses_ties() -> None:
             routing.route(logits, 2, True), routing.route_torch(logits, 2, True), strict=True
         )
     )
-
-
-@pytest.mark.parametrize("shape", [(1, 2048), (5, 64)])
-@pytest.mark.parametrize("with_shared", [False, True])
-def test_round_partial_equals_torch(shape, with_shared) -> None:
-    gen = torch.Generator().manual_seed(3)
-    partial = torch.randn(shape, generator=gen) * 4
-    shared = torch.randn(shape, generator=gen).bfloat16() if with_shared else None
-    want = partial.bfloat16() if shared is None else partial.bfloat16() + shared
-    assert torch.equal(glue.round_partial(partial, shared), want)

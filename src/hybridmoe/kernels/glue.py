@@ -1,7 +1,7 @@
 """The torch side of the numba glue kernels (kernels/numba_glue.py): a decode step's small host
-ops (RMSNorm and the residual add before it, the router's top-k, the MoE output's rounding)
-in one call each, the same bits as their torch references (layers/norm.py, moe/routing.py,
-layers/moe.py, which call these first and fall back to torch on None).
+ops (RMSNorm and the residual add before it, the router's top-k) in one call each, the same
+bits as their torch references (layers/norm.py, moe/routing.py, which call these first and
+fall back to torch on None).
 
 Each function returns None, computing nothing, unless every tensor is contiguous host memory
 in bfloat16 or float32 and x is decode-sized (at most MAX_NUMEL values, rows of at most
@@ -102,19 +102,3 @@ def route_topk(
         probs.data_ptr(), ids.data_ptr(), weights.data_ptr(), bf16, T, E, top_k, renorm
     )
     return (ids, weights) if ok else None
-
-
-def round_partial(partial: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor | None:
-    """partial.to(bfloat16) (+ shared) for a float32 partial [N, H] and a bfloat16 shared
-    [N, H]. None: see the module's docstring."""
-    if not (_decode_sized(partial) and partial.dtype is _F32 and env.glue_kernels()):
-        return None
-    if shared is not None and not (
-        _host(shared) and shared.dtype is _BF16 and shared.shape == partial.shape
-    ):
-        return None
-    out = _empty(partial.shape, _BF16)
-    shared_at = out.data_ptr() if shared is None else shared.data_ptr()
-    add = shared is not None
-    _numba_glue().round_add(partial.data_ptr(), shared_at, out.data_ptr(), partial.numel(), add)
-    return out

@@ -1,5 +1,5 @@
 """Small serial numba kernels for the host glue of a decode step: RMSNorm (with the residual add
-before it), the softmax router's top-k, and the MoE layer's output rounding. Each replaces a
+before it) and the softmax router's top-k. Each replaces a
 handful of torch ops on [1, H]-sized tensors, whose dispatch costs more than their arithmetic,
 with one call of a few µs, and computes the torch reference's values bit for bit:
 
@@ -257,20 +257,6 @@ def topk_route(probs, ids, weights, weights_bf16, T, E, k, renorm):
                 vals[s] = vals[s] / total
         _save(vals, weights + t * k * (2 if weights_bf16 else 4), weights_bf16, k)
     return True
-
-
-@cached_njit(nogil=True)
-def round_add(partial, shared, out, count, add):
-    """out [count] bfloat16 = round(partial [count] float32) (+ shared [count] bfloat16, the
-    sum rounded again, where `add`): `partial.to(bf16) + shared`; addresses of contiguous
-    host memory."""
-    h, t = np.empty(count, np.float32), np.empty(count, np.float32)
-    _load(partial, False, h, count)
-    if add:
-        _load(shared, True, t, count)
-    for i in range(count):
-        h[i] = _round(_round(h[i]) + t[i]) if add else h[i]
-    _save(h, out, True, count)
 
 
 numba.config.CACHE_DIR = _previous_cache_dir  # every cached function above is decorated

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridmoe.kernels import glue
 from hybridmoe.layers.linear import GatedMLP, Linear
 from hybridmoe.loader.weights import WeightSource
 from hybridmoe.moe.backends import ExpertBackend, ResidentExperts
@@ -163,19 +162,7 @@ class OffloadMoELayer:
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
         topk_ids, topk_weights = self.router(flat)  # [N, K] each
         run = self.experts.decode if is_decode else self.experts.prefill
-        partial = run(flat, topk_ids, topk_weights)  # [N, H] float32
-        shared = None if self.shared_expert is None else self.shared_expert(flat)  # [N, H]
-        return _round_and_add(partial, shared, x.dtype).view_as(x)
-
-
-def _round_and_add(
-    partial: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype
-) -> torch.Tensor:
-    """partial.to(dtype) (the one rounding) + shared: one numba call for a small host bfloat16
-    result (kernels/numba_glue.round_add, the same bits), else torch."""
-    if dtype == torch.bfloat16:
-        fast = glue.round_partial(partial, shared)
-        if fast is not None:
-            return fast
-    out = partial.to(dtype)
-    return out if shared is None else out + shared
+        out = run(flat, topk_ids, topk_weights).to(x.dtype)  # the one rounding
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
+        return out.view_as(x)

@@ -40,17 +40,11 @@ from numba import prange, types
 from numba.extending import overload
 
 from hybridmoe import env
-from hybridmoe.kernels import attention_ir, llvm_ir
-from hybridmoe.kernels.attention_ir import (
-    TILES,
-    address_pointer,
-    block_max,
-    exp_block,
-    pv_tile,
-    qk_tile,
-)
+from hybridmoe.kernels import attention_ir, llvm_ir, softmax_ir
+from hybridmoe.kernels.attention_ir import TILES, address_pointer, pv_tile, qk_tile
 from hybridmoe.kernels.numba_cache import cached_njit
 from hybridmoe.kernels.numba_moe import launch
+from hybridmoe.kernels.softmax_ir import block_max, exp_block
 from hybridmoe.kernels.threads import kernel_threads
 
 BLOCK = 512  # key indices per softmax block: torch's kvSplitSize
@@ -65,7 +59,7 @@ assert TILES == (4, 2, 1)  # _tiles below walks them in this order
 # the kernels are cached in a directory named by a hash of every source they compile from
 _previous_cache_dir = numba.config.CACHE_DIR
 numba.config.CACHE_DIR = str(
-    env.kernel_cache_dir(__file__, attention_ir.__file__, llvm_ir.__file__)
+    env.kernel_cache_dir(__file__, attention_ir.__file__, softmax_ir.__file__, llvm_ir.__file__)
 )
 
 
@@ -171,54 +165,55 @@ def _view_overload(address, n, like):
 
 
 @cached_njit(inline="always", **_FLAGS)
-def _item(item, step, kc, vc, dims, rows, pos, ring, window, scale, scratch):
-    """Work item `item` = b * kv_heads + kvh: write sequence b's key and value of kv head kvh
-    into its cache row, then attend with the heads of kvh's group."""
+def _write(b, kvh, step, kc, vc, dims, rows, pos, ring) -> int:
+    """Sequence b's key and value of kv head kvh into its cache row (position p at index p, on
+    a ring at slot p % ring); returns the element index of the row's first key of head kvh."""
     heads, kv_heads, dim, slots, q_stride, kv_stride = dims
-    q_at, k_at, v_at, out_at = step
-    group = heads // kv_heads
-    b, kvh = item // kv_heads, item % kv_heads
     p = pos[b]
-    base = (rows[b] * kv_heads + kvh) * slots * dim  # the row's first key of head kvh
+    base = (rows[b] * kv_heads + kvh) * slots * dim
     at = base + (p % ring if ring > 0 else p) * dim
-    size = kc.itemsize
-    src = (b * kv_stride + kvh * dim) * size
-    k, v = _view(k_at + src, dim, kc), _view(v_at + src, dim, kc)
+    src = (b * kv_stride + kvh * dim) * kc.itemsize
+    k, v = _view(step[1] + src, dim, kc), _view(step[2] + src, dim, kc)
     for d in range(dim):
         kc[at + d] = k[d]
         vc[at + d] = v[d]
+    return base
+
+
+@cached_njit(inline="always", **_FLAGS)
+def _item(item, step, kc, vc, dims, rows, pos, ring, window, scale, scratch):
+    """Work item `item` = b * kv_heads + kvh: write sequence b's key and value of kv head kvh
+    into its cache row, then attend with the heads of kvh's group (scratch[item]: its
+    float32 scratch, group * (2 D + BLOCK + 2))."""
+    heads, kv_heads, dim = dims[0], dims[1], dims[2]
+    group, size = heads // kv_heads, kc.itemsize
+    b, kvh = item // kv_heads, item % kv_heads
+    base = _write(b, kvh, step, kc, vc, dims, rows, pos, ring)
+    p = pos[b]
     if ring > 0:  # slot i holds the row's latest position = i (mod ring), written if i <= p
         lo, hi = 0, min(p + 1, ring)
     else:
         lo, hi = (max(0, p - window + 1) if window > 0 else 0), p + 1
-    size_f = group * (2 * dim + BLOCK + 2)
-    mine = scratch[item * size_f : (item + 1) * size_f]
-    qf, acc = mine[: group * dim], mine[group * dim : 2 * group * dim]
-    s, m = (
-        mine[2 * group * dim : group * (2 * dim + BLOCK)],
-        mine[group * (2 * dim + BLOCK) :][:group],
-    )
-    sums = mine[size_f - group :]
+    mine, width = scratch[item], group * dim
+    qf, acc, s = mine[:width], mine[width : 2 * width], mine[2 * width : 2 * width + group * BLOCK]
+    m, sums = mine[2 * width + group * BLOCK :][:group], mine[mine.shape[0] - group :]
     acc[:] = 0
     m[:] = -np.inf
     sums[:] = 0
     first_head = kvh * group
-    _widen(
-        _view(q_at + (b * q_stride + first_head * dim) * size, group * dim, kc), 0, qf, group * dim
-    )
+    _widen(_view(step[0] + (b * dims[4] + first_head * dim) * size, width, kc), 0, qf, width)
     for start in range(lo - lo % BLOCK, hi, BLOCK):
         first, end = max(lo, start), min(hi, start + BLOCK)
         n, off = end - first, base + first * dim
         _scores(qf, group, kc, off, n, s, scale, dim)
         for g in range(group):
-            _softmax_block(s, g * BLOCK, n, m, sums, acc, g, dim, kc.itemsize == 2)
+            _softmax_block(s, g * BLOCK, n, m, sums, acc, g, dim, size == 2)
         _weigh(acc, group, s, vc, off, n, dim)
     for g in range(group):
         inverse = np.float32(1.0) / sums[g]
         for d in range(dim):
             acc[g * dim + d] *= inverse
-    out = _view(out_at + (b * heads + first_head) * dim * size, group * dim, kc)
-    _narrow(acc, group * dim, out, 0)
+    _narrow(acc, width, _view(step[3] + (b * heads + first_head) * dim * size, width, kc), 0)
 
 
 def _entry(parallel: bool):
@@ -228,7 +223,7 @@ def _entry(parallel: bool):
     def decode_attention(step, kc, vc, dims, rows, pos, ring, window, scale):
         items = rows.shape[0] * dims[1]
         group = dims[0] // dims[1]
-        scratch = np.empty(items * group * (2 * dims[2] + BLOCK + 2), np.float32)
+        scratch = np.empty((items, group * (2 * dims[2] + BLOCK + 2)), np.float32)
         for item in prange(items):
             _item(item, step, kc, vc, dims, rows, pos, ring, window, scale, scratch)
 

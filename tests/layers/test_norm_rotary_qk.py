@@ -32,20 +32,24 @@ def _batch(positions: torch.Tensor, head_dim: int, dtype: torch.dtype) -> Forwar
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (1, 17), (2, 5)])  # (B, T)
-def test_joint_equals_reference(dtype: torch.dtype, shape: tuple[int, int]) -> None:
-    B, T = shape
-    heads, kv_heads, D = 8, 2, 64
-    gen = torch.Generator().manual_seed(B * 100 + T)
-    # a projection's output: q and k are views into [B, T, (heads + 2 kv_heads) * D]
+def _views(B: int, T: int, heads: int, kv_heads: int, D: int, dtype: torch.dtype, seed: int):
+    """q, k as views of one projection output [B, T, (heads + 2 kv_heads) * D], and weights."""
+    gen = torch.Generator().manual_seed(seed)
     qkv = (torch.randn(B, T, (heads + 2 * kv_heads) * D, generator=gen) * 3).to(dtype)
     q = qkv[..., : heads * D].view(B, T, heads, D)
     k = qkv[..., heads * D : (heads + kv_heads) * D].view(B, T, kv_heads, D)
     q_w = (torch.rand(D, generator=gen) + 0.5).to(dtype)
     k_w = (torch.rand(D, generator=gen) + 0.5).to(dtype)
     positions = torch.randint(0, 4000, (B, 1), generator=gen) + torch.arange(T)  # [B, T]
-    batch = _batch(positions, D, dtype)
+    return q, k, q_w, k_w, _batch(positions, D, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (1, 17), (2, 5)])  # (B, T)
+def test_joint_equals_reference(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    B, T = shape
+    heads, kv_heads, D = 8, 2, 64
+    q, k, q_w, k_w, batch = _views(B, T, heads, kv_heads, D, dtype, B * 100 + T)
     want_q, want_k = norm_rotary_qk_reference(q, k, q_w, k_w, 1e-6, batch)
     got_q, got_k = norm_rotary_qk(q, k, joint_qk_weight(q_w, k_w, heads, kv_heads), 1e-6, batch)
     assert got_q.shape == want_q.shape and got_k.shape == want_k.shape
@@ -76,18 +80,6 @@ def test_signed_rotary_equals_rotate_half(dtype: torch.dtype) -> None:
     assert got.dtype == want.dtype and torch.equal(got, want)
     # and it can fail: the unsigned sin rotates the other way
     assert not torch.equal(apply_rotary_signed(x, cos.unsqueeze(2), sin.unsqueeze(2)), want)
-
-
-def _views(B: int, T: int, heads: int, kv_heads: int, D: int, dtype: torch.dtype, seed: int):
-    """q, k as views of one projection output [B, T, (heads + 2 kv_heads) * D], and weights."""
-    gen = torch.Generator().manual_seed(seed)
-    qkv = (torch.randn(B, T, (heads + 2 * kv_heads) * D, generator=gen) * 3).to(dtype)
-    q = qkv[..., : heads * D].view(B, T, heads, D)
-    k = qkv[..., heads * D : (heads + kv_heads) * D].view(B, T, kv_heads, D)
-    q_w = (torch.rand(D, generator=gen) + 0.5).to(dtype)
-    k_w = (torch.rand(D, generator=gen) + 0.5).to(dtype)
-    positions = torch.randint(0, 4000, (B, 1), generator=gen) + torch.arange(T)  # [B, T]
-    return q, k, q_w, k_w, _batch(positions, D, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -272,18 +272,16 @@ def norm_rotary_rows(
     for t in range(tokens):
         _load(cos + t * n * size, bf16, c, n)
         _load(sin + t * n * size, bf16, s, n)
-        for r in range(q_rows):
-            _load(q + (t * q_stride + r * n) * size, bf16, h, n)
-            if normalise:
-                _norm_row(h, wq, n, eps32, bf16, sq, acc)
-            _rotate_row(h, c, s, rot, n, bf16)
-            _save(rot, q_out + (t * q_rows + r) * n * size, bf16, n)
-        for r in range(k_rows):
-            _load(k + (t * k_stride + r * n) * size, bf16, h, n)
-            if normalise:
-                _norm_row(h, wk, n, eps32, bf16, sq, acc)
-            _rotate_row(h, c, s, rot, n, bf16)
-            _save(rot, k_out + (t * k_rows + r) * n * size, bf16, n)
+        for src, stride, rows, w, dst in (
+            (q, q_stride, q_rows, wq, q_out),
+            (k, k_stride, k_rows, wk, k_out),
+        ):
+            for r in range(rows):
+                _load(src + (t * stride + r * n) * size, bf16, h, n)
+                if normalise:
+                    _norm_row(h, w, n, eps32, bf16, sq, acc)
+                _rotate_row(h, c, s, rot, n, bf16)
+                _save(rot, dst + (t * rows + r) * n * size, bf16, n)
 
 
 @cached_njit(nogil=True)

@@ -11,6 +11,7 @@ first call that computes.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hybridmoe import env
@@ -52,6 +53,21 @@ def _numba_glue():
 
         _kernels = numba_glue
     return _kernels
+
+
+def float32_array(t: torch.Tensor) -> np.ndarray | None:
+    """A new flat float32 numpy array of a contiguous host bfloat16 tensor's values (widened
+    exactly: torch's `.float()`), in one numba call and no aten op; None for any other tensor,
+    one of over MAX_NUMEL values (torch's threaded copy) or with the kernels switched off."""
+    n = t.numel()
+    if not (t.dtype is _BF16 and t.is_cpu and t.is_contiguous() and n <= MAX_NUMEL):
+        return None
+    if not env.glue_kernels():
+        return None
+    out = np.empty(n, np.float32)
+    if n:
+        _numba_glue().widen_bf16(t.data_ptr(), out, n)
+    return out
 
 
 def norm(

@@ -124,6 +124,12 @@ def _save(h, address, bf16, n):
             dst32[i] = h[i]
 
 
+@cached_njit(nogil=True)
+def widen_bf16(src, dst, n):
+    """dst[:n] (a float32 array) = the n bfloat16 values at address `src`, widened exactly."""
+    _load(src, True, dst, n)
+
+
 def _row_sum_of(width):
     """SumKernel.cpp row_sum over elements of `width` lanes (element e is v[e * width :
     (e + 1) * width]): multi_row_sum's cascade over the (count // 4, 4) view of `count`

@@ -139,11 +139,12 @@ def norm_rotary(
     if k_shape[0] != B or k_shape[1] != T or cos.shape != (B, T, D) or sin.shape != cos.shape:
         return None
     scales = () if q_scale is None else (q_scale, k_scale)
-    tensors = (q, k, cos, sin, *scales)
-    if not all(t.dtype is dtype and t.is_cpu for t in tensors):
-        return None
-    if not all(t.is_contiguous() for t in tensors[2:]):
-        return None
+    for t in (q, k, cos, sin, *scales):  # a loop, not all(...): no generator calls
+        if t.dtype is not dtype or not t.is_cpu:
+            return None
+    for t in (cos, sin, *scales):
+        if not t.is_contiguous():
+            return None
     if scales and (q_scale.shape != (D,) or k_scale.shape != (D,)):
         return None
     q_stride, k_stride = _token_stride(q_shape, q.stride()), _token_stride(k_shape, k.stride())

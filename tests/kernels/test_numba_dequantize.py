@@ -1,15 +1,18 @@
 """kernels/numba_dequantize (stored rows expanded to float32 by the kernels' IR) against each
 format's torch dequantiser: the same bits for every quantised format, for valid weights and
 for arbitrary bytes (NaN and infinite scales included); and the prefill path that uses it
-(bank_moe beyond the fused kernel's tokens) gives the torch path's bits."""
+(bank_moe beyond the fused kernel's tokens) and the torch dense projection give the torch
+path's bits."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hybridmoe.kernels import numba_dequantize
 from hybridmoe.kernels.numba_dequantize import MIN_WEIGHTS, dequantize_host
+from hybridmoe.kernels.torch_dense import dense_linear_torch
 from hybridmoe.moe.cpu_experts import FUSED_MAX_TOKENS, bank_moe
 from hybridmoe.quant.formats import WEIGHT_FORMATS, weight_format
 from random_weights import random_bank, random_stored
@@ -90,3 +93,15 @@ def test_prefill_moe_keeps_its_bits(name: str, monkeypatch) -> None:
     assert calls  # the kernel expanded the experts
     monkeypatch.setattr(numba_dequantize, "dequantize_host", lambda *a: None)
     assert torch.equal(fast, bank_moe(x, ids, weights, bank))
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])  # the --dense-format choices
+def test_dense_projection_keeps_its_bits(name: str) -> None:
+    """The torch dense projection (a long prefill's, --dense-format) expands by the kernel:
+    the bits of F.linear on the torch dequantiser's weights."""
+    fmt = weight_format(name)
+    gen = torch.Generator().manual_seed(4)
+    stored = random_stored(fmt, (256, 1024), gen)
+    x = torch.randn(40, 1024, generator=gen).bfloat16()
+    want = F.linear(x.float(), fmt.dequantize(stored, torch.float32)).bfloat16()
+    assert torch.equal(dense_linear_torch(x, stored, fmt), want)

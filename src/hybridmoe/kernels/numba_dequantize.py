@@ -118,4 +118,11 @@ def dequantize_host(
     return torch.from_numpy(out).view(*stored.shape[:-1], n)
 
 
+def float32_weights(fmt: WeightFormat, stored: torch.Tensor) -> torch.Tensor:
+    """fmt.dequantize(stored, torch.float32): by dequantize_host where it takes the tensor,
+    else by the format's torch dequantiser (the same values either way)."""
+    fast = dequantize_host(fmt, stored)
+    return fmt.dequantize(stored, torch.float32) if fast is None else fast
+
+
 numba.config.CACHE_DIR = _previous_cache_dir  # every cached function above is decorated

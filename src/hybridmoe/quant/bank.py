@@ -479,9 +479,7 @@ def _as_float(fmt: WeightFormat, stored: torch.Tensor, dtype: torch.dtype) -> to
     if not fmt.is_quantized and stored.dtype == dtype:
         return stored
     if dtype == torch.float32 and fmt.is_quantized and stored.is_cpu:
-        from hybridmoe.kernels.numba_dequantize import dequantize_host  # loads numba
+        from hybridmoe.kernels.numba_dequantize import float32_weights  # loads numba
 
-        fast = dequantize_host(fmt, stored)
-        if fast is not None:
-            return fast
+        return float32_weights(fmt, stored)
     return fmt.dequantize(stored, dtype)

@@ -10,6 +10,7 @@ import weakref
 import pytest
 import torch
 
+from hybridmoe import env
 from hybridmoe.moe import cpu_experts
 from hybridmoe.moe.cpu_experts import fused_cpu_moe
 from hybridmoe.quant.bank import ExpertBank
@@ -71,15 +72,25 @@ def test_the_bank_call_is_made_once_and_not_kept_past_the_bank():
 
 
 @pytest.mark.parametrize("inference", [False, True])
-def test_a_layer_call_is_a_few_aten_ops(inference: bool):
-    """float32 x, int64 ids, float32 weights: the output's from_numpy only; bf16 x: and its
-    converting copy (from_numpy, copy_)."""
+def test_a_layer_call_is_a_few_aten_ops(inference: bool, monkeypatch):
+    """float32 or bf16 x and router weights, int64 ids: the output's from_numpy only (bf16
+    inputs are widened by a numba call); with the glue kernels off, torch's converting
+    copies, whose result is the same."""
     bank = _bank()
     ids, weights, x = _routes(1)
-    for act_dtype, most in ((torch.float32, 1), (torch.bfloat16, 3)):
-        xa = x.to(act_dtype)
-        expected = fused_cpu_moe(xa, ids, weights, bank)
+    for dtype in (torch.float32, torch.bfloat16):
+        xa, wa = x.to(dtype), weights.to(dtype)
+        fused_cpu_moe(xa, ids, wa, bank)  # the bank's call for these dtypes made
         with torch.inference_mode(inference), CountingOps() as counted:
-            actual = fused_cpu_moe(xa, ids, weights, bank)
+            actual = fused_cpu_moe(xa, ids, wa, bank)
+        assert len(counted.ops) <= 1, counted.ops
+        monkeypatch.setenv("HYBRIDMOE_GLUE_KERNELS", "0")
+        env.glue_kernels.cache_clear()
+        try:
+            with CountingOps() as copied:
+                expected = fused_cpu_moe(xa, ids, wa, bank)
+        finally:
+            monkeypatch.delenv("HYBRIDMOE_GLUE_KERNELS")
+            env.glue_kernels.cache_clear()
         assert torch.equal(actual, expected)
-        assert len(counted.ops) <= most, counted.ops
+        assert len(copied.ops) == (1 if dtype is torch.float32 else 5), copied.ops

@@ -224,3 +224,17 @@ def test_route_refuses_ties() -> None:
             routing.route(logits, 2, True), routing.route_torch(logits, 2, True), strict=True
         )
     )
+
+
+def test_float32_array_widens_like_torch() -> None:
+    """Every bfloat16 bit pattern (NaNs, infinities, subnormals) widens to torch's .float()."""
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    assert glue.MAX_NUMEL >= 1 << 16
+    got = glue.float32_array(every)
+    assert got is not None and got.dtype == np.float32 and got.shape == (1 << 16,)
+    want = every.float().view(torch.int32).numpy()
+    assert np.array_equal(got.view(np.int32), want)
+    assert glue.float32_array(every[::2]) is None  # strided: torch's copy
+    assert glue.float32_array(torch.ones(4)) is None  # float32: no conversion
+    assert glue.float32_array(every[:0]).shape == (0,)
+    assert glue.float32_array(torch.cat([every, every])) is None  # prefill-sized: torch's copy

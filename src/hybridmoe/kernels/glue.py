@@ -1,7 +1,7 @@
 """The torch side of the numba glue kernels (kernels/numba_glue.py): a decode step's small host
-ops (RMSNorm and the residual add before it, the router's top-k) in one call each, the same
-bits as their torch references (layers/norm.py, moe/routing.py, which call these first and
-fall back to torch on None).
+ops (RMSNorm and the residual add before it, the per-head q/k norms with rotary, the router's
+top-k) in one call each, the same bits as their torch references (layers/norm.py,
+layers/attention.py, moe/routing.py, which call these first and fall back to torch on None).
 
 Each function returns None, computing nothing, unless every tensor is contiguous host memory
 in bfloat16 or float32 and x is decode-sized (at most MAX_NUMEL values, rows of at most
@@ -11,6 +11,7 @@ first call that computes.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hybridmoe import env
@@ -54,6 +55,21 @@ def _numba_glue():
     return _kernels
 
 
+def float32_array(t: torch.Tensor) -> np.ndarray | None:
+    """A new flat float32 numpy array of a contiguous host bfloat16 tensor's values (widened
+    exactly: torch's `.float()`), in one numba call and no aten op; None for any other tensor,
+    one of over MAX_NUMEL values (torch's threaded copy) or with the kernels switched off."""
+    n = t.numel()
+    if not (t.dtype is _BF16 and t.is_cpu and t.is_contiguous() and n <= MAX_NUMEL):
+        return None
+    if not env.glue_kernels():
+        return None
+    out = np.empty(n, np.float32)
+    if n:
+        _numba_glue().widen_bf16(t.data_ptr(), out, n)
+    return out
+
+
 def norm(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -82,6 +98,67 @@ def norm(
     rows = x.numel() // n
     k.norm_rows(x_at, y_at, scale.data_ptr(), total.data_ptr(), out.data_ptr(), rows, n, eps, flags)
     return total, out
+
+
+def _token_stride(shape: torch.Size, strides: tuple[int, ...]) -> int | None:
+    """The stride in values between consecutive tokens of a [B, T, heads, D] tensor of these
+    strides viewed as [B * T, heads * D] rows (heads * D contiguous per token), or None."""
+    B, T, heads, D = shape
+    if strides[3] != 1 or (heads > 1 and strides[2] != D):
+        return None
+    if B > 1 and T > 1 and strides[0] != T * strides[1]:
+        return None
+    return strides[1] if T > 1 else strides[0]
+
+
+def norm_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q, k) per-head RMSNorm'd (q_scale, k_scale [D]) then rotated by cos/sin [B, T, D]
+    (every dim rotating), as layers/qkv.norm_rotary_qk_reference computes them, for q [B, T,
+    heads, D] and k [B, T, kv_heads, D]; scales None: rotated only, as rotary.apply_rotary
+    does. Views of a projection's output will do (each token's heads contiguous); the
+    results are contiguous (numba_glue.norm_rotary_rows). None: see the module's docstring;
+    also for float16 or a partial rotary."""
+    dtype = q.dtype
+    if (dtype is not _BF16 and dtype is not _F32) or not env.glue_kernels():
+        return None
+    q_shape, k_shape = q.shape, k.shape
+    if len(q_shape) != 4 or len(k_shape) != 4:
+        return None
+    B, T, heads, D = q_shape
+    kv_heads = k_shape[2]
+    if B * T * (heads + kv_heads) * D > MAX_NUMEL or D % 2 or k_shape[3] != D:
+        return None
+    if k_shape[0] != B or k_shape[1] != T or cos.shape != (B, T, D) or sin.shape != cos.shape:
+        return None
+    scales = () if q_scale is None else (q_scale, k_scale)
+    for t in (q, k, cos, sin, *scales):  # a loop, not all(...): no generator calls
+        if t.dtype is not dtype or not t.is_cpu:
+            return None
+    for t in (cos, sin, *scales):
+        if not t.is_contiguous():
+            return None
+    if scales and (q_scale.shape != (D,) or k_scale.shape != (D,)):
+        return None
+    q_stride, k_stride = _token_stride(q_shape, q.stride()), _token_stride(k_shape, k.stride())
+    if q_stride is None or k_stride is None:
+        return None
+    k_out = _empty(k_shape, dtype)
+    q_out = _empty(q_shape, dtype)
+    _numba_glue().norm_rotary_rows(
+        q.data_ptr(), k.data_ptr(), q_stride, k_stride, heads, kv_heads, D,
+        *((q_scale.data_ptr(), k_scale.data_ptr()) if scales else (0, 0)),
+        cos.data_ptr(), sin.data_ptr(),
+        q_out.data_ptr(), k_out.data_ptr(), B * T, eps, dtype is _BF16,
+    )  # fmt: skip
+    return q_out, k_out
 
 
 def route_topk(

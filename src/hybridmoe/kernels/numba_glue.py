@@ -1,7 +1,7 @@
 """Small serial numba kernels for the host glue of a decode step: RMSNorm (with the residual add
-before it) and the softmax router's top-k. Each replaces a
-handful of torch ops on [1, H]-sized tensors, whose dispatch costs more than their arithmetic,
-with one call of a few µs, and computes the torch reference's values bit for bit:
+before it), attention's per-head q/k norms with rotary, and the softmax router's top-k. Each
+replaces a handful of torch ops on [1, H]-sized tensors, whose dispatch costs more than their
+arithmetic, with one call of a few µs, and computes the torch reference's values bit for bit:
 
 - bfloat16 values are widened exactly and rounded once where torch rounds, to nearest, ties to
   even (c10::BFloat16's rounding; NaN becomes 0x7FC0 as there);
@@ -124,6 +124,12 @@ def _save(h, address, bf16, n):
             dst32[i] = h[i]
 
 
+@cached_njit(nogil=True)
+def widen_bf16(src, dst, n):
+    """dst[:n] (a float32 array) = the n bfloat16 values at address `src`, widened exactly."""
+    _load(src, True, dst, n)
+
+
 def _row_sum_of(width):
     """SumKernel.cpp row_sum over elements of `width` lanes (element e is v[e * width :
     (e + 1) * width]): multi_row_sum's cascade over the (count // 4, 4) view of `count`
@@ -219,6 +225,69 @@ def norm_rows(x, y, scale, total, out, rows, n, eps, flags):
             normed = h[i] * inv
             h[i] = (_round(normed) if scale_rounded else normed) * w[i]
         _save(h, out + r * n * size, x_bf16, n)
+
+
+@cached_njit(nogil=True)
+def _norm_row(h, w, n, eps32, bf16, sq, acc):
+    """h[:n] = w * (h * rsqrt(Σ h² / n + eps)) in place, as norm_rows computes it (bfloat16
+    where `bf16`: h * rsqrt rounded before w multiplies, the product rounded)."""
+    for i in range(n):
+        sq[i] = h[i] * h[i]
+    inv = np.float32(1) / np.sqrt(_inner_sum(sq, n, acc) / np.float32(n) + eps32)
+    for i in range(n):
+        normed = h[i] * inv
+        h[i] = _round(_round(normed) * w[i]) if bf16 else normed * w[i]
+
+
+@cached_njit(nogil=True)
+def _rotate_row(h, c, s, rot, n, bf16):
+    """rot[:n] = h * c + rotate_half(h) * s (rotary.apply_rotary: rotate_half(h) is
+    (-h[n/2:], h[:n/2])), each product and the sum rounded to bfloat16 where `bf16`;
+    -(a * b) is a * b negated exactly, so the first half's product is negated after."""
+    half = n // 2
+    for i in range(n):
+        a = h[i] * c[i]
+        b = h[i + half] * s[i] if i < half else h[i - half] * s[i]
+        if bf16:
+            a, b = _round(a), _round(b)
+        rot[i] = a - b if i < half else a + b
+
+
+@cached_njit(nogil=True)
+def norm_rotary_rows(
+    q, k, q_stride, k_stride, q_rows, k_rows, n, q_scale, k_scale, cos, sin, q_out, k_out,
+    tokens, eps, bf16,
+):  # fmt: skip
+    """Per-head RMSNorm then rotary of q and k (layers/qkv.norm_rotary_qk_reference's values):
+    for token t < `tokens` and head row r, h = the row (q's `q_rows` heads at q + t * q_stride,
+    then k's `k_rows` at k + t * k_stride; strides in values, each head n contiguous values),
+    normalised as norm_rows does with q_scale or k_scale [n], then rotated by cos/sin [tokens,
+    n] (_rotate_row); written to q_out [tokens, q_rows, n] and k_out [tokens, k_rows, n].
+    Every tensor bfloat16 where `bf16`, else float32; all are addresses of host memory.
+    q_scale 0: no norm, the rows are rotated only (rotary.apply_rotary's values)."""
+    size = 2 if bf16 else 4
+    h, rot = np.empty(n, np.float32), np.empty(n, np.float32)
+    c, s = np.empty(n, np.float32), np.empty(n, np.float32)
+    wq, wk = np.empty(n, np.float32), np.empty(n, np.float32)
+    sq, acc = np.empty(n, np.float32), np.empty(LEVELS * ILP * LANES, np.float32)
+    normalise = q_scale != 0
+    if normalise:
+        _load(q_scale, bf16, wq, n)
+        _load(k_scale, bf16, wk, n)
+    eps32 = np.float32(eps)
+    for t in range(tokens):
+        _load(cos + t * n * size, bf16, c, n)
+        _load(sin + t * n * size, bf16, s, n)
+        for src, stride, rows, w, dst in (
+            (q, q_stride, q_rows, wq, q_out),
+            (k, k_stride, k_rows, wk, k_out),
+        ):
+            for r in range(rows):
+                _load(src + (t * stride + r * n) * size, bf16, h, n)
+                if normalise:
+                    _norm_row(h, w, n, eps32, bf16, sq, acc)
+                _rotate_row(h, c, s, rot, n, bf16)
+                _save(rot, dst + (t * rows + r) * n * size, bf16, n)
 
 
 @cached_njit(nogil=True)

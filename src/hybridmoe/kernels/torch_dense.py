@@ -18,6 +18,11 @@ def dense_linear_torch(
     included) and rounded once to x's dtype: the values every device computes with."""
     if not fmt.is_quantized and fmt.storage_dtype == x.dtype:
         return F.linear(x, stored, bias)
-    w_f32 = fmt.dequantize(stored, torch.float32)  # [out, n], exact
+    if stored.is_cpu:  # the kernels' dequantisers: the same values, in parallel
+        from hybridmoe.kernels.numba_dequantize import float32_weights  # loads numba
+
+        w_f32 = float32_weights(fmt, stored)  # [out, n], exact
+    else:
+        w_f32 = fmt.dequantize(stored, torch.float32)
     bias_f32 = None if bias is None else bias.to(torch.float32)
     return F.linear(x.to(torch.float32), w_f32, bias_f32).to(x.dtype)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
+from hybridmoe.kernels import glue
 from hybridmoe.layers.batch import ForwardBatch
 from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.norm import rms_norm
@@ -92,8 +93,9 @@ def attend(
     -> [B, T, heads, D]. `kernel`: `attend_fn` is plain softmax attention (None: when it is
     sdpa), which the store's fused_attention may compute instead (the CPU decode kernel,
     kernels/numba_attention.py: within its tolerance of sdpa)."""
-    if not rotated:
-        q, k = rotate(q, batch), rotate(k, batch)
+    if not rotated:  # one numba call on the host at decode sizes, else rotate's 4 ops each
+        fast = glue.norm_rotary(q, k, None, None, 0.0, batch.cos, batch.sin)
+        q, k = fast if fast is not None else (rotate(q, batch), rotate(k, batch))
     if batch.kv is not None and (attend_fn is sdpa if kernel is None else kernel):
         out = batch.kv.fused_attention(layer_idx, batch, q, k, v, window)
         if out is not None:
@@ -148,9 +150,13 @@ class GroupedQueryAttention:
     def _norm_rotary(
         self, q: torch.Tensor, k: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head q/k norms and rotary: norm_rotary_qk where its bits are the reference's
-        (a half-precision q, every dim rotating), else the reference."""
+        """Per-head q/k norms and rotary: on the host at decode sizes one numba call
+        (kernels/glue.norm_rotary), else norm_rotary_qk where its bits are the reference's (a
+        half-precision q, every dim rotating), else the reference; all give its bits."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        fast = glue.norm_rotary(q, k, self.q_norm, self.k_norm, eps, batch.cos, batch.sin)
+        if fast is not None:
+            return fast
         joint = q.dtype in (torch.bfloat16, torch.float16) and batch.cos.shape[-1] == q.shape[-1]
         if not joint:
             return norm_rotary_qk_reference(q, k, self.q_norm, self.k_norm, eps, batch)

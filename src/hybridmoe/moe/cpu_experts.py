@@ -21,6 +21,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from hybridmoe.kernels import glue
 from hybridmoe.kernels.host_arrays import host_array
 from hybridmoe.moe.routing import combine_experts
 from hybridmoe.quant.bank import ExpertBank
@@ -78,7 +79,7 @@ def fused_cpu_moe(
     -> the float32 partial [T, H]. IndexError for an expert id >= the bank's experts.
     A decode step calls it once per layer: what does not change for a bank is prepared once
     (_BankCall), inputs already of the kernel's dtype are passed as views (the kernel only
-    reads them): a call with float32 x is 1 aten op (from_numpy's), a bf16 x's copy 2 more."""
+    reads them) and bf16 ones widened by a numba call: a call is 1 aten op (from_numpy's)."""
     tokens, top_k = expert_ids.shape
     if tokens > FUSED_MAX_TOKENS:
         return bank_moe(x, expert_ids, weights, bank)
@@ -138,11 +139,12 @@ _BANK_CALLS: weakref.WeakKeyDictionary[ExpertBank, _BankCall] = weakref.WeakKeyD
 
 def _kernel_array(t: torch.Tensor, dtype: torch.dtype, np_dtype: type[np.generic]) -> np.ndarray:
     """Host tensor `t` flat as `np_dtype` (`dtype` in torch) for the kernel: a view of its
-    memory when it has that dtype and is contiguous (host_array: no aten op), else
-    _flat_array's exact converting copy."""
+    memory when it has that dtype and is contiguous (host_array: no aten op), a bfloat16
+    tensor's widening by glue.float32_array (no aten op), else _flat_array's exact copy."""
     if t.dtype == dtype and t.is_contiguous():
         return host_array(t, np_dtype)
-    return _flat_array(t, np_dtype)
+    widened = glue.float32_array(t) if dtype is torch.float32 else None  # bf16: one numba call
+    return _flat_array(t, np_dtype) if widened is None else widened
 
 
 def _flat_array(t: torch.Tensor, dtype: np.dtype) -> np.ndarray:

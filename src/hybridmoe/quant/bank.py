@@ -473,6 +473,13 @@ def _float_rows(fmt: WeightFormat, stored: torch.Tensor) -> torch.Tensor:
 
 
 def _as_float(fmt: WeightFormat, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stored rows as `dtype`: themselves when so stored; a quantised format's expanded to
+    float32 on the host by the kernels' dequantisers (the same values, in parallel, at memory
+    speed: a prefill's dequantise-then-GEMM), else by fmt.dequantize."""
     if not fmt.is_quantized and stored.dtype == dtype:
         return stored
+    if dtype == torch.float32 and fmt.is_quantized and stored.is_cpu:
+        from hybridmoe.kernels.numba_dequantize import float32_weights  # loads numba
+
+        return float32_weights(fmt, stored)
     return fmt.dequantize(stored, dtype)

@@ -1,6 +1,7 @@
 """Run as a script (tests/kernels/test_kquant_paths.py does, under forced NUMBA_CPU_FEATURES):
 compiles tile_dot of the k-quants and of the 32-weight block formats (q4_0 ... q8_0, mxfp4) for
-several tile shapes and row lengths on random block bytes (finite scales), saves every output
+several tile shapes and row lengths on random block bytes (finite scales), and the same IR's
+expansion of rows to float32 (kernels/numba_dequantize.py), saves every output
 to the .npz file named by argv[1] and prints as JSON whether the target had AVX-512 (table
 lookups: q4_k, q4_0, q4_1, q5_0, q5_1, mxfp4) and byte permutes (VBMI and GFNI: the byte-level
 paths of q5_k and q6_k, llvm_ir.byte_permutes)."""
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from hybridmoe.kernels.llvm_ir import byte_permutes, target_has
+from hybridmoe.kernels.numba_dequantize import dequantize_host
 from hybridmoe.kernels.numba_simd import tile_dot
 from hybridmoe.quant.formats import weight_format
 from random_weights import random_stored
@@ -45,9 +47,15 @@ def case(name: str, wrows: int, xrows: int, supers: int):
     return stored, x, offs
 
 
+def dequantize_case(name: str) -> torch.Tensor:
+    """Stored rows [64, 2048 weights] of one format for dequantize_host (above MIN_WEIGHTS)."""
+    return random_stored(weight_format(name), (64, 2048), torch.Generator().manual_seed(9))
+
+
 def run(name: str) -> dict[str, np.ndarray]:
     kernel = weight_format(name).kernel
-    results = {}
+    expanded = dequantize_host(weight_format(name), dequantize_case(name))
+    results = {f"{name} dequantize": expanded.view(torch.int32).numpy()}  # the bits
     for wrows, xrows in SHAPES:
         tile = _tile(kernel, wrows, xrows)
         for supers in SUPER_BLOCKS:

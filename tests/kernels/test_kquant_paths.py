@@ -6,7 +6,8 @@ per-block table), AVX2 (mxfp4: a byte shuffle) and portable code (the weights co
 scaled), each in its own process compiled for the host with features taken away
 (NUMBA_CPU_FEATURES). Every path gives the same bits (each weight is the same float, summed in
 the same order), and those are the float64 dot products of the torch dequantisation to within
-fp32 summation error."""
+fp32 summation error. The same IR expands rows to float32 (kernels/numba_dequantize.py): on
+every path those are the torch dequantisers' bits."""
 
 from __future__ import annotations
 
@@ -60,8 +61,20 @@ def host_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarr
     return outputs
 
 
+def test_the_expansion_is_the_torch_dequantisers(host_outputs: dict[str, np.ndarray]) -> None:
+    """numba_dequantize's rows (the same IR as the tile's weights) are fmt.dequantize's bits."""
+    keys = [key for key in host_outputs if key.endswith(" dequantize")]
+    assert len(keys) == len(check.FORMATS)
+    for key in keys:
+        name = key.split()[0]
+        want = weight_format(name).dequantize(check.dequantize_case(name), torch.float32)
+        assert np.array_equal(host_outputs[key], want.view(torch.int32).numpy()), key
+
+
 def test_the_tile_is_the_float64_dot_product(host_outputs: dict[str, np.ndarray]) -> None:
     for key, out in host_outputs.items():
+        if key.endswith(" dequantize"):
+            continue
         name, shape, supers = key.split()
         wrows, xrows = map(int, shape.split("x"))
         stored, x, offs = check.case(name, wrows, xrows, int(supers))

@@ -111,6 +111,29 @@ def _token_stride(shape: torch.Size, strides: tuple[int, ...]) -> int | None:
     return strides[1] if T > 1 else strides[0]
 
 
+def _qk_strides(q, k, scales, cos, sin) -> tuple[int, int] | None:
+    """(q's token stride, k's) when norm_rotary's kernel takes these tensors, else None."""
+    dtype, q_shape, k_shape = q.dtype, q.shape, k.shape
+    if len(q_shape) != 4 or len(k_shape) != 4:
+        return None
+    B, T, heads, D = q_shape
+    if B * T * (heads + k_shape[2]) * D > MAX_NUMEL or D % 2 or k_shape[3] != D:
+        return None
+    if k_shape[0] != B or k_shape[1] != T or cos.shape != (B, T, D) or sin.shape != cos.shape:
+        return None
+    for t in (q, k, cos, sin, *scales):  # a loop, not all(...): no generator calls
+        if t.dtype is not dtype or not t.is_cpu:
+            return None
+    for t in (cos, sin, *scales):
+        if not t.is_contiguous():
+            return None
+    for t in scales:
+        if t.shape != (D,):
+            return None
+    q_stride, k_stride = _token_stride(q_shape, q.stride()), _token_stride(k_shape, k.stride())
+    return None if q_stride is None or k_stride is None else (q_stride, k_stride)
+
+
 def norm_rotary(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -129,31 +152,14 @@ def norm_rotary(
     dtype = q.dtype
     if (dtype is not _BF16 and dtype is not _F32) or not env.glue_kernels():
         return None
-    q_shape, k_shape = q.shape, k.shape
-    if len(q_shape) != 4 or len(k_shape) != 4:
-        return None
-    B, T, heads, D = q_shape
-    kv_heads = k_shape[2]
-    if B * T * (heads + kv_heads) * D > MAX_NUMEL or D % 2 or k_shape[3] != D:
-        return None
-    if k_shape[0] != B or k_shape[1] != T or cos.shape != (B, T, D) or sin.shape != cos.shape:
-        return None
     scales = () if q_scale is None else (q_scale, k_scale)
-    for t in (q, k, cos, sin, *scales):  # a loop, not all(...): no generator calls
-        if t.dtype is not dtype or not t.is_cpu:
-            return None
-    for t in (cos, sin, *scales):
-        if not t.is_contiguous():
-            return None
-    if scales and (q_scale.shape != (D,) or k_scale.shape != (D,)):
+    strides = _qk_strides(q, k, scales, cos, sin)
+    if strides is None:
         return None
-    q_stride, k_stride = _token_stride(q_shape, q.stride()), _token_stride(k_shape, k.stride())
-    if q_stride is None or k_stride is None:
-        return None
-    k_out = _empty(k_shape, dtype)
-    q_out = _empty(q_shape, dtype)
+    (B, T, heads, D), kv_heads = q.shape, k.shape[2]
+    q_out, k_out = _empty(q.shape, dtype), _empty(k.shape, dtype)
     _numba_glue().norm_rotary_rows(
-        q.data_ptr(), k.data_ptr(), q_stride, k_stride, heads, kv_heads, D,
+        q.data_ptr(), k.data_ptr(), *strides, heads, kv_heads, D,
         *((q_scale.data_ptr(), k_scale.data_ptr()) if scales else (0, 0)),
         cos.data_ptr(), sin.data_ptr(),
         q_out.data_ptr(), k_out.data_ptr(), B * T, eps, dtype is _BF16,

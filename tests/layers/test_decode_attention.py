@@ -88,8 +88,8 @@ class Pair:
 
     def __init__(self, cfg, max_len: int, dtype: torch.dtype, ring: bool):
         self.cfg, self.dtype, self.gen = cfg, dtype, torch.Generator().manual_seed(0)
-        self.fast = KVCache(cfg, ROWS, max_len, dtype, ring=ring)  # the default: the kernel
-        self.slow = KVCache(cfg, ROWS, max_len, dtype, ring=ring, attention_kernel=False)
+        self.fast = KVCache(cfg, ROWS, max_len, dtype, ring=ring, attention_kernel=True)
+        self.slow = KVCache(cfg, ROWS, max_len, dtype, ring=ring)  # the default: SDPA
         for fast, slow in zip(self.fast.k + self.fast.v, self.slow.k + self.slow.v, strict=True):
             fast.copy_(torch.randn(fast.shape, generator=self.gen) * 3)  # an old occupant's
             slow.copy_(fast)

@@ -82,9 +82,10 @@ class KVCache:
     whose step keys layers/batch.ring_layout orders. No query reads a slot its row's occupant
     has not written. With `keep_prefill_kv`, ring layers also keep the last prefill step's own
     keys and values (until release_prefill_kv or the next prefill) for the prefix cache, whose
-    blocks hold every position (read_span). With `attention_kernel` (the default), a decode
-    step on host tensors attends through fused_attention's CPU kernel (kernels/
-    numba_attention.py, within its tolerance of update() + SDPA); False: always SDPA."""
+    blocks hold every position (read_span). With `attention_kernel` (EngineConfig's opt-in
+    flag), a decode step on host tensors attends through fused_attention's CPU kernel
+    (kernels/numba_attention.py, within its tolerance of update() + SDPA, not its bits);
+    False (the default): always SDPA, transformers' bits."""
 
     def __init__(
         self,
@@ -95,7 +96,7 @@ class KVCache:
         device: torch.device | str = "cpu",
         ring: bool = True,
         keep_prefill_kv: bool = False,
-        attention_kernel: bool = True,
+        attention_kernel: bool = False,
     ):
         self.max_len, self.keep_prefill_kv = max_len, keep_prefill_kv
         self.attention_kernel = attention_kernel

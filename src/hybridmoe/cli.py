@@ -108,6 +108,10 @@ FLAG_DOCS: dict[str, FlagDoc] = {
         "quantised (the head of q4_0 in q8_0); auto: as loaded",
         DENSE_FORMAT_CHOICES,
     ),
+    "attention_kernel": FlagDoc(
+        "CPU decode attention by one numba kernel a layer instead of torch's SDPA (faster; "
+        "within SDPA's float32 rounding, not its bits: greedy tokens may differ at a near-tie)"
+    ),
     "gguf_file": FlagDoc(
         "the GGUF in --model's directory or Hugging Face repo: its file name or a part of it "
         "such as Q4_K_M"

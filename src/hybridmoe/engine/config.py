@@ -41,6 +41,10 @@ class EngineConfig:
     # attention, dense-MLP and shared-expert projections and the output head stored in this
     # format (DENSE_FORMAT_CHOICES); norms, embeddings and routers always stay as loaded
     dense_format: str = "auto"
+    # a host decode step's softmax attention by one numba kernel per layer (kernels/
+    # numba_attention.py) instead of torch's SDPA: within SDPA's float32 tolerance, not its
+    # bits, so a greedy decode may part from transformers' at a near-tie; off: SDPA
+    attention_kernel: bool = False
     offload: OffloadConfig = field(default_factory=OffloadConfig)  # where experts decode
 
     def __post_init__(self) -> None:

@@ -50,7 +50,12 @@ class Engine:
             model.to(platform.device)
             prefix_blocks = config.resolve_prefix_cache_blocks(self.max_seq_len)
             self.scheduler = Scheduler(
-                model, runtime, config.max_batch, self.max_seq_len, prefix_blocks
+                model,
+                runtime,
+                config.max_batch,
+                self.max_seq_len,
+                prefix_blocks,
+                attention_kernel=config.attention_kernel,
             )
         except BaseException:
             _close_after_failure(runtime, platform)

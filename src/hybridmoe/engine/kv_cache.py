@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from hybridmoe.config.model import ModelConfig
+from hybridmoe.kernels import numba_attention
 from hybridmoe.layers.batch import RING, RING_AND_CHUNK, ForwardBatch, ring_layout
 from hybridmoe.platform.base import to_device_no_sync
 
@@ -81,7 +82,10 @@ class KVCache:
     whose step keys layers/batch.ring_layout orders. No query reads a slot its row's occupant
     has not written. With `keep_prefill_kv`, ring layers also keep the last prefill step's own
     keys and values (until release_prefill_kv or the next prefill) for the prefix cache, whose
-    blocks hold every position (read_span)."""
+    blocks hold every position (read_span). With `attention_kernel` (EngineConfig's opt-in
+    flag), a decode step on host tensors attends through fused_attention's CPU kernel
+    (kernels/numba_attention.py, within its tolerance of update() + SDPA, not its bits);
+    False (the default): always SDPA, transformers' bits."""
 
     def __init__(
         self,
@@ -92,8 +96,12 @@ class KVCache:
         device: torch.device | str = "cpu",
         ring: bool = True,
         keep_prefill_kv: bool = False,
+        attention_kernel: bool = False,
     ):
         self.max_len, self.keep_prefill_kv = max_len, keep_prefill_kv
+        self.attention_kernel = attention_kernel
+        # layer -> (its k, v tensors, the kernel's flat views of them)
+        self._host: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[np.ndarray, ...]]] = {}
         self.k, self.v = [], []
         self.ring_sizes: dict[int, int] = {}  # ring layer -> its window
         self.prefill_kv: dict[int, PrefillKV] = {}  # ring layer -> the last prefill's k, v
@@ -136,6 +144,48 @@ class KVCache:
         k_cache[row_col, :, batch.positions] = k  # values [B, T, kv_heads, D]
         v_cache[row_col, :, batch.positions] = v
         return self._rows(layer_idx, batch, batch.kv_len)
+
+    def fused_attention(
+        self,
+        layer_idx: int,
+        batch: ForwardBatch,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None,
+    ) -> torch.Tensor | None:
+        """KVStore: update() and the attention over what it returns in one call of kernels/
+        numba_attention, with `attention_kernel`, for a decode step (one query per row) on
+        host tensors of the cache's dtype, one of KERNEL_DTYPES; None for any other step. A
+        prefill, however short, stays on SDPA: a prompt's tokens then have the same bits
+        whether a prefix-cache hit left few of them to prefill or none (tests/engine/
+        test_prefix_cache.py). Which steps take the kernel depends on nothing else (not the
+        batch, nor the row's length): a row's tokens do not depend on the rows beside it."""
+        k_cache = self.k[layer_idx]
+        if (
+            not self.attention_kernel
+            or not batch.is_decode
+            or q.shape[1] != 1
+            or not k_cache.is_cpu
+            or not q.is_cpu
+            or q.dtype is not k_cache.dtype
+            or k.dtype is not k_cache.dtype
+            or v.dtype is not k_cache.dtype
+            or q.dtype not in numba_attention.KERNEL_DTYPES
+        ):
+            return None
+        held = self._host.get(layer_idx)
+        if held is None or held[0] is not k_cache or held[1] is not self.v[layer_idx]:
+            host, v_cache = numba_attention.cache_array, self.v[layer_idx]
+            held = self._host[layer_idx] = (k_cache, v_cache, (host(k_cache), host(v_cache)))
+        caches = held[2]
+        ring = self.ring_sizes.get(layer_idx)
+        rows, positions = batch.host_index()
+        window = None if ring is not None else window
+        slots = k_cache.shape[2]
+        return numba_attention.decode_attention(
+            q, k, v, caches, slots, rows, positions, batch.kv_len, ring, window
+        )
 
     def _rows(
         self, layer_idx: int, batch: ForwardBatch, length: int

@@ -84,6 +84,7 @@ class Scheduler:
         max_batch: int,
         max_seq_len: int,
         prefix_cache_blocks: int = 0,
+        attention_kernel: bool = False,
     ) -> None:
         context = model.cfg.max_position_embeddings
         if not 2 <= max_seq_len <= context:
@@ -105,6 +106,7 @@ class Scheduler:
             model.dtype,
             model.device,
             keep_prefill_kv=prefix_cache_blocks > 0,
+            attention_kernel=attention_kernel,  # EngineConfig.attention_kernel
         )
         self.prefix_cache = None
         if prefix_cache_blocks:

@@ -85,14 +85,21 @@ def attend(
     window: int | None = None,
     attend_fn: AttendFn = sdpa,
     rotated: bool = False,
+    kernel: bool | None = None,
 ) -> torch.Tensor:
     """Rotary on q [B, T, heads, D] and k [B, T, kv_heads, D] (unless `rotated`: done
     already), then `attend_fn` over this step's keys and values (v [B, T, kv_heads, D]) and
     those `batch.kv` holds for layer `layer_idx`, within `window` positions (None: all)
-    -> [B, T, heads, D]."""
+    -> [B, T, heads, D]. `kernel`: `attend_fn` is plain softmax attention (None: when it is
+    sdpa), which the store's fused_attention may compute instead (the CPU decode kernel,
+    kernels/numba_attention.py: within its tolerance of sdpa)."""
     if not rotated:  # one numba call on the host at decode sizes, else rotate's 4 ops each
         fast = glue.norm_rotary(q, k, None, None, 0.0, batch.cos, batch.sin)
         q, k = fast if fast is not None else (rotate(q, batch), rotate(k, batch))
+    if batch.kv is not None and (attend_fn is sdpa if kernel is None else kernel):
+        out = batch.kv.fused_attention(layer_idx, batch, q, k, v, window)
+        if out is not None:
+            return out
     if batch.kv is None:
         k_all, v_all = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, T, D]
     else:
@@ -106,6 +113,8 @@ def attend(
 class GroupedQueryAttention:
     """Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE: q/k/v/o projections (biases, q/k norms per head
     or over all heads, qkv clipping as ModelConfig says), rotary, SDPA over the KV cache."""
+
+    softmax_kernel = True  # _attend is plain softmax attention: the store's kernel may do it
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, source: WeightSource, prefix: str):
         self.cfg, self.layer_idx = cfg, layer_idx
@@ -134,7 +143,8 @@ class GroupedQueryAttention:
         rotated = cfg.qk_norm == "per_head"
         if rotated:
             q, k = self._norm_rotary(q, k, batch)
-        out = attend(q, k, v, batch, self.layer_idx, self.window, self._attend, rotated)
+        kernel, window = self.softmax_kernel, self.window
+        out = attend(q, k, v, batch, self.layer_idx, window, self._attend, rotated, kernel)
         return self.o_proj(out.reshape(B, T, cfg.q_size))  # out [B, T, heads, D]
 
     def _norm_rotary(
@@ -216,6 +226,8 @@ class SinkAttention(GroupedQueryAttention):
     `sinks` [heads] column that takes probability mass and is dropped after (as
     `transformers`' eager_attention_forward for GptOss computes it: max-subtracted softmax in
     the scores' dtype over [scores, sink]). Computed eagerly: SDPA has no such column."""
+
+    softmax_kernel = False  # the decode kernel has no sink column either
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, source: WeightSource, prefix: str):
         super().__init__(cfg, layer_idx, source, prefix)

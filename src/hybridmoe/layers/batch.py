@@ -6,8 +6,10 @@ from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
+from hybridmoe.kernels.host_arrays import host_array
 from hybridmoe.layers.rotary import signed_tables
 
 
@@ -22,6 +24,21 @@ class KVStore(Protocol):
         """Store k, v [B, T, kv_heads, D] at batch.positions of batch.rows; return every key and
         value those rows can see: [B, kv_heads, batch.kv_len, D] each, or on a layer whose
         window is a ring, [B, kv_heads, S, D] as ring_layout says."""
+        ...
+
+    def fused_attention(
+        self,
+        layer_idx: int,
+        batch: ForwardBatch,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None,
+    ) -> torch.Tensor | None:
+        """update(), then softmax attention of q [B, T, heads, D] (scale D^-0.5) over what
+        it returns within `window` positions, in one kernel -> [B, T, heads, D], within the
+        kernel's tolerance of update() + layers/attention.sdpa; None where the store has no
+        kernel for this step (then the caller calls update and its SDPA)."""
         ...
 
 
@@ -52,12 +69,26 @@ class ForwardBatch:
     is_decode: bool = False  # one new token per sequence: MoE layers use their decode target
     starts: tuple[int, ...] = ()  # each row's first position this step (positions[:, 0], host)
     _signed: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _host_index: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     def rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """rotary.signed_tables(cos, sin), made once per step (every layer rotates by them)."""
         if self._signed is None:
             self._signed = signed_tables(self.cos, self.sin)
         return self._signed
+
+    def host_index(self) -> tuple[np.ndarray, np.ndarray]:
+        """(row_index [B], positions [B * T] row by row) as int64 numpy arrays over the same
+        host memory, made once per step (every layer's CPU attention kernel reads them)."""
+        if self._host_index is None:
+            rows, positions = self.row_index, self.positions
+            if rows.dtype != torch.int64 or positions.dtype != torch.int64:
+                raise TypeError("ForwardBatch: row_index and positions must be int64")
+            self._host_index = tuple(
+                host_array(t, np.int64) if t.is_contiguous() else t.reshape(-1).numpy()
+                for t in (rows, positions)
+            )
+        return self._host_index
 
     def mask(self, window: int | None) -> tuple[torch.Tensor | None, bool]:
         """(mask, is_causal) of a layer attending within `window` (None: every key)."""

@@ -1,0 +1,376 @@
+"""The CPU attention of a decode step: one numba call per layer that writes the step's key and
+value of each sequence into its KV-cache row and computes softmax(q k^T * scale) v over the
+row's cached keys, for one query per sequence, sequences at different positions, grouped-query
+heads (num_kv_heads < num_heads), a sliding window and the sliding-window ring (engine/
+kv_cache.py). Its reference is the torch path beside it: KVCache.update, then torch's SDPA
+(layers/attention.sdpa); tests/layers/test_decode_attention.py compares them.
+
+Work items are (sequence, kv head) pairs: an item writes its head's new row, then computes the
+heads of its group over it; the dot products and the weighted sums of values are LLVM vector
+code over head_dim (kernels/attention_ir.py), a tile of heads sharing each key's loads. Keys a
+query does not see (beyond its position, outside its window, slots of the ring not yet
+written) are skipped: a masked key's probability is exactly 0 in torch's softmax too.
+
+The numerics contract, torch's CPU flash attention's (aten/src/ATen/native/cpu/
+FlashAttentionKernel.cpp, what SDPA runs for host tensors): scores q . k in float32 times
+`scale` (float32), an online softmax over blocks of BLOCK key indices counted from key 0 (the
+block's max, exp(s - max) in float32 and their float32 sum, the running output rescaled by
+exp(old max - new max)), in bfloat16 the block's exp(s - max) rounded to bfloat16 before they
+weight v (the sum is of the unrounded ones), the weighted sum of v in float32, then out = acc *
+(1 / sum), rounded once to the output dtype. Summation orders and exp's last bits differ from
+torch's (attention_ir, softmax_ir give ours), so the contract is a tolerance, SDPA's own float32
+accumulation error: float32 outputs within 1e-5 (absolute and relative), bfloat16 outputs within
+one unit in the last place of the output plus 2^-8 max |v| (a weight whose float32 bits differ
+may round one bfloat16 step the other way). Measured: 99.5% of the bfloat16 elements are SDPA's
+bits over the tests' short rows, ~85% at 1000 keys. Not bit for bit, so a model's bf16 logits
+may differ from SDPA's by an ulp and a greedy decode part at a near-tie (the random 1 GB
+benchmark model does, at its 9th token, where SDPA's top two logits are equal).
+
+A step whose keys and values are under MIN_PARALLEL_BYTES runs on the calling thread, without
+a parallel region; a larger one on numba's pool (numba_moe.launch), an item per work unit. The
+result does not depend on the thread count (each item's arithmetic is its own).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numba
+import numpy as np
+import torch
+from numba import prange, types
+from numba.extending import overload
+
+from hybridmoe import env
+from hybridmoe.kernels import attention_ir, llvm_ir, softmax_ir
+from hybridmoe.kernels.attention_ir import TILES, address_pointer, pv_tile, qk_tile
+from hybridmoe.kernels.numba_cache import cached_njit
+from hybridmoe.kernels.numba_moe import launch
+from hybridmoe.kernels.softmax_ir import block_max, exp_block
+from hybridmoe.kernels.threads import kernel_threads
+
+BLOCK = 512  # key indices per softmax block: torch's kvSplitSize
+# Steps reading fewer key/value bytes run on one thread: waking the pool's other threads
+# costs more than they save (numba_dense.MIN_PARALLEL_BYTES measured the same for weights)
+MIN_PARALLEL_BYTES = 1 << 20
+# no nnan/ninf: the running max starts at -inf; numpy's error model: no zero-division checks
+_FLAGS = dict(nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+assert TILES == (4, 2, 1)  # _tiles below walks them in this order
+
+# the kernels are cached in a directory named by a hash of every source they compile from
+_previous_cache_dir = numba.config.CACHE_DIR
+numba.config.CACHE_DIR = str(
+    env.kernel_cache_dir(__file__, attention_ir.__file__, softmax_ir.__file__, llvm_ir.__file__)
+)
+
+
+@cached_njit(inline="always", **_FLAGS)
+def _scores(qf, group, kc, off, n, s, scale, dim):
+    """s[g * BLOCK + j] = (qf's head g . key j of the run at kc[off:]) * scale, g < group."""
+    g = 0
+    while g + 4 <= group:
+        qk_tile(4, qf, g, kc, off, n, s, BLOCK, scale, dim)
+        g += 4
+    if g + 2 <= group:
+        qk_tile(2, qf, g, kc, off, n, s, BLOCK, scale, dim)
+        g += 2
+    if g < group:
+        qk_tile(1, qf, g, kc, off, n, s, BLOCK, scale, dim)
+
+
+@cached_njit(inline="always", **_FLAGS)
+def _weigh(acc, group, s, vc, off, n, dim):
+    """acc's head g += the run's values at vc[off:] weighted by s[g * BLOCK:][:n], g < group."""
+    g = 0
+    while g + 4 <= group:
+        pv_tile(4, acc, g, s, BLOCK, vc, off, n, dim)
+        g += 4
+    if g + 2 <= group:
+        pv_tile(2, acc, g, s, BLOCK, vc, off, n, dim)
+        g += 2
+    if g < group:
+        pv_tile(1, acc, g, s, BLOCK, vc, off, n, dim)
+
+
+def _widen(src, first, dst, n):
+    """dst[:n] = src[first:][:n] as float32; src float32, or uint16 holding bfloat16 bits."""
+
+
+@overload(_widen, jit_options=_FLAGS, inline="always")
+def _widen_overload(src, first, dst, n):
+    if src.dtype == types.uint16:
+
+        def widen_bf16(src, first, dst, n):
+            bits = dst.view(np.uint32)
+            for i in range(n):
+                bits[i] = np.uint32(src[first + i]) << 16
+
+        return widen_bf16
+
+    def widen_f32(src, first, dst, n):
+        for i in range(n):
+            dst[i] = src[first + i]
+
+    return widen_f32
+
+
+def _narrow(src, n, dst, at):
+    """dst[at:][:n] = src[:n] (float32) in dst's dtype: float32, or uint16 holding bfloat16
+    bits, rounded to nearest, ties to even, as torch's cast (inf and nan kept)."""
+
+
+@overload(_narrow, jit_options=_FLAGS, inline="always")
+def _narrow_overload(src, n, dst, at):
+    if dst.dtype == types.uint16:
+
+        def narrow_bf16(src, n, dst, at):
+            bits = src.view(np.uint32)
+            for i in range(n):
+                b = np.int64(bits[i])
+                if (b & 0x7F800000) != 0x7F800000:
+                    b = b + 0x7FFF + ((b >> 16) & 1)
+                dst[at + i] = np.uint16((b >> 16) & 0xFFFF)
+
+        return narrow_bf16
+
+    def narrow_f32(src, n, dst, at):
+        for i in range(n):
+            dst[at + i] = src[i]
+
+    return narrow_f32
+
+
+@cached_njit(inline="always", **_FLAGS)
+def _softmax_block(s, first, n, m, sums, acc, g, dim, round_p):
+    """One block of n scores s[first:][:n] of head g into its running max m[g], sum sums[g]
+    and output acc[g * dim:][:dim]; the scores become the block's weights exp(s - max),
+    rounded to bfloat16 (ties to even) when `round_p`."""
+    top = block_max(s, first, n, m[g])
+    total = exp_block(s, first, n, top, round_p)
+    carry = np.exp(m[g] - top)  # 0 on the first block (m = -inf, acc = 0)
+    sums[g] = total + carry * sums[g]
+    m[g] = top
+    for d in range(dim):
+        acc[g * dim + d] *= carry
+
+
+def _view(address, n, like):
+    """The n elements at `address` as a flat array of like's dtype (uint16 or float32)."""
+
+
+@overload(_view, jit_options=_FLAGS, inline="always")
+def _view_overload(address, n, like):
+    if like.dtype == types.uint16:
+        return lambda address, n, like: numba.carray(address_pointer(address), n, np.uint16)
+    return lambda address, n, like: numba.carray(address_pointer(address), n, np.float32)
+
+
+@cached_njit(inline="always", **_FLAGS)
+def _write(b, kvh, step, kc, vc, dims, rows, pos, ring) -> int:
+    """Sequence b's key and value of kv head kvh into its cache row (position p at index p, on
+    a ring at slot p % ring); returns the element index of the row's first key of head kvh."""
+    heads, kv_heads, dim, slots, q_stride, kv_stride = dims
+    p = pos[b]
+    base = (rows[b] * kv_heads + kvh) * slots * dim
+    at = base + (p % ring if ring > 0 else p) * dim
+    src = (b * kv_stride + kvh * dim) * kc.itemsize
+    k, v = _view(step[1] + src, dim, kc), _view(step[2] + src, dim, kc)
+    for d in range(dim):
+        kc[at + d] = k[d]
+        vc[at + d] = v[d]
+    return base
+
+
+@cached_njit(inline="always", **_FLAGS)
+def _item(item, step, kc, vc, dims, rows, pos, ring, window, scale, scratch):
+    """Work item `item` = b * kv_heads + kvh: write sequence b's key and value of kv head kvh
+    into its cache row, then attend with the heads of kvh's group (scratch[item]: its
+    float32 scratch, group * (2 D + BLOCK + 2))."""
+    heads, kv_heads, dim = dims[0], dims[1], dims[2]
+    group, size = heads // kv_heads, kc.itemsize
+    b, kvh = item // kv_heads, item % kv_heads
+    base = _write(b, kvh, step, kc, vc, dims, rows, pos, ring)
+    p = pos[b]
+    if ring > 0:  # slot i holds the row's latest position = i (mod ring), written if i <= p
+        lo, hi = 0, min(p + 1, ring)
+    else:
+        lo, hi = (max(0, p - window + 1) if window > 0 else 0), p + 1
+    mine, width = scratch[item], group * dim
+    qf, acc, s = mine[:width], mine[width : 2 * width], mine[2 * width : 2 * width + group * BLOCK]
+    m, sums = mine[2 * width + group * BLOCK :][:group], mine[mine.shape[0] - group :]
+    acc[:] = 0
+    m[:] = -np.inf
+    sums[:] = 0
+    first_head = kvh * group
+    _widen(_view(step[0] + (b * dims[4] + first_head * dim) * size, width, kc), 0, qf, width)
+    for start in range(lo - lo % BLOCK, hi, BLOCK):
+        first, end = max(lo, start), min(hi, start + BLOCK)
+        n, off = end - first, base + first * dim
+        _scores(qf, group, kc, off, n, s, scale, dim)
+        for g in range(group):
+            _softmax_block(s, g * BLOCK, n, m, sums, acc, g, dim, size == 2)
+        _weigh(acc, group, s, vc, off, n, dim)
+    for g in range(group):
+        inverse = np.float32(1.0) / sums[g]
+        for d in range(dim):
+            acc[g * dim + d] *= inverse
+    _narrow(acc, width, _view(step[3] + (b * heads + first_head) * dim * size, width, kc), 0)
+
+
+def _entry(parallel: bool):
+    """decode_attention's kernel: over every (sequence, kv head) item, parallel or serial.
+    step: the addresses of q, k, v [B, 1, ...] and the output [B, 1, heads, D]."""
+
+    def decode_attention(step, kc, vc, dims, rows, pos, ring, window, scale):
+        items = rows.shape[0] * dims[1]
+        group = dims[0] // dims[1]
+        scratch = np.empty((items, group * (2 * dims[2] + BLOCK + 2)), np.float32)
+        for item in prange(items):
+            _item(item, step, kc, vc, dims, rows, pos, ring, window, scale, scratch)
+
+    kind = "parallel" if parallel else "serial"
+    decode_attention.__name__ = decode_attention.__qualname__ = f"decode_attention_{kind}"
+    return cached_njit(parallel=parallel, **_FLAGS)(decode_attention)
+
+
+DECODE_ATTENTION = _entry(parallel=True)
+DECODE_ATTENTION_SERIAL = _entry(parallel=False)
+numba.config.CACHE_DIR = _previous_cache_dir  # every cached function above is decorated
+
+
+def _np_dtype(dtype: torch.dtype) -> type[np.generic]:
+    return np.uint16 if dtype == torch.bfloat16 else np.float32
+
+
+def cache_array(t: torch.Tensor) -> np.ndarray:
+    """A contiguous host cache tensor [rows, kv_heads, S, D] of KERNEL_DTYPES as the flat array
+    the kernel reads and writes, over the same memory (bfloat16 as its uint16 bits)."""
+    if not (t.is_cpu and t.is_contiguous() and t.dtype in KERNEL_DTYPES):
+        raise ValueError(f"attention kernel: the cache must be contiguous host {KERNEL_DTYPES}")
+    return step_array(t, t.numel())
+
+
+def step_array(t: torch.Tensor, span: int) -> np.ndarray:
+    """The `span` elements of host tensor `t`'s memory from its first, flat, no aten op."""
+    nbytes = span * t.element_size()
+    buffer = (ctypes.c_char * nbytes).from_address(t.data_ptr())
+    return np.frombuffer(buffer, _np_dtype(t.dtype))
+
+
+def row_stride(t: torch.Tensor) -> int | None:
+    """The row stride (elements) of a step's q, k or v [B, 1, heads, D] whose [heads, D] are
+    contiguous (the rows may be apart: a split of the stacked projection); None otherwise."""
+    B, _, heads, D = t.shape
+    strides = t.stride()
+    if (D > 1 and strides[3] != 1) or (heads > 1 and strides[2] != D):
+        return None
+    return strides[0] if B > 1 else heads * D
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    caches: tuple[np.ndarray, np.ndarray],
+    slots: int,
+    rows: np.ndarray,
+    positions: np.ndarray,
+    kv_len: int,
+    ring: int | None,
+    window: int | None,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """Host q [B, 1, heads, D], k/v [B, 1, kv_heads, D] of one of KERNEL_DTYPES -> a new
+    [B, 1, heads, D] in q's dtype, by the contract above, with k/v written first into `caches`
+    (cache_array of the cache's [rows, kv_heads, slots, D] keys and values, the same dtype) at
+    `positions` [B] (each < slots unless `ring`; max + 1 = `kv_len`) of the cache rows `rows`
+    [B] (distinct, each a row of the cache; int64 arrays). `ring`: the layer keeps a ring of
+    that many slots (its keys are the ring's written slots), else `window` (None: every
+    position) limits each query's keys. `threads` None: torch's intra-op count (the user's
+    --threads), the calling thread alone under MIN_PARALLEL_BYTES."""
+    B, T, heads, D = q.shape
+    kv_heads = k.shape[2]
+    if not _fits(q, k, v, caches, slots, rows, positions, kv_len, ring):
+        _check(q, k, v, caches, slots, rows, positions, kv_len, ring)  # raises the reason
+    q_stride, k_stride, v_stride = map(row_stride, (q, k, v))
+    if q_stride is None:
+        q = q.contiguous()
+        q_stride = heads * D
+    if k_stride is None or k_stride != v_stride:
+        k, v = k.contiguous(), v.contiguous()
+        k_stride = kv_heads * D
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, 1, heads, D]
+    scale = np.float32(1.0 / math.sqrt(D))  # torch's default SDPA scale
+    step = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+    dims = (heads, kv_heads, D, slots, q_stride, k_stride)
+    args = (step, *caches, dims, rows, positions, ring or 0, window or 0, scale)
+    if threads is None:
+        keys = min(kv_len, ring or window or kv_len)
+        small = B * keys * kv_heads * D * 2 * q.element_size() < MIN_PARALLEL_BYTES
+        threads = 1 if small else min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
+    if threads == 1:
+        DECODE_ATTENTION_SERIAL(*args)
+    else:
+        launch(DECODE_ATTENTION, threads, *args)
+    return out
+
+
+def _fits(q, k, v, caches, slots, rows, positions, kv_len, ring) -> bool:
+    """decode_attention's arguments fit together (the cheap test; _check says what does not)."""
+    B, T, heads, D = q.shape
+    dtype, kv_shape = q.dtype, k.shape
+    return (
+        T == 1
+        and (dtype is torch.bfloat16 or dtype is torch.float32)
+        and k.dtype is dtype
+        and v.dtype is dtype
+        and v.shape == kv_shape
+        and kv_shape[0] == B
+        and kv_shape[1] == 1
+        and kv_shape[3] == D
+        and heads % kv_shape[2] == 0
+        and caches[0].dtype is _NP_DTYPES[dtype]
+        and caches[1].dtype is _NP_DTYPES[dtype]
+        and caches[0].shape[0] == caches[1].shape[0]
+        and caches[0].shape[0] % (kv_shape[2] * slots * D) == 0
+        and positions.shape[0] == B
+        and rows.shape[0] == B
+        and (ring is not None or kv_len <= slots)
+        and q.is_cpu
+        and k.is_cpu
+        and v.is_cpu
+    )
+
+
+_NP_DTYPES = {torch.bfloat16: np.dtype(np.uint16), torch.float32: np.dtype(np.float32)}
+
+
+def _check(q, k, v, caches, slots, rows, positions, kv_len, ring) -> None:
+    """Raise the TypeError or ValueError naming what of decode_attention's arguments does not
+    fit (_fits is False)."""
+    B, T, heads, D = q.shape
+    kv_heads = k.shape[2]
+    if q.dtype not in KERNEL_DTYPES or not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"attention kernel: q, k, v must share a dtype of {KERNEL_DTYPES}")
+    if caches[0].dtype != _np_dtype(q.dtype) or caches[1].dtype != caches[0].dtype:
+        raise TypeError(f"attention kernel: the caches must hold q's dtype {q.dtype}")
+    if not (q.is_cpu and k.is_cpu and v.is_cpu):
+        raise ValueError("attention kernel: q, k, v must be host tensors")
+    if T != 1 or k.shape != v.shape or k.shape[:2] != (B, 1) or k.shape[3] != D:
+        raise ValueError(
+            f"attention kernel: one query per sequence, q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    if (
+        heads % kv_heads
+        or caches[0].shape != caches[1].shape
+        or (caches[0].shape[0] % (kv_heads * slots * D))
+    ):
+        raise ValueError(
+            f"attention kernel: q {tuple(q.shape)}, k {tuple(k.shape)} do not fit a cache of "
+            f"{caches[0].shape[0]} elements with {slots} slots"
+        )
+    if positions.shape != (B,) or rows.shape != (B,):
+        raise ValueError(f"attention kernel: {B} rows need {B} positions and cache rows")
+    raise ValueError(f"attention kernel: kv_len {kv_len} beyond the cache's {slots} slots")

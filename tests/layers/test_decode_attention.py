@@ -1,0 +1,325 @@
+"""The CPU decode-attention kernel (kernels/numba_attention.py, through KVCache.fused_attention
+and layers/attention.attend) against its reference, the torch path (KVCache.update, then
+torch's SDPA) of a cache built with attention_kernel=False: the same steps on both, each row
+starting out with another occupant's keys; grouped-query ratios (tiles of 4, 2 and 1 heads),
+head sizes (whole vectors, a tail, only a tail), sliding windows kept as rings and not, rows at
+different positions and out of order, rows past the window and past the kernel's softmax
+block. The caches must be equal bit for bit after every step; the outputs within the
+contract's tolerance (assert_matches), most bfloat16 elements bit for bit. A kernel that drops
+a key fails the comparison; every instruction path of the machine passes it
+(decode_attention_check.py in a process of its own)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import hybridmoe.models  # noqa: F401  (registers the families)
+from hybridmoe.engine.kv_cache import KVCache
+from hybridmoe.kernels import numba_attention
+from hybridmoe.layers.attention import attend
+from hybridmoe.layers.batch import ForwardBatch, build_attention_masks
+from hybridmoe.models.registry import family_for
+
+ROWS = 3
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def config(heads: int, kv_heads: int, head_dim: int, window: int):
+    raw = {
+        "architectures": ["GptOssForCausalLM"],
+        "hidden_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": 16,
+        "num_local_experts": 2,
+        "num_experts_per_tok": 1,
+        "vocab_size": 10,
+        "sliding_window": window,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }
+    return family_for(raw).config_from(raw)
+
+
+def make_batch(
+    cfg, cache: KVCache, positions: torch.Tensor, rows: list[int], decode: bool | None = None
+) -> ForwardBatch:
+    """What MoeCausalLM.make_batch computes, without the rotary (`decode` None: one token
+    per row)."""
+    kv_len = int(positions.max()) + 1
+    starts = tuple(positions[:, 0].tolist())
+    windows = {cfg.layer_window(i) for i in range(cfg.num_layers)}
+    masks = build_attention_masks(positions, kv_len, windows, cache.ring_windows, starts)
+    empty = torch.zeros(*positions.shape, 0)
+    decode = positions.shape[1] == 1 if decode is None else decode
+    return ForwardBatch(
+        positions, rows, torch.tensor(rows), kv_len, masks, empty, empty, cache, decode, starts
+    )
+
+
+def assert_matches(got: torch.Tensor, expected: torch.Tensor, v_max: float) -> float:
+    """The contract's tolerance; returns the fraction of elements equal bit for bit. In
+    bfloat16 an element may differ by one ulp of the output (its rounding) plus 2^-8 v_max:
+    the weights are rounded to bfloat16, and a weight p whose float32 value differs in its
+    last bits (torch sums its dot products in another order) may round one ulp (<= 2^-8 p)
+    the other way, which moves the output by at most 2^-8 max |v| over all of them."""
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    else:  # one bfloat16 ulp of the reference: 2^(exponent - 7)
+        exact = expected.float()
+        ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(2.0**-126))) - 7)
+        excess = (got.float() - exact).abs() - ulp - 2.0**-8 * v_max
+        assert excess.max() <= 0, f"off by {excess.max()} more than the tolerance"
+    return (got == expected).float().mean().item()
+
+
+class Pair:
+    """A cache attending through the kernel and its reference, fed the same steps."""
+
+    def __init__(self, cfg, max_len: int, dtype: torch.dtype, ring: bool):
+        self.cfg, self.dtype, self.gen = cfg, dtype, torch.Generator().manual_seed(0)
+        self.fast = KVCache(cfg, ROWS, max_len, dtype, ring=ring, attention_kernel=True)
+        self.slow = KVCache(cfg, ROWS, max_len, dtype, ring=ring)  # the default: SDPA
+        for fast, slow in zip(self.fast.k + self.fast.v, self.slow.k + self.slow.v, strict=True):
+            fast.copy_(torch.randn(fast.shape, generator=self.gen) * 3)  # an old occupant's
+            slow.copy_(fast)
+        self.equal: list[float] = []
+
+    def step(self, positions: list[list[int]], rows: list[int], decode=None, **kwargs) -> None:
+        cfg, positions_t = self.cfg, torch.tensor(positions)
+        B, T = positions_t.shape
+        for layer in range(cfg.num_layers):
+            shapes = [(B, T, cfg.num_heads, cfg.head_dim)]
+            shapes += [(B, T, cfg.num_kv_heads, cfg.head_dim)] * 2
+            q, k, v = (torch.randn(s, generator=self.gen).to(self.dtype) * 2 for s in shapes)
+            window = cfg.layer_window(layer)
+            outs = [
+                attend(
+                    q,
+                    k,
+                    v,
+                    make_batch(cfg, cache, positions_t, rows, decode),
+                    layer,
+                    window,
+                    rotated=True,
+                    **kwargs,
+                )
+                for cache in (self.fast, self.slow)
+            ]
+            v_max = self.slow.v[layer].abs().max().item()  # over every value a query may see
+            self.equal.append(assert_matches(*outs, v_max))
+            assert torch.equal(self.fast.k[layer], self.slow.k[layer])
+            assert torch.equal(self.fast.v[layer], self.slow.v[layer])
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list[int]:
+    """The number of sequences each call of the kernel took (to see the steps use it)."""
+    calls, kernel = [], numba_attention.decode_attention
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return kernel(q, *args, **kwargs)
+
+    monkeypatch.setattr(numba_attention, "decode_attention", counting)
+    return calls
+
+
+def decode_steps(pair: Pair, window: int) -> int:
+    """A prefill, a resumed chunk, then decode steps of three rows at different positions,
+    each past 3 windows, and rows out of order; returns the decode steps."""
+    pair.step([list(range(10))], [2])  # a prefill longer than the window: SDPA
+    pair.step([list(range(2))], [0])  # shorter
+    pair.step([list(range(2, 5))], [0])  # a resumed chunk
+    positions = [5, 10, 0]
+    for _ in range(3 * window + 2):
+        pair.step([[p] for p in positions], [0, 2, 1])
+        positions = [p + 1 for p in positions]
+    pair.step([[positions[1]], [positions[0]]], [2, 0])  # rows out of order
+    pair.step([[positions[2]]], [1])  # one row alone
+    return 3 * window + 4
+
+
+SHAPES = [(4, 2, 8), (6, 6, 16), (8, 1, 32), (12, 4, 20), (16, 4, 64), (16, 4, 128), (10, 2, 48)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ring", [True, False])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", SHAPES)
+def test_decode_steps_match_sdpa(kernel_calls, dtype, ring, heads, kv_heads, head_dim) -> None:
+    window = 4
+    pair = Pair(config(heads, kv_heads, head_dim, window), 40, dtype, ring)
+    steps = decode_steps(pair, window)
+    assert len(kernel_calls) == 2 * steps  # both layers of every decode step
+    if dtype == torch.bfloat16:
+        assert sum(pair.equal) / len(pair.equal) >= 0.95
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ring", [True, False])
+def test_long_rows_past_the_softmax_block(kernel_calls, dtype, ring) -> None:
+    """Rows over more than one BLOCK of keys, a window longer than a block (kept as a ring
+    and not)."""
+    block = numba_attention.BLOCK
+    window = block + 88
+    pair = Pair(config(16, 4, 64, window), 2 * block + 40, dtype, ring)
+    pair.step([list(range(2 * block)), list(range(2 * block))], [1, 2])
+    pair.step([list(range(block - 3))], [0])
+    positions = [block - 3, 2 * block, 2 * block]
+    for _ in range(5):  # row 0 across a block's end, rows 1, 2 past the window
+        pair.step([[p] for p in positions], [0, 1, 2])
+        positions = [p + 1 for p in positions]
+    assert kernel_calls == [3] * 2 * 5
+    if dtype == torch.bfloat16:
+        assert sum(pair.equal) / len(pair.equal) >= 0.95
+
+
+def test_a_step_the_kernel_does_not_take_goes_to_sdpa(kernel_calls) -> None:
+    """Not a decode step (a prefill, however short: its bits must not depend on how many of
+    the prompt's tokens a prefix-cache hit left), not a kernel dtype, an attention that is not
+    plain softmax (gpt-oss's sinks: attend's kernel=False), a cache without the kernel: SDPA."""
+    pair = Pair(config(4, 2, 8, 4), 40, torch.float16, True)  # float16: not a kernel dtype
+    pair.step([list(range(3))], [0])
+    pair.step([[3]], [0])
+    pair = Pair(config(4, 2, 8, 4), 40, torch.float32, True)
+    pair.step([list(range(3))], [0])  # a prefill
+    pair.step([[3]], [0], decode=False)  # a prefill of one token (the rest was cached)
+    pair.step([[4]], [0], kernel=False)  # SinkAttention's call
+    assert kernel_calls == []
+    pair.step([[5]], [0])
+    assert kernel_calls == [1, 1]
+    pair.fast.attention_kernel = False
+    pair.step([[6]], [0])
+    assert kernel_calls == [1, 1]
+
+
+def test_sink_attention_stays_on_torch() -> None:
+    from hybridmoe.layers.attention import GroupedQueryAttention, SinkAttention
+
+    assert GroupedQueryAttention.softmax_kernel and not SinkAttention.softmax_kernel
+
+
+def kernel_args(B=2, heads=8, kv_heads=2, D=32, slots=300, dtype=torch.bfloat16, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    caches = [torch.randn(4, kv_heads, slots, D, generator=gen).to(dtype) for _ in "kv"]
+    q = torch.randn(B, 1, heads, D, generator=gen).to(dtype)
+    k, v = (torch.randn(B, 1, kv_heads, D, generator=gen).to(dtype) for _ in "kv")
+    return caches, q, k, v
+
+
+def test_kernel_checks_its_arguments() -> None:
+    caches, q, k, v = kernel_args(dtype=torch.float32)
+    host = tuple(numba_attention.cache_array(c) for c in caches)
+    rows, positions = np.array([0, 1]), np.array([3, 4])
+    call = numba_attention.decode_attention
+    with pytest.raises(ValueError, match="one query per sequence"):
+        call(q.expand(2, 2, 8, 32), k, v, host, 300, rows, positions, 5, None, None)
+    with pytest.raises(ValueError, match="do not fit a cache"):
+        call(q[:, :, :7], k, v, host, 300, rows, positions, 5, None, None)
+    with pytest.raises(TypeError, match="share a dtype"):
+        call(q, k.double(), v, host, 300, rows, positions, 5, None, None)
+    with pytest.raises(TypeError, match="the caches must hold"):
+        call(q.bfloat16(), k.bfloat16(), v.bfloat16(), host, 300, rows, positions, 5, None, None)
+    with pytest.raises(ValueError, match="rows need 2 positions"):
+        call(q, k, v, host, 300, rows, positions[:1], 5, None, None)
+    with pytest.raises(ValueError, match="beyond the cache"):
+        call(q, k, v, host, 300, rows, np.array([3, 300]), 301, None, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_parallel_kernel_gives_the_serial_bits(dtype) -> None:
+    """numba's pool (threads=2) against the calling thread alone: the same items, the same
+    bits, in the output and the cache; q, k, v as rows apart (a split of one projection)."""
+    caches, q, k, v = kernel_args(B=3, dtype=dtype)
+    stacked = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)  # [B, 1, 384]
+    q, k, v = (t.view(3, 1, -1, 32) for t in stacked.split([256, 64, 64], dim=-1))
+    assert not q.is_contiguous() and numba_attention.row_stride(q) == 384
+    rows, positions = np.array([3, 0, 1]), np.array([7, 250, 99])
+    results = []
+    for threads in (1, 2):
+        copies = [c.clone() for c in caches]
+        host = tuple(numba_attention.cache_array(c) for c in copies)
+        out = numba_attention.decode_attention(
+            q, k, v, host, 300, rows, positions, 251, None, 64, threads=threads
+        )
+        results.append((out, *copies))
+    assert all(map(torch.equal, *results))
+    contiguous = [t.contiguous() for t in (q, k, v)]
+    copies = [c.clone() for c in caches]
+    host = tuple(numba_attention.cache_array(c) for c in copies)
+    out = numba_attention.decode_attention(*contiguous, host, 300, rows, positions, 251, None, 64)
+    assert torch.equal(out, results[0][0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_kernel_dropping_a_key_fails_the_comparison(dtype) -> None:
+    """The comparison can fail: the kernel over all but a row's oldest key (a window one
+    short) against SDPA over all of them is outside the tolerance."""
+    caches, q, k, v = kernel_args(B=1, dtype=dtype, seed=3)
+    caches = [c * 4 for c in caches]  # a key whose weight matters beyond the tolerance
+    rows, positions = np.array([2]), np.array([40])
+    host = tuple(numba_attention.cache_array(c) for c in caches)
+    ks, vs = caches[0][2:3, :, :41].clone(), caches[1][2:3, :, :41].clone()
+    ks[:, :, 40], vs[:, :, 40] = k[:, 0], v[:, 0]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), ks, vs, enable_gqa=True
+    ).transpose(1, 2)
+    v_max = vs.abs().max().item()
+    whole = numba_attention.decode_attention(q, k, v, host, 300, rows, positions, 41, None, None)
+    assert_matches(whole, expected, v_max)
+    short = numba_attention.decode_attention(q, k, v, host, 300, rows, positions, 41, None, 40)
+    with pytest.raises(AssertionError):
+        assert_matches(short, expected, v_max)
+
+
+CHECK = Path(__file__).with_name("decode_attention_check.py")
+
+
+def _paths() -> dict[str, tuple[str | None, str]]:
+    """path -> (NUMBA_CPU_FEATURES or None: the host's, what the host needs for the path)."""
+    from numba.core.codegen import get_host_cpu_features
+
+    host = get_host_cpu_features().split(",")
+
+    def without(prefixes: tuple[str, ...]) -> str:
+        return ",".join("-" + f[1:] if f[1:].startswith(prefixes) else f for f in host)
+
+    above_avx = ("avx2", "avx512", "amx", "avxvnni", "avx10", "avxifma", "avxneconvert")
+    above_avx += ("vpclmulqdq", "vaes", "gfni", "fma")
+    return {
+        "host": (None, ""),
+        "avx2": (without(("avx512", "amx", "avx10")), "+avx512f"),
+        "portable": (without(above_avx), "+avx2"),
+    }
+
+
+@pytest.mark.parametrize("path", ["host", "avx2", "portable"])
+def test_every_instruction_path_matches_sdpa(path: str) -> None:
+    """16 lanes (AVX-512), 8 with FMA (AVX2), 8 without (AVX): decode steps within the
+    contract, each path compiled in a process of its own."""
+    from numba.core.codegen import get_host_cpu_features
+
+    features, needs = _paths()[path]
+    if needs and needs not in get_host_cpu_features().split(","):
+        pytest.skip(f"this machine has no other path than the host's here ({needs[1:]} lacking)")
+    env = {**os.environ, **({"NUMBA_CPU_FEATURES": features} if features else {})}
+    tests = str(Path(__file__).parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, env.get("PYTHONPATH")) if p)
+    done = subprocess.run(
+        [sys.executable, str(CHECK)], env=env, capture_output=True, text=True, timeout=1200
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    info = json.loads(done.stdout.strip().splitlines()[-1])
+    expected_lanes = {"host": info["lanes"], "avx2": 8, "portable": 8}[path]
+    assert info["lanes"] == expected_lanes and info["steps"] > 0
+    assert info["fma"] == (path != "portable")

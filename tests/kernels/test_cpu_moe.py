@@ -135,10 +135,25 @@ def test_bf16_activations_round_where_the_reference_does(fmt, tokens, weights_dt
     weights = weights.to(weights_dtype)
     x = x_for(bank, tokens).to(torch.bfloat16)
     actual, expected = fused_cpu_moe(x, ids, weights, bank), bank_moe(x, ids, weights, bank)
-    if bank.hidden_size == 128:
-        assert_same_rounding(actual, expected, cancel_steps=2)  # q4_1, 16 tokens: 1 value
+    if bank.hidden_size == 128:  # q4_1, 16 tokens: 1 value; q8_0, 16 tokens: a tipped up
+        assert_same_rounding(actual, expected, cancel_steps=2, tipped_rows=tokens // 8)
     else:
         assert_close_to_bf16(actual, expected)  # the k-quants' 256-weight rows
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "f32"])
+def test_rows_left_out_of_the_count_still_catch_a_missed_rounding(fmt: str) -> None:
+    """The comparison above, 16 tokens and two rows left out: a partial that skips the bf16
+    rounding points (the kernel on float32 x of the same values) fails it."""
+    bank = make_bank(fmt, hidden=128, inter=64)
+    ids, weights = make_routes(16, 4, bank.num_experts, seed=16)
+    x = x_for(bank, 16).to(torch.bfloat16)
+    unrounded, expected = (
+        fused_cpu_moe(x.float(), ids, weights, bank),
+        bank_moe(x, ids, weights, bank),
+    )
+    with pytest.raises(AssertionError):
+        assert_same_rounding(unrounded, expected, cancel_steps=2, tipped_rows=2)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

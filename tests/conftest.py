@@ -115,3 +115,19 @@ def demo_variant(demo_checkpoint: Path, tmp_path: Path) -> Callable[..., Path]:
         return directory
 
     return make
+
+
+@pytest.fixture
+def attention_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sequences each call of the CPU decode-attention kernel (kernels/numba_attention.py)
+    took, appended as the test's steps call it (to see that they do)."""
+    from hybridmoe.kernels import numba_attention
+
+    calls, kernel = [], numba_attention.decode_attention
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return kernel(q, *args, **kwargs)
+
+    monkeypatch.setattr(numba_attention, "decode_attention", counting)
+    return calls

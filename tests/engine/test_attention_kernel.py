@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
-from hybridmoe.kernels import numba_attention
 from hybridmoe.moe.config import OffloadConfig
 
 PROMPTS = [[5, 17, 300, 42, 7], [9, 1000]]
@@ -24,19 +23,6 @@ TARGETS = [
 ]
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sequences each call of the kernel took."""
-    calls, kernel = [], numba_attention.decode_attention
-
-    def counting(q, *args, **kwargs):
-        calls.append(q.shape[0])
-        return kernel(q, *args, **kwargs)
-
-    monkeypatch.setattr(numba_attention, "decode_attention", counting)
-    return calls
-
-
 def generate(directory: Path, dtype: str, kernel: bool, offload: OffloadConfig) -> list[list[int]]:
     config = EngineConfig(dtype=dtype, attention_kernel=kernel, offload=offload)
     with Engine.from_pretrained(directory, config) as engine:
@@ -45,17 +31,19 @@ def generate(directory: Path, dtype: str, kernel: bool, offload: OffloadConfig) 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_target_gives_the_kernels_tokens(
-    demo_checkpoint: Path, dtype: str, kernel_calls: list[int]
+    demo_checkpoint: Path, dtype: str, attention_kernel_calls: list[int]
 ) -> None:
     reference = generate(demo_checkpoint, dtype, True, TARGETS[0])
-    assert kernel_calls and max(kernel_calls) == len(PROMPTS)  # both rows in one call
+    assert attention_kernel_calls and max(attention_kernel_calls) == len(
+        PROMPTS
+    )  # both rows in one call
     for offload in TARGETS[1:]:
         assert generate(demo_checkpoint, dtype, True, offload) == reference, offload
     if dtype == "float32":
         assert generate(demo_checkpoint, dtype, False, TARGETS[0]) == reference
 
 
-def test_off_by_default(demo_checkpoint: Path, kernel_calls: list[int]) -> None:
+def test_off_by_default(demo_checkpoint: Path, attention_kernel_calls: list[int]) -> None:
     assert EngineConfig().attention_kernel is False
     generate(demo_checkpoint, "bfloat16", False, TARGETS[0])
-    assert kernel_calls == []
+    assert attention_kernel_calls == []

@@ -122,19 +122,6 @@ class Pair:
             assert torch.equal(self.fast.v[layer], self.slow.v[layer])
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch) -> list[int]:
-    """The number of sequences each call of the kernel took (to see the steps use it)."""
-    calls, kernel = [], numba_attention.decode_attention
-
-    def counting(q, *args, **kwargs):
-        calls.append(q.shape[0])
-        return kernel(q, *args, **kwargs)
-
-    monkeypatch.setattr(numba_attention, "decode_attention", counting)
-    return calls
-
-
 def decode_steps(pair: Pair, window: int) -> int:
     """A prefill, a resumed chunk, then decode steps of three rows at different positions,
     each past 3 windows, and rows out of order; returns the decode steps."""
@@ -156,18 +143,20 @@ SHAPES = [(4, 2, 8), (6, 6, 16), (8, 1, 32), (12, 4, 20), (16, 4, 64), (16, 4, 1
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ring", [True, False])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", SHAPES)
-def test_decode_steps_match_sdpa(kernel_calls, dtype, ring, heads, kv_heads, head_dim) -> None:
+def test_decode_steps_match_sdpa(
+    attention_kernel_calls, dtype, ring, heads, kv_heads, head_dim
+) -> None:
     window = 4
     pair = Pair(config(heads, kv_heads, head_dim, window), 40, dtype, ring)
     steps = decode_steps(pair, window)
-    assert len(kernel_calls) == 2 * steps  # both layers of every decode step
+    assert len(attention_kernel_calls) == 2 * steps  # both layers of every decode step
     if dtype == torch.bfloat16:
         assert sum(pair.equal) / len(pair.equal) >= 0.95
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ring", [True, False])
-def test_long_rows_past_the_softmax_block(kernel_calls, dtype, ring) -> None:
+def test_long_rows_past_the_softmax_block(attention_kernel_calls, dtype, ring) -> None:
     """Rows over more than one BLOCK of keys, a window longer than a block (kept as a ring
     and not)."""
     block = numba_attention.BLOCK
@@ -179,12 +168,12 @@ def test_long_rows_past_the_softmax_block(kernel_calls, dtype, ring) -> None:
     for _ in range(5):  # row 0 across a block's end, rows 1, 2 past the window
         pair.step([[p] for p in positions], [0, 1, 2])
         positions = [p + 1 for p in positions]
-    assert kernel_calls == [3] * 2 * 5
+    assert attention_kernel_calls == [3] * 2 * 5
     if dtype == torch.bfloat16:
         assert sum(pair.equal) / len(pair.equal) >= 0.95
 
 
-def test_a_step_the_kernel_does_not_take_goes_to_sdpa(kernel_calls) -> None:
+def test_a_step_the_kernel_does_not_take_goes_to_sdpa(attention_kernel_calls) -> None:
     """Not a decode step (a prefill, however short: its bits must not depend on how many of
     the prompt's tokens a prefix-cache hit left), not a kernel dtype, an attention that is not
     plain softmax (gpt-oss's sinks: attend's kernel=False), a cache without the kernel: SDPA."""
@@ -195,12 +184,12 @@ def test_a_step_the_kernel_does_not_take_goes_to_sdpa(kernel_calls) -> None:
     pair.step([list(range(3))], [0])  # a prefill
     pair.step([[3]], [0], decode=False)  # a prefill of one token (the rest was cached)
     pair.step([[4]], [0], kernel=False)  # SinkAttention's call
-    assert kernel_calls == []
+    assert attention_kernel_calls == []
     pair.step([[5]], [0])
-    assert kernel_calls == [1, 1]
+    assert attention_kernel_calls == [1, 1]
     pair.fast.attention_kernel = False
     pair.step([[6]], [0])
-    assert kernel_calls == [1, 1]
+    assert attention_kernel_calls == [1, 1]
 
 
 def test_sink_attention_stays_on_torch() -> None:

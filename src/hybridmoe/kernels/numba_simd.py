@@ -29,7 +29,7 @@ from numba.core.imputils import lower_constant, lower_getattr
 from numba.core.typing.templates import AttributeTemplate, infer_getattr
 from numba.extending import intrinsic, models, register_model, typeof_impl
 
-from hybridmoe.kernels.llvm_ir import F32, I8, I32, V32F, i64, load, pairwise_sum
+from hybridmoe.kernels.llvm_ir import F32, I8, I32, V32F, i64, load, pairwise_sum, target_has
 from hybridmoe.quant.formats import KERNEL_BLOCK, KernelFormat
 
 # (weight rows, activation rows) of a tile_dot call: at most 8 <32 x float> accumulators,
@@ -128,20 +128,10 @@ def _tile_dot_codegen(kernel: KernelFormat, wrows: int, xrows: int):
             [[cgutils.alloca_once_value(builder, zero) for _ in x_rows] for _ in w_rows]
             for _ in range(sets)
         ]
-        if kernel.pieces > 1:  # whole super-blocks, each piece on the next accumulator set
-            step = _superblock_step(builder, kernel, w_rows, x_rows, tile_bytes)
-            with cgutils.for_range(builder, builder.udiv(nblocks, i64(kernel.pieces))) as loop:
-                step(loop.index, accs)
-        else:
-            step = _block_step(builder, kernel, w_rows, x_rows, tile_bytes)
-            main_iters = builder.udiv(nblocks, i64(sets))
-            with cgutils.for_range(builder, main_iters) as loop:
-                first_block = builder.mul(loop.index, i64(sets))
-                for s, acc_set in enumerate(accs):
-                    step(builder.add(first_block, i64(s)), acc_set)
-            done = builder.mul(main_iters, i64(sets))
-            with cgutils.for_range(builder, builder.sub(nblocks, done)) as loop:
-                step(builder.add(done, loop.index), accs[0])
+        for group in _row_groups(wrows, xrows, sets):  # each row's sums alike in any group
+            rows = [w_rows[r] for r in group]
+            group_accs = [[acc_set[r] for r in group] for acc_set in accs]
+            _block_loops(builder, kernel, rows, x_rows, tile_bytes, nblocks, group_accs)
         out_data = context.make_array(out_ty)(context, builder, out).data
         for r in range(wrows):
             for c in range(xrows):
@@ -154,6 +144,48 @@ def _tile_dot_codegen(kernel: KernelFormat, wrows: int, xrows: int):
         return context.get_dummy_value()
 
     return codegen
+
+
+def _row_groups(wrows: int, xrows: int, sets: int) -> list[range]:
+    """The tile's weight rows whose block loops run together: all of them where the vector
+    registers hold every accumulator with the activations and a dequantised block (AVX-512's
+    32: the TILES are sized for it); on a 16-register target (AVX2, where a <32 x float> is 4
+    registers) the 4 x 1 tile (one accumulator a row: decode's tile) as two pairs of rows, or
+    its loop keeps accumulators on the stack (q4_0's: 38 of its 162 instructions were stack
+    loads and stores; q4_k's tile 1.4x faster split, on an AVX2 EPYC). A row's accumulators
+    add the same products in the same order in any group (the same bits); a group re-reads
+    the activation blocks, from L1. The tiles of more accumulators a row stay whole: split
+    they measured no faster (q4_k's 2 x 2 slower)."""
+    if target_has("avx512f") or xrows * sets != 1:
+        return [range(wrows)]
+    return [range(r, min(r + 2, wrows)) for r in range(0, wrows, 2)]
+
+
+def _block_loops(
+    builder: ir.IRBuilder,
+    kernel: KernelFormat,
+    w_rows: list[ir.Value],
+    x_rows: list[ir.Value],
+    tile_bytes: ir.Value,
+    nblocks: ir.Value,
+    accs: list[list[list[ir.Value]]],
+) -> None:
+    """The loops over a row's `nblocks` blocks for `w_rows`, into accs[set][wrow][xrow]."""
+    sets = len(accs)
+    if kernel.pieces > 1:  # whole super-blocks, each piece on the next accumulator set
+        step = _superblock_step(builder, kernel, w_rows, x_rows, tile_bytes)
+        with cgutils.for_range(builder, builder.udiv(nblocks, i64(kernel.pieces))) as loop:
+            step(loop.index, accs)
+        return
+    step = _block_step(builder, kernel, w_rows, x_rows, tile_bytes)
+    main_iters = builder.udiv(nblocks, i64(sets))
+    with cgutils.for_range(builder, main_iters) as loop:
+        first_block = builder.mul(loop.index, i64(sets))
+        for s, acc_set in enumerate(accs):
+            step(builder.add(first_block, i64(s)), acc_set)
+    done = builder.mul(main_iters, i64(sets))
+    with cgutils.for_range(builder, builder.sub(nblocks, done)) as loop:
+        step(builder.add(done, loop.index), accs[0])
 
 
 def _block_step(

@@ -34,9 +34,8 @@ def test_every_target_gives_the_kernels_tokens(
     demo_checkpoint: Path, dtype: str, attention_kernel_calls: list[int]
 ) -> None:
     reference = generate(demo_checkpoint, dtype, True, TARGETS[0])
-    assert attention_kernel_calls and max(attention_kernel_calls) == len(
-        PROMPTS
-    )  # both rows in one call
+    calls = attention_kernel_calls
+    assert calls and max(calls) == len(PROMPTS)  # both rows in one call
     for offload in TARGETS[1:]:
         assert generate(demo_checkpoint, dtype, True, offload) == reference, offload
     if dtype == "float32":

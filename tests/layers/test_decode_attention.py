@@ -24,7 +24,7 @@ import torch
 import hybridmoe.models  # noqa: F401  (registers the families)
 from hybridmoe.engine.kv_cache import KVCache
 from hybridmoe.kernels import numba_attention
-from hybridmoe.layers.attention import attend
+from hybridmoe.layers.attention import attend, sdpa
 from hybridmoe.layers.batch import ForwardBatch, build_attention_masks
 from hybridmoe.models.registry import family_for
 
@@ -176,14 +176,14 @@ def test_long_rows_past_the_softmax_block(attention_kernel_calls, dtype, ring) -
 def test_a_step_the_kernel_does_not_take_goes_to_sdpa(attention_kernel_calls) -> None:
     """Not a decode step (a prefill, however short: its bits must not depend on how many of
     the prompt's tokens a prefix-cache hit left), not a kernel dtype, an attention that is not
-    plain softmax (gpt-oss's sinks: attend's kernel=False), a cache without the kernel: SDPA."""
+    sdpa itself (gpt-oss's sinks: another AttendFn), a cache without the kernel: SDPA."""
     pair = Pair(config(4, 2, 8, 4), 40, torch.float16, True)  # float16: not a kernel dtype
     pair.step([list(range(3))], [0])
     pair.step([[3]], [0])
     pair = Pair(config(4, 2, 8, 4), 40, torch.float32, True)
     pair.step([list(range(3))], [0])  # a prefill
     pair.step([[3]], [0], decode=False)  # a prefill of one token (the rest was cached)
-    pair.step([[4]], [0], kernel=False)  # SinkAttention's call
+    pair.step([[4]], [0], attend_fn=lambda *args: sdpa(*args))  # as SinkAttention's call
     assert attention_kernel_calls == []
     pair.step([[5]], [0])
     assert attention_kernel_calls == [1, 1]
@@ -195,7 +195,7 @@ def test_a_step_the_kernel_does_not_take_goes_to_sdpa(attention_kernel_calls) ->
 def test_sink_attention_stays_on_torch() -> None:
     from hybridmoe.layers.attention import GroupedQueryAttention, SinkAttention
 
-    assert GroupedQueryAttention.softmax_kernel and not SinkAttention.softmax_kernel
+    assert GroupedQueryAttention._attend is sdpa and SinkAttention._attend is not sdpa
 
 
 def kernel_args(B=2, heads=8, kv_heads=2, D=32, slots=300, dtype=torch.bfloat16, seed=1):

@@ -85,18 +85,17 @@ def attend(
     window: int | None = None,
     attend_fn: AttendFn = sdpa,
     rotated: bool = False,
-    kernel: bool | None = None,
 ) -> torch.Tensor:
     """Rotary on q [B, T, heads, D] and k [B, T, kv_heads, D] (unless `rotated`: done
     already), then `attend_fn` over this step's keys and values (v [B, T, kv_heads, D]) and
     those `batch.kv` holds for layer `layer_idx`, within `window` positions (None: all)
-    -> [B, T, heads, D]. `kernel`: `attend_fn` is plain softmax attention (None: when it is
-    sdpa), which the store's fused_attention may compute instead (the CPU decode kernel,
-    kernels/numba_attention.py: within its tolerance of sdpa)."""
+    -> [B, T, heads, D]. Where `attend_fn` is sdpa itself (plain softmax attention), the
+    store's fused_attention may compute it instead (the CPU decode kernel, kernels/
+    numba_attention.py: within its tolerance of sdpa)."""
     if not rotated:  # one numba call on the host at decode sizes, else rotate's 4 ops each
         fast = glue.norm_rotary(q, k, None, None, 0.0, batch.cos, batch.sin)
         q, k = fast if fast is not None else (rotate(q, batch), rotate(k, batch))
-    if batch.kv is not None and (attend_fn is sdpa if kernel is None else kernel):
+    if batch.kv is not None and attend_fn is sdpa:
         out = batch.kv.fused_attention(layer_idx, batch, q, k, v, window)
         if out is not None:
             return out
@@ -114,7 +113,9 @@ class GroupedQueryAttention:
     """Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE: q/k/v/o projections (biases, q/k norms per head
     or over all heads, qkv clipping as ModelConfig says), rotary, SDPA over the KV cache."""
 
-    softmax_kernel = True  # _attend is plain softmax attention: the store's kernel may do it
+    # this kind's AttendFn: sdpa itself, so attend() may hand a decode step to the store's
+    # kernel; SinkAttention overrides it (the kernel has no sink column)
+    _attend = staticmethod(sdpa)
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, source: WeightSource, prefix: str):
         self.cfg, self.layer_idx = cfg, layer_idx
@@ -143,8 +144,7 @@ class GroupedQueryAttention:
         rotated = cfg.qk_norm == "per_head"
         if rotated:
             q, k = self._norm_rotary(q, k, batch)
-        kernel, window = self.softmax_kernel, self.window
-        out = attend(q, k, v, batch, self.layer_idx, window, self._attend, rotated, kernel)
+        out = attend(q, k, v, batch, self.layer_idx, self.window, self._attend, rotated)
         return self.o_proj(out.reshape(B, T, cfg.q_size))  # out [B, T, heads, D]
 
     def _norm_rotary(
@@ -165,17 +165,6 @@ class GroupedQueryAttention:
                 self.q_norm, self.k_norm, cfg.num_heads, cfg.num_kv_heads
             )
         return norm_rotary_qk(q, k, self._qk_norm, eps, batch)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor | None,
-        is_causal: bool,
-    ) -> torch.Tensor:
-        """This kind's AttendFn (SinkAttention overrides it)."""
-        return sdpa(q, k, v, mask, is_causal)
 
     def to(self, device: torch.device) -> None:
         for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
@@ -226,8 +215,6 @@ class SinkAttention(GroupedQueryAttention):
     `sinks` [heads] column that takes probability mass and is dropped after (as
     `transformers`' eager_attention_forward for GptOss computes it: max-subtracted softmax in
     the scores' dtype over [scores, sink]). Computed eagerly: SDPA has no such column."""
-
-    softmax_kernel = False  # the decode kernel has no sink column either
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, source: WeightSource, prefix: str):
         super().__init__(cfg, layer_idx, source, prefix)

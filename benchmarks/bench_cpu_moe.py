@@ -244,7 +244,7 @@ def main() -> None:
         nargs="+",
         choices=[
             *WEIGHT_FORMATS,
-            *(f"{n}+q8" for n, f in WEIGHT_FORMATS.items() if f.has_int8_blocks),
+            *(f"{n}+q8" for n, f in WEIGHT_FORMATS.items() if f.has_integer_dots),
         ],
         default=["bf16", "q8_0", "q4_0"],
     )

@@ -1,5 +1,6 @@
 """Run as a script (tests/kernels/test_activation_q8_paths.py does, under forced
-NUMBA_CPU_FEATURES): compiles the q8 tile for a few shapes of q8_0 and q4_0 rows, compares
+NUMBA_CPU_FEATURES): compiles the q8 tile for a few shapes of q8_0 and q4_0 rows and of the
+k-quants with integer super-blocks (q4_k, q5_k, q6_k: random bytes, finite scales), compares
 each with the torch reference bit for bit, and prints the instruction path and the result."""
 
 from __future__ import annotations
@@ -10,44 +11,54 @@ import numba
 import numpy as np
 import torch
 
-from hybridmoe.kernels.numba_moe_q8 import quantize_rows
+from hybridmoe.kernels.numba_moe_q8 import group_sums, quantize_rows
 from hybridmoe.kernels.numba_simd_q8 import dot_path, tile_dot_q8
 from hybridmoe.quant.activation_q8 import q8_linear
 from hybridmoe.quant.formats import weight_format
+from hybridmoe.quant.random_blocks import random_stored
+
+INT8_BLOCKS = ("q8_0", "q4_0")
+SUPER_BLOCKS = ("q4_k", "q5_k", "q6_k")
 
 
 def _tiles(kernel):
     """((tile, wrows, xrows), ...) for `kernel` (a compile-time constant: closed over)."""
 
     @numba.njit
-    def tile_4x2(w, row_bytes, nb, q, d, offs, out):
-        tile_dot_q8(kernel, 4, 2, w, 0, row_bytes, nb, q, d, offs, 0, out, 0, 4)
+    def tile_4x2(w, row_bytes, nb, q, d, s, offs, out):
+        tile_dot_q8(kernel, 4, 2, w, 0, row_bytes, nb, q, d, s, offs, 0, out, 0, 4)
 
     @numba.njit
-    def tile_1x3(w, row_bytes, nb, q, d, offs, out):
-        tile_dot_q8(kernel, 1, 3, w, 0, row_bytes, nb, q, d, offs, 0, out, 0, 1)
+    def tile_1x3(w, row_bytes, nb, q, d, s, offs, out):
+        tile_dot_q8(kernel, 1, 3, w, 0, row_bytes, nb, q, d, s, offs, 0, out, 0, 1)
 
     return ((tile_4x2, 4, 2), (tile_1x3, 1, 3))
 
 
 def _check(fmt, tile, wrows: int, xrows: int, blocks: int) -> list[str]:
     gen = torch.Generator().manual_seed(blocks)
-    x = torch.randn(xrows, 32 * blocks, generator=gen)
-    stored = fmt.quantize(torch.randn(wrows, 32 * blocks, generator=gen))
-    q, d = np.empty(x.numel(), np.int8), np.empty(x.numel() // 32, np.float32)
-    quantize_rows(x.reshape(-1).numpy(), x.numel(), q, d)
+    width = fmt.kernel.block_weights  # 32, or a super-block's 256
+    x = torch.randn(xrows, width * blocks, generator=gen)
+    if fmt.name in SUPER_BLOCKS:
+        stored = random_stored(fmt, (wrows, width * blocks), gen)
+    else:
+        stored = fmt.quantize(torch.randn(wrows, width * blocks, generator=gen))
+    n = x.numel()
+    q, d, s = np.empty(n, np.int8), np.empty(n // width, np.float32), np.empty(n // 16, np.int16)
+    quantize_rows(x.reshape(-1).numpy(), n, q, d, width)
+    group_sums(q, n, s)
     out = np.zeros(wrows * xrows, np.float32)
-    offs = np.arange(xrows, dtype=np.int64) * 32 * blocks
-    tile(stored.reshape(-1).numpy(), stored.shape[1], blocks, q, d, offs, out)
+    offs = np.arange(xrows, dtype=np.int64) * width * blocks
+    tile(stored.reshape(-1).numpy(), stored.shape[1], blocks, q, d, s, offs, out)
     expected = q8_linear(x, stored, fmt).reshape(-1).numpy()  # [c * wrows + r]
     return [] if np.array_equal(out, expected) else [f"{fmt.name} {wrows}x{xrows} nb={blocks}"]
 
 
 def main() -> None:
     failures = []
-    for name in ("q8_0", "q4_0"):
+    for name in INT8_BLOCKS + SUPER_BLOCKS:
         for tile, wrows, xrows in _tiles(weight_format(name).kernel):
-            for blocks in (1, 8, 11, 19):
+            for blocks in (1, 8, 11, 19) if name in INT8_BLOCKS else (1, 3, 8, 9):
                 failures += _check(weight_format(name), tile, wrows, xrows, blocks)
     print(json.dumps({"path": dot_path(), "failures": failures}))
 

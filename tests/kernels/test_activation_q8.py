@@ -6,8 +6,9 @@ instruction path: tests/kernels/test_activation_q8_paths.py); a layer differs fr
 where the float path's does (silu's last bit, numba's against torch's; the order of the sum
 over routes), and where such an ulp moves an activation across a rounding boundary of its
 quantisation, by one q8 step (layer_flips), far below q8's own effect
-(test_q8_changes_the_arithmetic_not_the_model). One numba
-layer kernel is compiled: q4_0 gate/up beside q8_0 down, so both formats' IR run in it."""
+(test_q8_changes_the_arithmetic_not_the_model). The k-quants with integer super-blocks (q4_k,
+q5_k, q6_k) likewise, their integers also against gguf's dequantisation. Numba layer kernels
+compiled: q4_0 gate/up beside q8_0 down, q4_k beside q6_k, q5_k beside q8_0."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from hybridmoe.moe.cpu_experts import FUSED_MAX_TOKENS, bank_moe, fused_cpu_moe
 from hybridmoe.quant.activation_q8 import LANES, q8_bmm, q8_linear, quantize_activations
 from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.formats import weight_format
+from hybridmoe.quant.random_blocks import random_stored
 
 Q4_0, Q8_0 = weight_format("q4_0"), weight_format("q8_0")
 # 11 blocks a gate/up row (one group of 8 and a tail of 3), 9 a down row (a group and one)
@@ -106,9 +108,9 @@ def _bank(stacked: bool) -> ExpertBank:
     return ExpertBank(gate=gate, up=up, down=down, fmt=Q4_0, down_fmt=Q8_0, activation_quant="q8")
 
 
-def _routes(tokens: int, top_k: int, seed: int):
+def _routes(tokens: int, top_k: int, seed: int, hidden: int = HIDDEN):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, HIDDEN, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen)
     ids = torch.randint(0, EXPERTS, (tokens, top_k), generator=gen)
     ids[torch.rand(tokens, top_k, generator=gen) < 0.2] = -1  # skipped routes
     return x, ids, torch.rand(tokens, top_k, generator=gen)
@@ -156,10 +158,98 @@ def test_q8_changes_the_arithmetic_not_the_model() -> None:
 
 
 def test_mixed_kinds_are_refused() -> None:
-    q6_k = weight_format("q6_k")
-    down = torch.zeros(q6_k.stored_shape((1, 256, 256)), dtype=torch.uint8)
+    q3_k = weight_format("q3_k")
+    down = torch.zeros(q3_k.stored_shape((1, 256, 256)), dtype=torch.uint8)
     gate_up = Q8_0.quantize(torch.zeros(1, 512, 256))
-    with pytest.raises(ValueError, match="mix int8-block formats"):
-        ExpertBank(gate_up, down, Q8_0, down_fmt=q6_k, activation_quant="q8")
+    with pytest.raises(ValueError, match="mix formats with integer dot products"):
+        ExpertBank(gate_up, down, Q8_0, down_fmt=q3_k, activation_quant="q8")
     with pytest.raises(ValueError, match="activation_quant must be one of"):
         ExpertBank(gate_up, Q8_0.quantize(torch.zeros(1, 256, 256)), Q8_0, activation_quant="q4")
+
+
+# k-quants with integer super-blocks (q4_k, q5_k, q6_k): 3 super-blocks a gate/up row, 1 a
+# down row; Q4_K_M's pair (q4_k gate/up, q6_k down) and q5_k beside q8_0 (32- and 256-blocks)
+K_HIDDEN, K_INTER = 768, 256
+SUPER_BLOCK_FORMATS = [weight_format(n) for n in ("q4_k", "q5_k", "q6_k")]
+
+
+@pytest.mark.parametrize("fmt", SUPER_BLOCK_FORMATS, ids=lambda f: f.name)
+def test_superblock_ints_are_the_dequantised_weights(fmt) -> None:
+    """The integer view against gguf's numpy dequantisation (an independent reader of the
+    bytes): per super-block, d S - dmin M (float64, exact) is Σ w_i q_i of gguf's weights,
+    so the integers and the formula of the contract's steps 2-3 are those weights'."""
+    from gguf import GGMLQuantizationType, quants
+
+    gen = torch.Generator().manual_seed(11)
+    stored = random_stored(fmt, (3, 512), gen)
+    w = quants.dequantize(stored.numpy(), GGMLQuantizationType[fmt.name.upper()])
+    w = torch.from_numpy(w).double().reshape(3, 2, 256)
+    q, _ = quantize_activations(torch.randn(1, 512, generator=gen), 256)  # [1, 2, 256]
+    ints = fmt.superblock_ints(stored)  # [3, 2, ...]
+    subs = ints.scales.shape[-1]
+    u = ints.u.double().reshape(3, 2, subs, -1) - ints.offset
+    qg = q[0].double().reshape(2, subs, -1)
+    s = ((u * qg).sum(-1) * ints.scales.double()).sum(-1)  # [3, 2]
+    total = s * ints.d.double()
+    if ints.mins is not None:
+        total -= (qg.sum(-1) * ints.mins.double()).sum(-1) * ints.dmin.double()
+    assert torch.equal(total, (w * q[0].double()).sum(-1))
+
+
+@pytest.mark.parametrize("fmt", SUPER_BLOCK_FORMATS, ids=lambda f: f.name)
+def test_superblock_reference_is_the_stated_order(fmt) -> None:
+    """q8_linear of a k-quant row against the contract written out in numpy float32."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(2, 9 * 256, generator=gen)  # 9 super-blocks: lane 0 takes two
+    stored = random_stored(fmt, (3, 9 * 256), gen)
+    out = q8_linear(x, stored, fmt)
+    qx, dx = (t.numpy() for t in quantize_activations(x, 256))
+    ints = fmt.superblock_ints(stored)
+    u, sc = ints.u.numpy().astype(np.int64), ints.scales.numpy().astype(np.int64)
+    for t in range(2):
+        for r in range(3):
+            lanes = [np.float32(0.0)] * LANES
+            for b in range(9):
+                qg = qx[t, b].astype(np.int64).reshape(sc.shape[-1], -1)
+                ug = u[r, b].reshape(sc.shape[-1], -1) - ints.offset
+                s = np.float32(int(((ug * qg).sum(-1) * sc[r, b]).sum()))
+                p = s * np.float32(ints.d[r, b].item() * dx[t, b])
+                if ints.mins is not None:
+                    m = np.float32(int((qg.sum(-1) * ints.mins[r, b].numpy()).sum()))
+                    p = np.float32(p - m * np.float32(ints.dmin[r, b].item() * dx[t, b]))
+                lanes[b % LANES] = np.float32(lanes[b % LANES] + p)
+            while len(lanes) > 1:
+                half = len(lanes) // 2
+                lanes = [np.float32(a + b) for a, b in zip(lanes[:half], lanes[half:], strict=True)]
+            assert out[t, r].item() == lanes[0], (t, r)
+    assert torch.equal(q8_bmm(x, stored[None].expand(2, -1, -1), fmt), out)
+
+
+def _kquant_bank(gate_up_fmt, down_fmt) -> ExpertBank:
+    gen = torch.Generator().manual_seed(4)
+    gate_up = random_stored(gate_up_fmt, (EXPERTS, 2 * K_INTER, K_HIDDEN), gen)
+    down = random_stored(down_fmt, (EXPERTS, K_HIDDEN, K_INTER), gen)
+    return ExpertBank(gate_up, down, gate_up_fmt, down_fmt=down_fmt, activation_quant="q8")
+
+
+@pytest.mark.parametrize("formats", [("q4_k", "q6_k"), ("q5_k", "q8_0")], ids=lambda f: "+".join(f))
+def test_kquant_layers_compute_the_reference(formats) -> None:
+    """The numba layer kernel and gathered_moe against bank_moe for k-quant banks under q8,
+    T = 1..16 and beyond, K = 2 and 8, skipped routes; q8 really on (it differs from the
+    float path by the activations' quantisation error)."""
+    bank = _kquant_bank(*(weight_format(n) for n in formats))
+    assert bank.q8_activations
+    flips, cases = 0, 0
+    for top_k in (2, 8):
+        for tokens in (1, 2, 3, 5, 8, FUSED_MAX_TOKENS, FUSED_MAX_TOKENS + 3):
+            x, ids, weights = _routes(tokens, top_k, 10 * top_k + tokens, K_HIDDEN)
+            expected = bank_moe(x, ids, weights, bank)
+            for path in (fused_cpu_moe, gathered_moe):
+                flips += layer_flips(path(x, ids, weights, bank), expected, f"{top_k} {tokens}")
+                cases += 1
+    assert flips <= cases // 10, f"{flips} of {cases} calls off by a q8 step"
+    x, ids, weights = _routes(4, 2, 7, K_HIDDEN)
+    with_q8 = bank_moe(x, ids, weights, bank)
+    without = bank_moe(x, ids, weights, bank.with_activation_quant("none"))
+    assert not torch.equal(with_q8, without)
+    torch.testing.assert_close(with_q8, without, rtol=0.05, atol=0.05 * without.abs().max())

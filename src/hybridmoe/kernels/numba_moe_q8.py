@@ -1,8 +1,9 @@
 """The fused CPU MoE kernel with q8 activations (quant/activation_q8.py): kernels/numba_moe.py's
-layer kernel for banks whose gate/up and down are int8-block formats (q8_0, q4_0) under
-`activation_quant q8`. Each token's x is quantised once (per 32-block, as the contract's step
-1), each route's down input once after its activation; every projection is a tile of integer
-dot products (kernels/numba_simd_q8.py). Everything else (grouping, activation, biases, bf16
+layer kernel for banks whose gate/up and down have integer dot products (int8-block formats:
+q8_0, q4_0; integer super-blocks: q4_k, q5_k, q6_k) under `activation_quant q8`. Each token's
+x is quantised once (per 32-block or 256-block, the format's, as the contract's step 1), each
+route's down input once after its activation; every projection is a tile of integer dot
+products (kernels/numba_simd_q8.py). Everything else (grouping, activation, biases, bf16
 rounding points, the weighted sum) is numba_moe.py's, from its helpers.
 
 Imported only when a bank computes with q8 activations, so engines without it compile nothing
@@ -57,57 +58,97 @@ def _round_away(v):
 
 
 @cached_njit(**_EXACT)
-def quantize_rows(x, n, q, d):
-    """The contract's step 1 for x[:n] (float32, n a multiple of 32): q[:n] int8 and
-    d[:n / 32] float32, block by block: d = max|x| / 127, q = roundf(x * (1 / d))."""
-    for b in range(n // 32):
+def quantize_rows(x, n, q, d, block=32):
+    """The contract's step 1 for x[:n] (float32, n a multiple of `block`, 32 or 256): q[:n]
+    int8 and d[:n / block] float32, block by block: d = max|x| / 127, q = roundf(x * (1 / d))."""
+    for b in range(n // block):
         amax = np.float32(0.0)
-        for j in range(b * 32, b * 32 + 32):
+        for j in range(b * block, b * block + block):
             a = abs(x[j])
             if a > amax:
                 amax = a
         scale = amax / np.float32(127.0)
         inv = np.float32(1.0) / scale if scale != 0 else np.float32(0.0)
-        for j in range(b * 32, b * 32 + 32):
+        for j in range(b * block, b * block + block):
             q[j] = _round_away(x[j] * inv)
         d[b] = scale
 
 
+@cached_njit(**_EXACT)
+def group_sums(q, n, s):
+    """s[g] = Σ q[16 g .. 16 g + 15] (int16, exact: |s| <= 16 * 127) for g < n / 16: the
+    activations' sums a k-quant super-block's minimums (or offset) multiply."""
+    for g in range(n // 16):
+        total = 0
+        for j in range(16 * g, 16 * g + 16):
+            total += q[j]
+        s[g] = total
+
+
+@cached_njit(inline="always", **_EXACT)
+def _quantized(fmt, x, n):
+    """(q, d, s) of x[:n] for `fmt`'s projections: its blocks' activation quantisation and,
+    for super-blocks, the 16-weight sums (else an empty s)."""
+    q, d = np.empty(n, np.int8), np.empty(n // fmt.block_weights, np.float32)
+    quantize_rows(x, n, q, d, fmt.block_weights)
+    s = np.empty(n // 16 if fmt.block_weights > 32 else 0, np.int16)
+    if fmt.block_weights > 32:
+        group_sums(q, n, s)
+    return q, d, s
+
+
 @cached_njit(inline="always", **_FLAGS)
-def _tile(fmt, wrows, xrows, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride):
+def _tile(fmt, wrows, xrows, w, w_off, row_bytes, blocks, xq, xd, xs, offs, first, out, o, stride):
     """tile_dot_q8 with the tile shape chosen at run time among TILES (each a compiled branch;
     written out: numba keeps the shape literal only for literal arguments)."""
     if xrows == 1:
         if wrows == 4:
-            tile_dot_q8(fmt, 4, 1, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+            tile_dot_q8(
+                fmt, 4, 1, w, w_off, row_bytes, blocks, xq, xd, xs, offs, first, out, o, stride
+            )
         elif wrows == 2:
-            tile_dot_q8(fmt, 2, 1, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+            tile_dot_q8(
+                fmt, 2, 1, w, w_off, row_bytes, blocks, xq, xd, xs, offs, first, out, o, stride
+            )
         else:
-            tile_dot_q8(fmt, 1, 1, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+            tile_dot_q8(
+                fmt, 1, 1, w, w_off, row_bytes, blocks, xq, xd, xs, offs, first, out, o, stride
+            )
     elif xrows == 2:
         if wrows == 4:
-            tile_dot_q8(fmt, 4, 2, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+            tile_dot_q8(
+                fmt, 4, 2, w, w_off, row_bytes, blocks, xq, xd, xs, offs, first, out, o, stride
+            )
         elif wrows == 2:
-            tile_dot_q8(fmt, 2, 2, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+            tile_dot_q8(
+                fmt, 2, 2, w, w_off, row_bytes, blocks, xq, xd, xs, offs, first, out, o, stride
+            )
         else:
-            tile_dot_q8(fmt, 1, 2, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+            tile_dot_q8(
+                fmt, 1, 2, w, w_off, row_bytes, blocks, xq, xd, xs, offs, first, out, o, stride
+            )
     elif xrows == 3:
         if wrows == 2:
-            tile_dot_q8(fmt, 2, 3, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+            tile_dot_q8(
+                fmt, 2, 3, w, w_off, row_bytes, blocks, xq, xd, xs, offs, first, out, o, stride
+            )
         else:
-            tile_dot_q8(fmt, 1, 3, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+            tile_dot_q8(
+                fmt, 1, 3, w, w_off, row_bytes, blocks, xq, xd, xs, offs, first, out, o, stride
+            )
     elif wrows == 2:
-        tile_dot_q8(fmt, 2, 4, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+        tile_dot_q8(fmt, 2, 4, w, w_off, row_bytes, blocks, xq, xd, xs, offs, first, out, o, stride)
     else:
-        tile_dot_q8(fmt, 1, 4, w, w_off, row_bytes, blocks, xq, xd, offs, first, out, o, stride)
+        tile_dot_q8(fmt, 1, 4, w, w_off, row_bytes, blocks, xq, xd, xs, offs, first, out, o, stride)
 
 
 @cached_njit(inline="always", **_FLAGS)
-def matmul_q8(fmt, w, w_off, row_bytes, n, nrows, xq, xd, x_offs, first, count, out):
+def matmul_q8(fmt, w, w_off, row_bytes, n, nrows, xq, xd, xs, x_offs, first, count, out):
     """out[c * nrows + r] = the q8 contract's dot of weight row r (n weights at byte w_off +
-    r * row_bytes) with the quantised row at xq[x_offs[first + c]:] (scales xd[... / 32:]),
-    for r < nrows, c < count; tiles as numba_moe._matmul's."""
-    blocks = n // 32
+    r * row_bytes) with the quantised row at xq[x_offs[first + c]:] (scales xd[... / W:], W
+    the format's block of 32 or 256, sums xs[... / 16:]), for r < nrows, c < count; tiles as
+    numba_moe._matmul's."""
+    blocks = n // fmt.block_weights
     widest = 4 if count <= 2 else 2
     r = 0
     while r < nrows:
@@ -126,6 +167,7 @@ def matmul_q8(fmt, w, w_off, row_bytes, n, nrows, xq, xd, x_offs, first, count, 
                 blocks,
                 xq,
                 xd,
+                xs,
                 x_offs,
                 first + c,
                 out,
@@ -141,6 +183,7 @@ def _gate_up_phase(
     fmt,
     xq,
     xd,
+    xs,
     x_offs,
     experts,
     starts,
@@ -167,10 +210,10 @@ def _gate_up_phase(
         gate, up = np.empty(count * rows, np.float32), np.empty(count * rows, np.float32)
         row_off = (experts[u] * expert_rows + i0) * h_row_bytes
         prefetch_rows(w_up, row_off, nm.FIRST_TILE_ROWS * h_row_bytes)  # read after gate's
-        matmul_q8(
-            fmt, w_gate, row_off, h_row_bytes, hidden, rows, xq, xd, x_offs, first, count, gate
-        )
-        matmul_q8(fmt, w_up, row_off, h_row_bytes, hidden, rows, xq, xd, x_offs, first, count, up)
+        for w, part in ((w_gate, gate), (w_up, up)):
+            matmul_q8(
+                fmt, w, row_off, h_row_bytes, hidden, rows, xq, xd, xs, x_offs, first, count, part
+            )
         if act_bf16:
             nm._round_bf16(gate, count * rows)
             nm._round_bf16(up, count * rows)
@@ -192,6 +235,7 @@ def _down_phase(
     fmt,
     aq,
     ad,
+    a_sums,
     experts,
     starts,
     routes,
@@ -220,7 +264,19 @@ def _down_phase(
                 next_off = (experts[u + 1] * hidden + h0) * i_row_bytes
                 prefetch_rows(down, next_off, nm.FIRST_TILE_ROWS * i_row_bytes)
             matmul_q8(
-                fmt, down, row_off, i_row_bytes, inter, rows, aq, ad, act_offs, first, count, out
+                fmt,
+                down,
+                row_off,
+                i_row_bytes,
+                inter,
+                rows,
+                aq,
+                ad,
+                a_sums,
+                act_offs,
+                first,
+                count,
+                out,
             )
             if act_bf16:
                 nm._round_bf16(out, count * rows)
@@ -260,18 +316,18 @@ def _fused_moe_q8(
     y,
 ):
     """numba_moe._fused_moe's contract (same arguments), every projection by the q8 contract;
-    `fmt` and `down_fmt` int8-block KernelFormats."""
+    `fmt` and `down_fmt` KernelFormats with integer dot products."""
     bad_id, experts, starts, routes = nm._group_routes(ids, num_experts)
     if bad_id >= 0:
         return bad_id
-    xq, xd = np.empty(x.shape[0], np.int8), np.empty(x.shape[0] // 32, np.float32)
-    quantize_rows(x, x.shape[0], xq, xd)  # every token once
+    xq, xd, xs = _quantized(fmt, x, x.shape[0])  # every token once
     x_offs = (routes // top_k) * hidden
     acts = np.empty(starts[-1] * inter, np.float32)  # [R, I]
     _gate_up_phase(
         fmt,
         xq,
         xd,
+        xs,
         x_offs,
         experts,
         starts,
@@ -285,12 +341,12 @@ def _fused_moe_q8(
         gate_up_bias,
         acts,
     )
-    aq, ad = np.empty(acts.shape[0], np.int8), np.empty(acts.shape[0] // 32, np.float32)
-    quantize_rows(acts, acts.shape[0], aq, ad)
+    aq, ad, a_sums = _quantized(down_fmt, acts, acts.shape[0])
     _down_phase(
         down_fmt,
         aq,
         ad,
+        a_sums,
         experts,
         starts,
         routes,
@@ -345,13 +401,14 @@ _ENTRIES: dict[tuple[str, str], Dispatcher] = {}
 
 
 def fused_moe_q8_kernel(gate_up_fmt: str, down_fmt: str) -> Dispatcher:
-    """The entry point for the pair of int8-block format names, made on first use."""
+    """The entry point for the pair of format names (both with integer dot products), made on
+    first use."""
     key = (gate_up_fmt, down_fmt)
     with _LOCK:
         if key not in _ENTRIES:
             kernels = [WEIGHT_FORMATS[name].kernel for name in key]
-            if any(k.int8_block_ir is None for k in kernels):
-                raise ValueError(f"q8 activations need int8-block formats, got {key}")
+            if any(k.int8_block_ir is None and k.superblock_ints_ir is None for k in kernels):
+                raise ValueError(f"q8 activations need integer-dot formats, got {key}")
             previous, numba.config.CACHE_DIR = numba.config.CACHE_DIR, _CACHE_DIR
             try:  # numba picks the cache directory when a function is decorated
                 _ENTRIES[key] = _entry(*kernels)

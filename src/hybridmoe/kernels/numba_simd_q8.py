@@ -1,6 +1,7 @@
 """LLVM vector code for the q8 activation contract (quant/activation_q8.py): a tile of weight
-rows of an int8-block format (KernelFormat.int8_block_ir: q8_0, q4_0) dotted with up to 4 rows
-of q8-quantised activations by integer dot products.
+rows of an int8-block format (KernelFormat.int8_block_ir: q8_0, q4_0) or of a k-quant with
+integer super-blocks (KernelFormat.superblock_ints_ir: q4_k, q5_k, q6_k) dotted with up to 4
+rows of q8-quantised activations by integer dot products.
 
 A block's dot Σ v_i q_i is taken 32 bytes at a time into <8 x i32> partial sums by the best
 instructions the target has (`dot_path`, chosen when numba compiles, so for the machine it
@@ -12,6 +13,13 @@ exactly into one <8 x i32> of block sums (a transpose-add tree), converted to fl
 by d_w * d_x and added into the lane accumulator of the contract: lane j holds blocks j, j + 8,
 ...; blocks after the last whole group of 8 are added one by one into their lanes. The result
 is the contract's to the bit on every path.
+
+A k-quant super-block (_superblock_step) is 8 pieces of 32 unsigned weights u: each piece's
+pair sums u_2l q_2l + u_2l+1 q_2l+1 (`vpmaddubsw`: u unsigned, q signed, |sum| <= 2 * 63 * 127
+< 2^15, no saturation; or portable widening multiplies) times the pairs' sub-block scales into
+<8 x i32> (`vpdpwssd` with VNNI, else `vpmaddwd` + `vpaddd`); the minimum (or offset) term
+from the activations' 16-weight sums (`vpmaddwd`), both reduced exactly to the contract's S
+and M; the super-block's product is added into lane (super-block mod 8).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from hybridmoe.quant.activation_q8 import LANES
 from hybridmoe.quant.formats import KERNEL_BLOCK, KernelFormat
 
 V8I, V8F, V32B = (ir.VectorType(t, n) for t, n in ((I32, 8), (F32, 8), (I8, 32)))
-V16S = ir.VectorType(ir.IntType(16), 16)
+V16S, V32S = (ir.VectorType(ir.IntType(16), n) for n in (16, 32))
 DOT_PATHS = ("vnni", "avx2", "portable")
 
 
@@ -105,12 +113,107 @@ def _transpose_sum(builder: ir.IRBuilder, parts: list[ir.Value]) -> ir.Value:
     return parts[0]
 
 
+def _pair_ops(builder: ir.IRBuilder, path: str):
+    """(pairs, scaled_add, madd): pairs(u, q) <16 x i16> of <32 x i8> u (unsigned) and q
+    (signed): lane l = u_2l q_2l + u_2l+1 q_2l+1 (|.| < 2^15 for u < 64: exact); madd(a, b)
+    <8 x i32>: lane l = a_2l b_2l + a_2l+1 b_2l+1 of two <16 x i16>; scaled_add(acc, a, b) =
+    acc + madd(a, b)."""
+    if path == "portable":
+
+        def halves_sum(vec):
+            n = vec.type.count
+            even, odd = (const_vec(I32, list(range(k, n, 2))) for k in (0, 1))
+            return builder.add(
+                builder.shuffle_vector(vec, vec, even), builder.shuffle_vector(vec, vec, odd)
+            )
+
+        def pairs(u, q):
+            return halves_sum(builder.mul(builder.zext(u, V32S), builder.sext(q, V32S)))
+
+        def madd(a, b):
+            wide = ir.VectorType(I32, 16)
+            return halves_sum(builder.mul(builder.sext(a, wide), builder.sext(b, wide)))
+
+        return pairs, lambda acc, a, b: builder.add(acc, madd(a, b)), madd
+    maddubs = declare(builder, "llvm.x86.avx2.pmadd.ub.sw", V16S, [V32B, V32B])
+    maddwd = declare(builder, "llvm.x86.avx2.pmadd.wd", V8I, [V16S, V16S])
+
+    def pairs(u, q):
+        return builder.call(maddubs, [u, q])
+
+    def madd(a, b):
+        return builder.call(maddwd, [a, b])
+
+    if path != "vnni":
+        return pairs, lambda acc, a, b: builder.add(acc, madd(a, b)), madd
+    dpwssd = declare(builder, "llvm.x86.avx512.vpdpwssd.256", V8I, [V8I] * 3)
+
+    def scaled_add(acc, a, b):
+        return builder.call(dpwssd, [acc, builder.bitcast(a, V8I), builder.bitcast(b, V8I)])
+
+    return pairs, scaled_add, madd
+
+
+def _superblock_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tuple):
+    """step(block, lane): super-block `block` of every (weight row, activation row) pair into
+    lane `lane` of its accumulator by the contract's super-block steps; the same super-block
+    of the next tile (`tile_bytes` on) prefetched into L2."""
+    w_rows, q_rows, d_rows, s_rows, accs, tile_bytes = rows
+    pairs, scaled_add, madd = _pair_ops(builder, path)
+    reduce_add = declare(builder, "llvm.vector.reduce.add.v8i32", I32, [V8I])
+    prefetch = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
+    hints = [ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1)]
+    pieces = kernel.pieces
+
+    def step(block: ir.Value, lane: ir.Value) -> None:
+        weights = []  # per weight row: (SuperBlockIntsIR, [u of each piece])
+        for w_row in w_rows:
+            at = builder.gep(w_row, [builder.mul(block, i64(kernel.block_bytes))])
+            for line in range(0, kernel.block_bytes, LINE_BYTES):
+                builder.call(
+                    prefetch, [builder.gep(at, [builder.add(tile_bytes, i64(line))]), *hints]
+                )
+            ints = kernel.superblock_ints_ir(builder, at)
+            weights.append((ints, [ints.piece(p) for p in range(pieces)]))
+        first = builder.mul(block, i64(KERNEL_BLOCK * pieces))
+        for c, (q_row, d_row, s_row) in enumerate(zip(q_rows, d_rows, s_rows, strict=True)):
+            qs = [
+                load(builder, builder.gep(q_row, [builder.add(first, i64(p * KERNEL_BLOCK))]), V32B)
+                for p in range(pieces)
+            ]
+            sums = load(builder, builder.gep(s_row, [builder.mul(block, i64(16))]), V16S, align=2)
+            dx = builder.load(builder.gep(d_row, [block]))
+            for (ints, us), row_accs in zip(weights, accs, strict=True):
+                acc = ir.Constant(V8I, None)
+                for p in range(pieces):
+                    acc = scaled_add(acc, pairs(us[p], qs[p]), ints.pair_scales(p))
+                low = madd(ints.lows, sums)
+                if ints.dmin is None:
+                    total = builder.call(reduce_add, [builder.sub(acc, low)])
+                    product = builder.fmul(builder.sitofp(total, F32), builder.fmul(ints.d, dx))
+                else:
+                    s_int, m_int = (builder.call(reduce_add, [v]) for v in (acc, low))
+                    product = builder.fsub(
+                        builder.fmul(builder.sitofp(s_int, F32), builder.fmul(ints.d, dx)),
+                        builder.fmul(builder.sitofp(m_int, F32), builder.fmul(ints.dmin, dx)),
+                    )
+                vec = builder.load(row_accs[c])
+                summed = builder.fadd(builder.extract_element(vec, lane), product)
+                builder.store(builder.insert_element(vec, summed, lane), row_accs[c])
+
+    return step
+
+
 def _tile_codegen(kernel: KernelFormat, wrows: int, xrows: int):
     path = dot_path()
+    superblocks = kernel.superblock_ints_ir is not None
+    weights_per_block = KERNEL_BLOCK * kernel.pieces
 
     def codegen(context, builder, sig, args):
-        w_ty, _, _, _, q_ty, d_ty, offs_ty, _, out_ty, _, _ = sig.args[3:]
-        weights, w_off, row_bytes, nblocks, xq, xd, x_offs, first, out, out_off, stride = args[3:]
+        w_ty, _, _, _, q_ty, d_ty, s_ty, offs_ty, _, out_ty, _, _ = sig.args[3:]
+        weights, w_off, row_bytes, nblocks, xq, xd, xs, x_offs, first, out, out_off, stride = args[
+            3:
+        ]
         w_data = context.make_array(w_ty)(context, builder, weights).data
         w_rows = [
             builder.gep(w_data, [builder.add(w_off, builder.mul(row_bytes, i64(r)))])
@@ -123,21 +226,32 @@ def _tile_codegen(kernel: KernelFormat, wrows: int, xrows: int):
             builder.load(builder.gep(offs_data, [builder.add(first, i64(c))])) for c in range(xrows)
         ]
         q_rows = [builder.gep(q_data, [s]) for s in x_starts]
-        d_rows = [builder.gep(d_data, [builder.lshr(s, i64(5))]) for s in x_starts]
+        shift = i64(weights_per_block.bit_length() - 1)  # a block's scale: one per block
+        d_rows = [builder.gep(d_data, [builder.lshr(s, shift)]) for s in x_starts]
         accs = [
             [cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(xrows)]
             for _ in range(wrows)
         ]
         tile_bytes = builder.mul(row_bytes, i64(wrows))  # the next tile: `wrows` rows on
-        rows = (w_rows, q_rows, d_rows, accs, tile_bytes)
-        groups = builder.udiv(nblocks, i64(LANES))
-        group_step = _group_step(builder, kernel, path, rows)
-        with cgutils.for_range(builder, groups) as loop:
-            group_step(builder.mul(loop.index, i64(LANES)))
-        done = builder.mul(groups, i64(LANES))
-        tail_step = _tail_step(builder, kernel, path, rows)
-        with cgutils.for_range(builder, builder.sub(nblocks, done)) as loop:
-            tail_step(builder.add(done, loop.index), loop.index)
+        if superblocks:
+            s_data = context.make_array(s_ty)(context, builder, xs).data
+            s_rows = [builder.gep(s_data, [builder.lshr(s, i64(4))]) for s in x_starts]
+            step = _superblock_step(
+                builder, kernel, path, (w_rows, q_rows, d_rows, s_rows, accs, tile_bytes)
+            )
+            with cgutils.for_range(builder, nblocks) as loop:
+                lane = builder.trunc(builder.and_(loop.index, i64(LANES - 1)), I32)
+                step(loop.index, lane)
+        else:
+            rows = (w_rows, q_rows, d_rows, accs, tile_bytes)
+            groups = builder.udiv(nblocks, i64(LANES))
+            group_step = _group_step(builder, kernel, path, rows)
+            with cgutils.for_range(builder, groups) as loop:
+                group_step(builder.mul(loop.index, i64(LANES)))
+            done = builder.mul(groups, i64(LANES))
+            tail_step = _tail_step(builder, kernel, path, rows)
+            with cgutils.for_range(builder, builder.sub(nblocks, done)) as loop:
+                tail_step(builder.add(done, loop.index), loop.index)
         out_data = context.make_array(out_ty)(context, builder, out).data
         for r in range(wrows):
             for c in range(xrows):
@@ -227,6 +341,7 @@ def tile_dot_q8(
     nblocks,
     xq,
     xd,
+    xs,
     x_offs,
     first,
     out,
@@ -234,17 +349,21 @@ def tile_dot_q8(
     out_stride,
 ):
     """out[out_off + c * out_stride + r] = the q8 contract's dot of weight row r (`nblocks`
-    blocks of `fmt`, an int8-block KernelFormat, at byte w_off + r * row_bytes of `weights`)
-    with the quantised activation row starting at xq[x_offs[first + c]] (int8), whose block
-    scales start at xd[x_offs[first + c] / 32], for r < wrows, c < xrows (TILES)."""
+    blocks of `fmt`, a KernelFormat with int8_block_ir or superblock_ints_ir, at byte w_off +
+    r * row_bytes of `weights`) with the quantised activation row starting at
+    xq[x_offs[first + c]] (int8), whose block scales start at xd[x_offs[first + c] / W] (W the
+    block's weights: 32, or 256 a super-block) and, for super-blocks, its 16-weight sums
+    (int16) at xs[x_offs[first + c] / 16], for r < wrows, c < xrows (TILES)."""
     from hybridmoe.kernels.numba_simd import KernelFormatType
 
-    if not isinstance(fmt, KernelFormatType) or fmt.kernel.int8_block_ir is None:
+    if not isinstance(fmt, KernelFormatType):
+        return None
+    if fmt.kernel.int8_block_ir is None and fmt.kernel.superblock_ints_ir is None:
         return None
     if not all(isinstance(v, types.IntegerLiteral) for v in (wrows, xrows)):
         return None
     shape = (wrows.literal_value, xrows.literal_value)
     if shape not in TILES:
         return None
-    args = (weights, w_off, row_bytes, nblocks, xq, xd, x_offs, first, out, out_off, out_stride)
+    args = (weights, w_off, row_bytes, nblocks, xq, xd, xs, x_offs, first, out, out_off, out_stride)
     return types.void(fmt, wrows, xrows, *args), _tile_codegen(fmt.kernel, *shape)

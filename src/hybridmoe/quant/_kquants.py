@@ -11,7 +11,10 @@ the kernel reads each super-block as 8 pieces of 32 weights (KernelFormat.pieces
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache, partial
+from typing import Any
 
 import torch
 
@@ -38,20 +41,77 @@ def _dequantize(
     return dequantize_blocks(q, name, block_bytes, chunk, dtype, SUPER_BLOCK_SIZE)
 
 
+@dataclass(frozen=True)
+class SuperBlockInts:
+    """A k-quant's super-blocks as integers, the view the q8 contract computes with
+    (quant/activation_q8.py): weight i of sub-block j is d sc_j (u_i - offset) - dmin m_j,
+    exactly (d sc_j and dmin m_j are exact in float32, as the dequantisers' products)."""
+
+    u: torch.Tensor  # uint8 [..., nsb, 256]: the unsigned integer of each weight
+    scales: torch.Tensor  # int32 [..., nsb, subs]: sc_j of each sub-block of 256 / subs
+    mins: torch.Tensor | None  # int32 [..., nsb, subs]: m_j (formats with a minimum)
+    d: torch.Tensor  # float32 [..., nsb]
+    dmin: torch.Tensor | None  # float32 [..., nsb] (formats with a minimum)
+    offset: int  # subtracted from every u
+
+
+def superblock_ints(
+    q: torch.Tensor,
+    u: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    d: torch.Tensor,
+    dmin: torch.Tensor | None,
+    offset: int = 0,
+) -> SuperBlockInts:
+    """SuperBlockInts of the stored q [..., nsb * block_bytes] from its blocks' flat parts
+    (u [b, 256], scales and mins [b, subs], d and dmin [b, 1, 1] as fp16_at gives them)."""
+    lead = (*q.shape[:-1], -1)
+    ints = (
+        None if t is None else t.to(torch.int32).reshape(*lead, t.shape[-1]) for t in (scales, mins)
+    )
+    floats = (None if t is None else t.reshape(lead) for t in (d, dmin))
+    return SuperBlockInts(u.reshape(*lead, SUPER_BLOCK_SIZE), *ints, *floats, offset)
+
+
+@dataclass(frozen=True)
+class SuperBlockIntsIR:
+    """LLVM IR values of one super-block for the integer-dot tile (kernels/numba_simd_q8.py),
+    made by a format's superblock_ints_ir(builder, block): with q the q8 activations of the
+    super-block and B_k = Σ q over its 16-weight group k, its integer S = Σ_p Σ_l
+    pair_scales(p)_l (u_2l q_2l + u_2l+1 q_2l+1) (u of piece p), L = Σ_k lows_k B_k, and its
+    product fl(S) fl(d d_x) - fl(L) fl(dmin d_x); without a minimum (dmin None) S - L is the
+    integer and fl(S - L) fl(d d_x) the product (the contract's, quant/activation_q8.py)."""
+
+    piece: Callable[[int], Any]  # p -> <32 x i8>: u of the super-block's weights 32p .. 32p + 31
+    pair_scales: Callable[[int], Any]  # p -> <16 x i16>: the scale of each pair of piece p
+    lows: Any  # <16 x i16>: per 16-weight group, its minimum (or offset * scale) coefficient
+    d: Any  # float
+    dmin: Any | None  # float, or None: L is taken from S
+
+
 def register_k_quant(
     name: str,
     block_bytes: int,
     chunk: DequantizeChunk,
     superblock_ir: DequantizeSuperBlockIR,
     scale_offsets: tuple[int, ...],
+    ints: tuple[Callable[[torch.Tensor], SuperBlockInts], Callable[[Any, Any], SuperBlockIntsIR]]
+    | None = None,
 ) -> WeightFormat:
     """Registers the k-quant `name`: blocks [b, block_bytes] uint8 -> chunk -> weights
     [b, 256] fp32; `superblock_ir` is its kernel's DequantizeSuperBlockIR; its fp16 d (and
-    dmin) at `scale_offsets`."""
+    dmin) at `scale_offsets`; `ints` its integer view, (WeightFormat.superblock_ints_fn,
+    KernelFormat.superblock_ints_ir), where it has one."""
     dequantize = partial(_dequantize, name=name, block_bytes=block_bytes, chunk=chunk)
-    kernel = KernelFormat(name, block_bytes, superblock_ir, pieces=PIECES)
+    ints_fn, ints_ir = ints if ints is not None else (None, None)
+    kernel = KernelFormat(
+        name, block_bytes, superblock_ir, pieces=PIECES, superblock_ints_ir=ints_ir
+    )
     stored = (SUPER_BLOCK_SIZE, block_bytes, torch.uint8)
-    fmt = WeightFormat(name, *stored, None, dequantize, kernel, scale_offsets)
+    fmt = WeightFormat(
+        name, *stored, None, dequantize, kernel, scale_offsets, superblock_ints_fn=ints_fn
+    )
     return register_format(fmt)
 
 

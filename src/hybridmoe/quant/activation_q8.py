@@ -1,8 +1,8 @@
 """Activation quantisation: the `q8` contract of a projection whose weights are 32-integer
-blocks (q8_0, q4_0: WeightFormat.has_int8_blocks), as llama.cpp computes its quantised
-matmuls; the torch reference that every path (the numba CPU kernel, `bank_moe`, the
-accelerator's `gathered_moe`, prefill) reproduces bit for bit, so every decode target still
-gives the same tokens.
+blocks (q8_0, q4_0: WeightFormat.has_int8_blocks) or integer super-blocks (q4_k, q5_k, q6_k:
+has_superblock_ints), as llama.cpp computes its quantised matmuls; the torch reference that
+every path (the numba CPU kernel, `bank_moe`, the accelerator's `gathered_moe`, prefill)
+reproduces bit for bit, so every decode target still gives the same tokens.
 
 For one output y = Σ w_k x_k of a weight row w and an activation row x [K] (float32; a bf16
 activation widened exactly), K = 32 nb:
@@ -17,6 +17,17 @@ activation widened exactly), K = 32 nb:
    p_{j+16}) + ..., then y = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
 Steps 2-4 fix the order of every float operation, so any instruction set (integer dot products
 of any width) gives the same y.
+
+A k-quant row (quant/_kquants.SuperBlockInts: weight i of sub-block j = d sc_j (u_i - o) -
+dmin m_j) takes the same steps per 256-weight super-block instead of per 32-block, as ggml's
+q8_K does, so that a super-block's sub-blocks add up in integers:
+1. x is quantised per 256-block by step 1's formula (d_x = max|x| / 127 over the 256);
+2. with s_j = Σ_{i in j} u_i q_i and B_j = Σ_{i in j} q_i over sub-block j, the integers
+   S = Σ_j sc_j (s_j - o B_j) and, for a format with minimums, M = Σ_j m_j B_j, exact in int32
+   (|S| < 256 * 63 * 127 * 128 < 2^31);
+3. p_b = float32(S) * (d * d_x) - float32(M) * (dmin * d_x) (each product rounded to float32,
+   then the difference; without minimums p_b = float32(S) * (d * d_x));
+4. as above, over the super-blocks.
 """
 
 from __future__ import annotations
@@ -28,21 +39,27 @@ from hybridmoe.quant.q8_0 import q8_0_blocks_f32
 
 ACTIVATION_QUANTS = ("none", "q8")  # OffloadConfig.activation_quant's choices
 LANES = 8  # float32 lanes the block products are summed in (step 4)
+SUPER_BLOCK = 256  # the activation block of a k-quant row
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] (K a multiple of 32; float32, or a float dtype widened to it exactly) ->
-    (q int8 [..., K / 32, 32], d float32 [..., K / 32]), step 1 of the contract."""
-    if x.shape[-1] % KERNEL_BLOCK:
-        raise ValueError(f"activation_quant q8: rows of {x.shape[-1]} are not 32-blocks")
-    blocks = x.to(torch.float32).reshape(-1, KERNEL_BLOCK)  # [B, 32]
+def quantize_activations(
+    x: torch.Tensor, block: int = KERNEL_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (K a multiple of `block`, 32 or SUPER_BLOCK; float32, or a float dtype
+    widened to it exactly) -> (q int8 [..., K / block, block], d float32 [..., K / block]),
+    step 1 of the contract."""
+    if x.shape[-1] % block:
+        raise ValueError(f"activation_quant q8: rows of {x.shape[-1]} are not {block}-blocks")
+    blocks = x.to(torch.float32).reshape(-1, block)  # [B, block]
     d, q = q8_0_blocks_f32(blocks)
-    return q.reshape(*x.shape[:-1], -1, KERNEL_BLOCK), d.reshape(*x.shape[:-1], -1)
+    return q.reshape(*x.shape[:-1], -1, block), d.reshape(*x.shape[:-1], -1)
 
 
 def q8_linear(x: torch.Tensor, stored: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
     """x [n, K] float, stored weight rows [R, row_bytes] in `fmt` -> float32 [n, R], each
     output by the contract (the module docstring)."""
+    if fmt.has_superblock_ints:
+        return _superblock_dots(x, fmt.superblock_ints(stored), "nsjk,rsjk->nrsj", batched=False)
     qx, dx = quantize_activations(x)  # [n, nb, 32], [n, nb]
     qw, dw = fmt.int8_blocks(stored)  # [R, nb, 32], [R, nb]
     sums = torch.einsum("nbi,rbi->nrb", qx.float(), qw.float())  # [n, R, nb]; exact integers
@@ -52,10 +69,33 @@ def q8_linear(x: torch.Tensor, stored: torch.Tensor, fmt: WeightFormat) -> torch
 def q8_bmm(x: torch.Tensor, stored: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
     """x [c, K] float, stored [c, R, row_bytes] (each route's own rows) -> float32 [c, R]:
     q8_linear route by route, batched."""
+    if fmt.has_superblock_ints:
+        return _superblock_dots(x, fmt.superblock_ints(stored), "csjk,crsjk->crsj", batched=True)
     qx, dx = quantize_activations(x)  # [c, nb, 32], [c, nb]
     qw, dw = fmt.int8_blocks(stored)  # [c, R, nb, 32], [c, R, nb]
     sums = torch.einsum("cbi,crbi->crb", qx.float(), qw.float())  # [c, R, nb]; exact
     return _lane_sum(sums * (dw * dx[:, None]))
+
+
+def _superblock_dots(x: torch.Tensor, ints, pattern: str, batched: bool) -> torch.Tensor:
+    """x [n, K] float and a k-quant's SuperBlockInts (rows [R, nsb, ...], or [n, R, nsb, ...]
+    when `batched`) -> float32 [n, R]: the contract's super-block steps, with the sums s_j
+    of `pattern` (einsum over the sub-block's weights k: exact in float32, |s_j| <= 32 * 63 *
+    127 < 2^24) and everything after them in int32."""
+    qx, dx = quantize_activations(x, SUPER_BLOCK)  # [n, nsb, 256], [n, nsb]
+    subs = ints.scales.shape[-1]
+    q = qx.reshape(*qx.shape[:-1], subs, -1)  # [n, nsb, subs, 256 / subs]
+    u = ints.u.reshape(*ints.u.shape[:-1], subs, -1)
+    sums = torch.einsum(pattern, q.float(), u.float()).to(torch.int32)  # [n, R, nsb, subs]
+    b = q.sum(-1, dtype=torch.int32)[:, None]  # [n, 1, nsb, subs]
+    lead = (lambda t: t) if batched else (lambda t: t[None])  # the rows' [n] axis
+    s = ((sums - ints.offset * b) * lead(ints.scales)).sum(-1, dtype=torch.int32)  # [n, R, nsb]
+    dx = dx[:, None]  # [n, 1, nsb]
+    products = s.float() * (lead(ints.d) * dx)
+    if ints.mins is not None:
+        m = (b * lead(ints.mins)).sum(-1, dtype=torch.int32)
+        products = products - m.float() * (lead(ints.dmin) * dx)
+    return _lane_sum(products)
 
 
 def _lane_sum(products: torch.Tensor) -> torch.Tensor:
@@ -76,21 +116,23 @@ def _lane_sum(products: torch.Tensor) -> torch.Tensor:
 
 def check_formats(activation_quant: str, formats: tuple[WeightFormat, WeightFormat]) -> None:
     """ValueError unless `activation_quant` is a choice and, for q8, gate/up's and down's
-    formats (`formats`) are both int8-block formats or neither (then q8 changes nothing)."""
+    formats (`formats`) both have integer dot products (has_integer_dots) or neither (then
+    q8 changes nothing)."""
     if activation_quant not in ACTIVATION_QUANTS:
         raise ValueError(
             f"activation_quant must be one of {', '.join(ACTIVATION_QUANTS)}, "
             f"got {activation_quant!r}"
         )
-    kinds = {fmt.has_int8_blocks for fmt in formats}
+    kinds = {fmt.has_integer_dots for fmt in formats}
     if activation_quant == "q8" and len(kinds) > 1:
         names = "/".join(fmt.name for fmt in formats)
         raise ValueError(
-            f"activation_quant q8: experts in {names} mix int8-block formats (q8_0, q4_0) "
-            "with others; it needs all of gate/up and down in one kind"
+            f"activation_quant q8: experts in {names} mix formats with integer dot products "
+            "(q8_0, q4_0, q4_k, q5_k, q6_k) and others; it needs all of gate/up and down in "
+            "one kind"
         )
 
 
 def uses_q8(activation_quant: str, fmt: WeightFormat) -> bool:
     """Whether a projection in `fmt` computes by the q8 contract under `activation_quant`."""
-    return activation_quant == "q8" and fmt.has_int8_blocks
+    return activation_quant == "q8" and fmt.has_integer_dots

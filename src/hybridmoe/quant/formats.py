@@ -35,6 +35,9 @@ LoadWeightIR = Callable[[Any, Any], Any]
 # (builder, byte pointer to a block) -> (<32 x i8> signed integers v, float scale s): the
 # block's weights are exactly s * v, |v| <= 127 (the integer-dot kernels, quant/activation_q8.py)
 Int8BlockIR = Callable[[Any, Any], tuple[Any, Any]]
+# (builder, byte pointer to a super-block) -> quant/_kquants.SuperBlockIntsIR: a k-quant
+# super-block as integers for the integer-dot kernels (the q8 contract, quant/activation_q8.py)
+SuperBlockIntsIR = Callable[[Any, Any], Any]
 
 
 @dataclass(frozen=True)
@@ -58,10 +61,14 @@ class KernelFormat:
     # a 32-weight block as integers and one scale, for formats whose blocks are that (q8_0,
     # q4_0): with activation_quant q8 their projections take integer dot products
     int8_block_ir: Int8BlockIR | None = field(default=None, repr=False)
+    # a super-block as integers (q4_k, q5_k, q6_k): their integer dot products under q8
+    superblock_ints_ir: SuperBlockIntsIR | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.int8_block_ir is not None and self.pieces != 1:
             raise ValueError(f"{self.name}: only single-piece blocks have int8_block_ir")
+        if self.superblock_ints_ir is not None and self.pieces == 1:
+            raise ValueError(f"{self.name}: only super-blocks have superblock_ints_ir")
         if self.pieces < 1 or (self.pieces > 1 and self.load_weight_ir is not None):
             raise ValueError(
                 f"{self.name}: a kernel block is 1 or more pieces of {KERNEL_BLOCK} weights, "
@@ -108,10 +115,16 @@ class WeightFormat:
     int8_blocks_fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = field(
         default=None, repr=False
     )
+    # stored [..., nsb * block_bytes] -> quant/_kquants.SuperBlockInts: each 256-weight
+    # super-block as integers and its float d (and dmin); the torch side of
+    # kernel.superblock_ints_ir
+    superblock_ints_fn: Callable[[torch.Tensor], Any] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if (self.int8_blocks_fn is None) != (self.kernel.int8_block_ir is None):
             raise ValueError(f"{self.name}: int8_blocks_fn and int8_block_ir go together")
+        if (self.superblock_ints_fn is None) != (self.kernel.superblock_ints_ir is None):
+            raise ValueError(f"{self.name}: superblock_ints_fn and its IR go together")
         if self.block_bytes % self.storage_dtype.itemsize:
             raise ValueError(f"{self.name}: {self.block_bytes} bytes is not whole elements")
         self._check_kernel()
@@ -152,6 +165,25 @@ class WeightFormat:
         if self.int8_blocks_fn is None:
             raise ValueError(f"{self.name}: its blocks are not 32 integers and one scale")
         return self.int8_blocks_fn(q)
+
+    @property
+    def has_superblock_ints(self) -> bool:
+        """Whether a super-block reads as integers (superblock_ints): the k-quants whose
+        projections take integer dot products with q8 activations (q4_k, q5_k, q6_k)."""
+        return self.superblock_ints_fn is not None
+
+    def superblock_ints(self, q: torch.Tensor) -> Any:
+        """The stored tensor q [..., nsb * block_bytes] -> quant/_kquants.SuperBlockInts.
+        ValueError for a format without."""
+        if self.superblock_ints_fn is None:
+            raise ValueError(f"{self.name}: its super-blocks have no integer form")
+        return self.superblock_ints_fn(q)
+
+    @property
+    def has_integer_dots(self) -> bool:
+        """Whether activation_quant q8 computes this format's projections by integer dot
+        products (int8 blocks or integer super-blocks)."""
+        return self.has_int8_blocks or self.has_superblock_ints
 
     @property
     def can_quantize(self) -> bool:

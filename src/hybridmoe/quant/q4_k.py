@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from hybridmoe.quant._kquants import PIECES, fp16_at, register_k_quant, shifted
+from hybridmoe.quant._kquants import (
+    PIECES,
+    SuperBlockInts,
+    fp16_at,
+    register_k_quant,
+    shifted,
+    superblock_ints,
+)
 
 __all__ = ["BLOCK_BYTES", "Q4_K", "scale_min_k4"]
 
@@ -41,11 +48,10 @@ def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
     return v.mul_(scale).sub_(low).reshape(-1, 256)  # in place: few temporaries
 
 
-def scale_min_ir(builder, block, negated: bool = False):
-    """LLVM IR: <16 x float> [d * sc_0 .. d * sc_7, dmin * m_0 .. dmin * m_7] of a Q4_K/Q5_K
-    super-block at byte pointer `block` (scale_min_k4's unpacking in 32-bit lanes: one
-    widening load, two constant lane shuffles, shifts and masks); the minimums negated,
-    -(dmin * m_j), when `negated` (exact: the product's sign flips, not its rounding)."""
+def scale_min_ints_ir(builder, block):
+    """LLVM IR: <16 x i32> [sc_0 .. sc_7, m_0 .. m_7] of a Q4_K/Q5_K super-block at byte
+    pointer `block` (scale_min_k4's unpacking in 32-bit lanes: one widening load, two
+    constant lane shuffles, shifts and masks)."""
     from hybridmoe.kernels import llvm_ir as ll
 
     wide = ll.widened_bytes(builder, ll.offset(builder, block, 4))  # lane i: scale byte i
@@ -54,7 +60,16 @@ def scale_min_ir(builder, block, negated: bool = False):
     low = ll.bits(builder, low, [0] * 12 + [4] * 4, six + [15] * 4 + six + [15] * 4)
     top = ll.lanes(builder, wide, [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7])
     top = ll.bits(builder, top, 2, [0] * 4 + [0x30] * 4 + [0] * 4 + [0x30] * 4)
-    values = builder.uitofp(builder.or_(low, top), ll.V16F)
+    return builder.or_(low, top)
+
+
+def scale_min_ir(builder, block, negated: bool = False):
+    """LLVM IR: <16 x float> [d * sc_0 .. d * sc_7, dmin * m_0 .. dmin * m_7] of a Q4_K/Q5_K
+    super-block at byte pointer `block` (scale_min_ints_ir's integers); the minimums negated,
+    -(dmin * m_j), when `negated` (exact: the product's sign flips, not its rounding)."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    values = builder.uitofp(scale_min_ints_ir(builder, block), ll.V16F)
     d_dmin = builder.fpext(ll.load(builder, block, ll.vector(ll.HALF, 2)), ll.vector(ll.F32, 2))
     scales = builder.fmul(values, ll.lanes(builder, d_dmin, [0] * 8 + [1] * 8))
     if not negated:
@@ -97,4 +112,47 @@ def _superblock_ir(builder, block):
     return piece
 
 
-Q4_K = register_k_quant("q4_k", BLOCK_BYTES, _dequantize_chunk, _superblock_ir, (0, 2))
+def _superblock_ints(q: torch.Tensor) -> SuperBlockInts:
+    blocks = q.reshape(-1, BLOCK_BYTES)
+    sc, mins = scale_min_k4(blocks[:, 4:16])
+    u = shifted(blocks[:, 16:].reshape(-1, 4, 32), [0, 4], 0x0F)  # [b, 4, 2, 32]: pieces
+    return superblock_ints(q, u.reshape(-1, 256), sc, mins, fp16_at(blocks, 0), fp16_at(blocks, 2))
+
+
+def ints_ir(builder, block, piece):
+    """LLVM IR: the SuperBlockIntsIR of a Q4_K/Q5_K super-block whose piece(p) gives u."""
+    from hybridmoe.kernels import llvm_ir as ll
+    from hybridmoe.quant._kquants import SuperBlockIntsIR
+
+    both = builder.trunc(scale_min_ints_ir(builder, block), ll.vector(ll.I16, 16))
+    return SuperBlockIntsIR(
+        piece=piece,
+        pair_scales=lambda p: ll.lanes(builder, both, [p] * 16),
+        lows=ll.lanes(builder, both, [8 + k // 2 for k in range(16)]),  # m_j, each 16 twice
+        d=ll.fp16_scale(builder, block),
+        dmin=ll.fp16_scale(builder, ll.offset(builder, block, 2)),
+    )
+
+
+def _superblock_ints_ir(builder, block):
+    from hybridmoe.kernels import llvm_ir as ll
+
+    packed = {}
+
+    def piece(p: int):  # nibble p % 2 of bytes 32 (p // 2) ..
+        if p // 2 not in packed:
+            ptr = ll.offset(builder, block, 16 + 32 * (p // 2))
+            packed[p // 2] = ll.load(builder, ptr, ll.vector(ll.I8, 32))
+        return ll.bits(builder, packed[p // 2], 4 * (p % 2), 0x0F)
+
+    return ints_ir(builder, block, piece)
+
+
+Q4_K = register_k_quant(
+    "q4_k",
+    BLOCK_BYTES,
+    _dequantize_chunk,
+    _superblock_ir,
+    (0, 2),
+    (_superblock_ints, _superblock_ints_ir),
+)

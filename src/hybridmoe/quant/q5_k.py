@@ -8,21 +8,55 @@ from __future__ import annotations
 
 import torch
 
-from hybridmoe.quant._kquants import PIECES, register_k_quant, shifted
-from hybridmoe.quant.q4_k import scale_min_ir, sub_block_scales
+from hybridmoe.quant._kquants import (
+    PIECES,
+    SuperBlockInts,
+    fp16_at,
+    register_k_quant,
+    shifted,
+    superblock_ints,
+)
+from hybridmoe.quant.q4_k import ints_ir, scale_min_ir, scale_min_k4, sub_block_scales
 
 __all__ = ["BLOCK_BYTES", "Q5_K"]
 
 BLOCK_BYTES = 176  # d, dmin, 12 bytes of scales, 32 of high bits, 128 of nibbles
 
 
-def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
-    scale, low = sub_block_scales(blocks)  # [b, 8, 1] each
+def _values(blocks: torch.Tensor) -> torch.Tensor:
+    """The 5-bit v [b, 8, 32] uint8 of blocks [b, 176]."""
     qh = blocks[:, 16:48].reshape(-1, 1, 32)  # [b, 1, 32]
     qs = blocks[:, 48:].reshape(-1, 4, 32)  # [b, 4, 32]
     v = shifted(qs, [0, 4], 0x0F).reshape(-1, PIECES, 32)  # [b, 8, 32]
-    v = v | (shifted(qh, list(range(8)), 1).reshape(-1, PIECES, 32) << 4)
-    return v.to(torch.float32).mul_(scale).sub_(low).reshape(-1, 256)  # in place
+    return v | (shifted(qh, list(range(8)), 1).reshape(-1, PIECES, 32) << 4)
+
+
+def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
+    scale, low = sub_block_scales(blocks)  # [b, 8, 1] each
+    return _values(blocks).to(torch.float32).mul_(scale).sub_(low).reshape(-1, 256)  # in place
+
+
+def _superblock_ints(q: torch.Tensor) -> SuperBlockInts:
+    blocks = q.reshape(-1, BLOCK_BYTES)
+    sc, mins = scale_min_k4(blocks[:, 4:16])
+    u = _values(blocks).reshape(-1, 256)
+    return superblock_ints(q, u, sc, mins, fp16_at(blocks, 0), fp16_at(blocks, 2))
+
+
+def _superblock_ints_ir(builder, block):
+    from hybridmoe.kernels import llvm_ir as ll
+
+    qh = ll.load(builder, ll.offset(builder, block, 16), ll.vector(ll.I8, 32))
+    packed = {}
+
+    def piece(p: int):  # nibble p % 2 of bytes 48 + 32 (p // 2) .., bit p of qh as bit 4
+        if p // 2 not in packed:
+            ptr = ll.offset(builder, block, 48 + 32 * (p // 2))
+            packed[p // 2] = ll.load(builder, ptr, ll.vector(ll.I8, 32))
+        low = ll.bits(builder, packed[p // 2], 4 * (p % 2), 0x0F)
+        return builder.or_(low, ll.shl(builder, ll.bits(builder, qh, p, 1), 4))
+
+    return ints_ir(builder, block, piece)
 
 
 def _superblock_ir(builder, block):
@@ -85,4 +119,11 @@ def _byte_pieces(builder, block):
     return piece
 
 
-Q5_K = register_k_quant("q5_k", BLOCK_BYTES, _dequantize_chunk, _superblock_ir, (0, 2))
+Q5_K = register_k_quant(
+    "q5_k",
+    BLOCK_BYTES,
+    _dequantize_chunk,
+    _superblock_ir,
+    (0, 2),
+    (_superblock_ints, _superblock_ints_ir),
+)

@@ -9,21 +9,68 @@ from __future__ import annotations
 
 import torch
 
-from hybridmoe.quant._kquants import PIECES, fp16_at, register_k_quant, shifted
+from hybridmoe.quant._kquants import (
+    PIECES,
+    SuperBlockInts,
+    fp16_at,
+    register_k_quant,
+    shifted,
+    superblock_ints,
+)
 
 __all__ = ["BLOCK_BYTES", "Q6_K"]
 
 BLOCK_BYTES = 210  # 128 bytes ql, 64 qh, 16 int8 scales, fp16 d
 
 
+def _values(blocks: torch.Tensor) -> torch.Tensor:
+    """The 6-bit v [b, 8, 32] uint8 (before the offset of 32) of blocks [b, 210]."""
+    ql = shifted(blocks[:, :128].reshape(-1, 2, 64), [0, 4], 0x0F)  # [b, 2, 2, 64]
+    qh = shifted(blocks[:, 128:192].reshape(-1, 2, 32), [0, 2, 4, 6], 3)  # [b, 2, 4, 32]
+    return ql.reshape(-1, PIECES, 32) | (qh.reshape(-1, PIECES, 32) << 4)  # [b, 8, 32]
+
+
 def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
     scales = blocks[:, 192:208].view(torch.int8).to(torch.float32)  # [b, 16]
     scale = (fp16_at(blocks, 208)[:, 0] * scales)[:, :, None]  # [b, 16, 1]
-    ql = shifted(blocks[:, :128].reshape(-1, 2, 64), [0, 4], 0x0F)  # [b, 2, 2, 64]
-    qh = shifted(blocks[:, 128:192].reshape(-1, 2, 32), [0, 2, 4, 6], 3)  # [b, 2, 4, 32]
-    v = ql.reshape(-1, PIECES, 32) | (qh.reshape(-1, PIECES, 32) << 4)  # [b, 8, 32]
-    v = (v.view(torch.int8) - 32).reshape(-1, 16, 16).to(torch.float32)
+    v = (_values(blocks).view(torch.int8) - 32).reshape(-1, 16, 16).to(torch.float32)
     return v.mul_(scale).reshape(-1, 256)
+
+
+def _superblock_ints(q: torch.Tensor) -> SuperBlockInts:
+    blocks = q.reshape(-1, BLOCK_BYTES)
+    scales = blocks[:, 192:208].contiguous().view(torch.int8)  # [b, 16]
+    u = _values(blocks).reshape(-1, 256)
+    return superblock_ints(q, u, scales, None, fp16_at(blocks, 208), None, offset=32)
+
+
+def _superblock_ints_ir(builder, block):
+    """LLVM IR: the SuperBlockIntsIR of a Q6_K super-block: lows = 32 sc_k (the offset)."""
+    from hybridmoe.kernels import llvm_ir as ll
+    from hybridmoe.quant._kquants import SuperBlockIntsIR
+
+    raw = ll.load(builder, ll.offset(builder, block, 192), ll.vector(ll.I8, 16))
+    scales = builder.sext(raw, ll.vector(ll.I16, 16))
+    loaded = {}
+
+    def load32(at: int):
+        if at not in loaded:
+            loaded[at] = ll.load(builder, ll.offset(builder, block, at), ll.vector(ll.I8, 32))
+        return loaded[at]
+
+    def piece(p: int):
+        half, j = divmod(p, 4)
+        low = ll.bits(builder, load32(64 * half + 32 * (j % 2)), 4 * (j // 2), 0x0F)
+        high = ll.shl(builder, ll.bits(builder, load32(128 + 32 * half), 2 * j, 3), 4)
+        return builder.or_(low, high)  # 0 .. 63
+
+    return SuperBlockIntsIR(
+        piece=piece,
+        pair_scales=lambda p: ll.lanes(builder, scales, [2 * p] * 8 + [2 * p + 1] * 8),
+        lows=ll.shl(builder, scales, 5),  # 32 sc_k: S - Σ 32 sc_k B_k
+        d=ll.fp16_scale(builder, ll.offset(builder, block, 208)),
+        dmin=None,
+    )
 
 
 def _superblock_ir(builder, block):
@@ -98,4 +145,11 @@ def _byte_pieces(builder, block):
     return piece
 
 
-Q6_K = register_k_quant("q6_k", BLOCK_BYTES, _dequantize_chunk, _superblock_ir, (208,))
+Q6_K = register_k_quant(
+    "q6_k",
+    BLOCK_BYTES,
+    _dequantize_chunk,
+    _superblock_ir,
+    (208,),
+    (_superblock_ints, _superblock_ints_ir),
+)

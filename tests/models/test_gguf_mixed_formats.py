@@ -112,3 +112,29 @@ def test_gate_and_up_of_different_types_are_refused(tmp_path: Path) -> None:
     message = str(error.value)
     assert "\n" not in message
     assert "'blk.0.ffn_gate_exps.weight' is Q4_K but 'blk.0.ffn_up_exps.weight' is Q5_K" in message
+
+
+def test_mixed_gguf_q8_activations_give_one_set_of_tokens(mixed) -> None:
+    """activation_quant q8 on the Q4_K_M-like file (integer super-blocks, q4_k beside q6_k and
+    q5_k): every decode target gives the resident target's tokens (bank_moe, the contract's
+    torch reference), the banks really compute with q8, and its logits stay within q8's
+    error of transformers' float ones."""
+    gguf_path, _, reference_logits = mixed
+
+    def run(**target) -> tuple[list[int], torch.Tensor]:
+        offload = OffloadConfig(activation_quant="q8", **target)
+        config = EngineConfig(dtype="float32", offload=offload)
+        with Engine.from_pretrained(gguf_path, config) as engine:
+            assert all(bank.q8_activations for bank in engine.moe_runtime.banks)
+            [ours] = engine.generate_ids([PROMPT_IDS], GREEDY)
+            return ours, engine.model.logits(PROMPT_IDS + mixed[1][:-1])
+
+    reference, logits = run(decode_target="resident")
+    scale = reference_logits.abs().max()
+    assert not torch.equal(logits, reference_logits)
+    torch.testing.assert_close(logits, reference_logits, rtol=0, atol=0.05 * scale)
+    targets = [dict(decode_target=t) for t in DECODE_TARGETS if t not in ("resident", "auto")] + [
+        dict(decode_target="hybrid", expert_cache_slots=2, max_fetch=1)
+    ]
+    for target in targets:
+        assert run(**target)[0] == reference, target

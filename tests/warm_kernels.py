@@ -34,6 +34,20 @@ def _fused(name: str, activation_quant: str = "none") -> None:
     fused_cpu_moe(torch.ones(1, bank.hidden_size), ids, weights, bank)
 
 
+def _fused_q8_pair(gate_up_name: str, down_name: str) -> None:
+    """The q8 layer kernel of a pair of formats (gate/up, down) the suite mixes."""
+    gen = torch.Generator().manual_seed(0)
+    gate_up_fmt, down_fmt = weight_format(gate_up_name), weight_format(down_name)
+    gate_up = random_stored(gate_up_fmt, (2, 512, 256), gen)
+    down = random_stored(down_fmt, (2, 256, 256), gen)
+    bank = ExpertBank(gate_up, down, gate_up_fmt, down_fmt=down_fmt, activation_quant="q8")
+    fused_cpu_moe(torch.ones(1, 256), torch.tensor([[0, 1]]), torch.ones(1, 2), bank)
+
+
+# the (gate/up, down) pairs of k-quant banks the suite computes with q8 activations
+Q8_PAIRS = (("q4_k", "q6_k"), ("q4_k", "q5_k"), ("q5_k", "q8_0"))
+
+
 def _quantize(name: str) -> None:
     """Quantising a float bank (the converters of q8_0 and q4_0 are numba kernels)."""
     gate_up, down = torch.ones(2, 64, 64), torch.ones(2, 64, 32)
@@ -52,6 +66,7 @@ def jobs() -> list[tuple]:
     out: list[tuple] = [(_fused, name) for name in WEIGHT_FORMATS]
     q8 = [n for n, f in WEIGHT_FORMATS.items() if f.kernel.int8_block_ir is not None]
     out += [(_fused, name, "q8") for name in q8]
+    out += [(_fused_q8_pair, *pair) for pair in Q8_PAIRS]
     out += [(_dense, name) for name in DENSE_FORMATS if name in WEIGHT_FORMATS]
     out += [(_quantize, n) for n, f in WEIGHT_FORMATS.items() if f.is_quantized and f.can_quantize]
     return out

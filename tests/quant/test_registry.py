@@ -84,7 +84,14 @@ def test_an_inconsistent_kernel_descriptor_is_refused() -> None:
         dataclasses.replace(q8_0, kernel=KernelFormat("q8_0", 34, ir, load_weight_ir=ir))
     with pytest.raises(ValueError, match="blocks of 48 weights do not tile .* of 256"):
         dataclasses.replace(q8_0, kernel=KernelFormat("q8_0", 34, ir, pieces=8), block_size=48)
-    q4_k = weight_format("q4_k")
+    with_ints = weight_format("q4_k")
+    with pytest.raises(ValueError, match="superblock_ints_fn and its IR go together"):
+        dataclasses.replace(with_ints, kernel=KernelFormat("q4_k", 144, ir, pieces=8))
+    with pytest.raises(ValueError, match="only super-blocks have superblock_ints_ir"):
+        KernelFormat("q8_0", 34, ir, superblock_ints_ir=ir)
+    q4_k = dataclasses.replace(
+        with_ints, superblock_ints_fn=None, kernel=KernelFormat("q4_k", 144, ir, pieces=8)
+    )
     with pytest.raises(ValueError, match="blocks of 256 weights do not tile .* of 32"):
         dataclasses.replace(q4_k, kernel=KernelFormat("q4_k", 18, ir))
     with pytest.raises(ValueError, match="only single pieces may end a row"):

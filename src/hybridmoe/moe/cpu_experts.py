@@ -5,7 +5,9 @@ expert one GEMM over its stacked gate_up rows (or one each for gate and up when 
 them apart), the expert's weights dequantised first when the bank is quantised.
 `fused_cpu_moe` is the fast path: for up to FUSED_MAX_TOKENS tokens one numba call per layer
 reads each weight row once for all tokens (kernels/numba_moe.py); beyond that (prefill)
-compute dominates and the dequantise-then-GEMM reference is the better kernel.
+compute dominates and the dequantise-then-GEMM reference is the better kernel, except with q8
+activations, whose reference is not a GEMM: their kernel (kernels/numba_moe_q8.py) takes
+every batch.
 Kernels are registered by name in CPU_EXPERT_FNS; their factories import them lazily.
 
 Every kernel keeps the accumulation contract (docs/architecture.md): it returns the float32
@@ -33,7 +35,10 @@ CpuExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertBank], t
 # kernel name -> factory(threads); a factory imports its optional dependency when called
 CPU_EXPERT_FNS: dict[str, Callable[[int | None], CpuExpertFn]] = {}
 
-FUSED_MAX_TOKENS = 16  # fused_cpu_moe's fused kernel up to this many tokens; beyond: bank_moe
+# fused_cpu_moe's fused kernel up to this many tokens; beyond: bank_moe (dequantise, then
+# torch's matmul), except for banks with q8 activations, whose torch reference is slower than
+# the kernel at any batch
+FUSED_MAX_TOKENS = 16
 
 
 def register_cpu_expert_fn(
@@ -81,7 +86,7 @@ def fused_cpu_moe(
     (_BankCall), inputs already of the kernel's dtype are passed as views (the kernel only
     reads them) and bf16 ones widened by a numba call: a call is 1 aten op (from_numpy's)."""
     tokens, top_k = expert_ids.shape
-    if tokens > FUSED_MAX_TOKENS:
+    if tokens > FUSED_MAX_TOKENS and not bank.q8_activations:  # q8: the kernel at any T
         return bank_moe(x, expert_ids, weights, bank)
     call = _BANK_CALLS.get(bank) or _BankCall.of(bank)
     x32 = _kernel_array(x, torch.float32, np.float32)  # [T*H]

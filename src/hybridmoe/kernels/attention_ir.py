@@ -198,15 +198,3 @@ def pv_tile(typingctx, tile, acc, g0, p, p_stride, vc, off, n, dim):
         return None
     sig = types.void(tile, acc, g0, p, p_stride, vc, off, n, dim)
     return sig, _pv_codegen(tile.literal_value, lanes(), vc.dtype == types.uint16)
-
-
-@intrinsic
-def address_pointer(typingctx, address):
-    """The int64 `address` as a void pointer (for numba.carray)."""
-    if not isinstance(address, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], cgutils.voidptr_t)
-
-    return types.voidptr(address), codegen

@@ -12,6 +12,9 @@ the rest of the piece on AVX-512).
 from __future__ import annotations
 
 from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 F32, I8, I16, I32, I64 = ir.FloatType(), *(ir.IntType(n) for n in (8, 16, 32, 64))
 HALF = ir.HalfType()
@@ -27,6 +30,18 @@ def target_has(feature: str) -> bool:
 
     features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
     return f"+{feature}" in features.split(",")
+
+
+@intrinsic
+def address_pointer(typingctx, address):
+    """The int64 `address` as a void pointer (for numba.carray of a tensor's data_ptr)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(address), codegen
 
 
 def declare(builder: ir.IRBuilder, name: str, ret: ir.Type, params: list[ir.Type]) -> ir.Function:

@@ -44,7 +44,8 @@ from numba.extending import overload
 
 from hybridmoe import env
 from hybridmoe.kernels import attention_ir, llvm_ir, softmax_ir
-from hybridmoe.kernels.attention_ir import TILES, address_pointer, pv_tile, qk_tile
+from hybridmoe.kernels.attention_ir import TILES, pv_tile, qk_tile
+from hybridmoe.kernels.llvm_ir import address_pointer
 from hybridmoe.kernels.numba_cache import cached_njit
 from hybridmoe.kernels.numba_moe import launch
 from hybridmoe.kernels.softmax_ir import block_max, exp_block

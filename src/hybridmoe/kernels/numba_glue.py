@@ -21,14 +21,16 @@ import platform
 import numba
 import numpy as np
 from llvmlite import ir
-from numba.core import cgutils, types
+from numba.core import types
 from numba.extending import intrinsic
 
 from hybridmoe import env
+from hybridmoe.kernels import llvm_ir
+from hybridmoe.kernels.llvm_ir import address_pointer
 from hybridmoe.kernels.numba_cache import cached_njit
 
 _previous_cache_dir = numba.config.CACHE_DIR
-numba.config.CACHE_DIR = str(env.kernel_cache_dir(__file__))
+numba.config.CACHE_DIR = str(env.kernel_cache_dir(__file__, llvm_ir.__file__))
 
 # Vectorized<float> lanes of the kernel build torch's sum runs: its inner-sum kernel has no
 # AVX512 build, so x86 sums 8 lanes (AVX2 or the default 32-byte vectors) and ARM 4 (NEON)
@@ -39,18 +41,6 @@ MAX_SUM_N = 32768  # longer rows: torch may split the reduction (a different ord
 
 # norm_rows' flags
 X_BF16, Y_BF16, SCALE_BF16, ADD, SCALE_ROUNDED = 1, 2, 4, 8, 16
-
-
-@intrinsic
-def _pointer(typingctx, address):
-    """The int64 `address` as a void pointer (for numba.carray)."""
-    if not isinstance(address, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], cgutils.voidptr_t)
-
-    return types.voidptr(address), codegen
 
 
 @intrinsic
@@ -102,11 +92,11 @@ def _round(value):
 def _load(address, bf16, dst, n):
     """dst[:n] (float32) = the n values at `address`: bfloat16 widened exactly, or float32."""
     if bf16:
-        src = numba.carray(_pointer(address), n, np.uint16)
+        src = numba.carray(address_pointer(address), n, np.uint16)
         for i in range(n):
             dst[i] = _bits_f32(np.uint32(src[i]) << np.uint32(16))
     else:
-        src32 = numba.carray(_pointer(address), n, np.float32)
+        src32 = numba.carray(address_pointer(address), n, np.float32)
         for i in range(n):
             dst[i] = src32[i]
 
@@ -115,11 +105,11 @@ def _load(address, bf16, dst, n):
 def _save(h, address, bf16, n):
     """The n values at `address` = h[:n] (float32), rounded to bfloat16 where `bf16`."""
     if bf16:
-        dst = numba.carray(_pointer(address), n, np.uint16)
+        dst = numba.carray(address_pointer(address), n, np.uint16)
         for i in range(n):
             dst[i] = np.uint16(_bf16_bits(h[i]))
     else:
-        dst32 = numba.carray(_pointer(address), n, np.float32)
+        dst32 = numba.carray(address_pointer(address), n, np.float32)
         for i in range(n):
             dst32[i] = h[i]
 
@@ -298,8 +288,8 @@ def topk_route(probs, ids, weights, weights_bf16, T, E, k, renorm):
     weights' dtype. Returns False, with ids and weights unspecified, where a row holds a NaN
     or two equal values among its k + 1 largest: for those torch.topk's order is its sort's,
     which is not reproduced here."""
-    p = numba.carray(_pointer(probs), (T, E), np.float32)
-    ids_out = numba.carray(_pointer(ids), (T, k), np.int64)
+    p = numba.carray(address_pointer(probs), (T, E), np.float32)
+    ids_out = numba.carray(address_pointer(ids), (T, k), np.int64)
     vals = np.empty(k, np.float32)
     chosen = np.empty(E, np.bool_)
     acc = np.empty(LEVELS * ILP * LANES, np.float32)

@@ -51,21 +51,8 @@ def _superblock_ints_ir(builder, block):
 
     raw = ll.load(builder, ll.offset(builder, block, 192), ll.vector(ll.I8, 16))
     scales = builder.sext(raw, ll.vector(ll.I16, 16))
-    loaded = {}
-
-    def load32(at: int):
-        if at not in loaded:
-            loaded[at] = ll.load(builder, ll.offset(builder, block, at), ll.vector(ll.I8, 32))
-        return loaded[at]
-
-    def piece(p: int):
-        half, j = divmod(p, 4)
-        low = ll.bits(builder, load32(64 * half + 32 * (j % 2)), 4 * (j // 2), 0x0F)
-        high = ll.shl(builder, ll.bits(builder, load32(128 + 32 * half), 2 * j, 3), 4)
-        return builder.or_(low, high)  # 0 .. 63
-
     return SuperBlockIntsIR(
-        piece=piece,
+        piece=_values_ir(builder, block),
         pair_scales=lambda p: ll.lanes(builder, scales, [2 * p] * 8 + [2 * p + 1] * 8),
         lows=ll.shl(builder, scales, 5),  # 32 sc_k: S - Σ 32 sc_k B_k
         d=ll.fp16_scale(builder, ll.offset(builder, block, 208)),
@@ -86,6 +73,19 @@ def _superblock_ir(builder, block):
     d = ll.splat(builder, ll.fp16_scale(builder, ll.offset(builder, block, 208)), 16)
     scales = builder.fmul(d, builder.sitofp(raw, ll.V16F))  # [16] d * scale
     table = ll.ScaleTable(builder, scales)
+    values = _values_ir(builder, block)
+
+    def piece(p: int):
+        v = builder.sub(values(p), ll.const_vec(ll.I8, [32] * 32))  # -32 .. 31
+        return ll.scaled_halves(builder, v, table, (2 * p, 2 * p + 1), signed=True)
+
+    return piece
+
+
+def _values_ir(builder, block):
+    """LLVM IR: values(p) -> <32 x i8>, the 6-bit v (0 .. 63) of piece p, 32 bytes a piece."""
+    from hybridmoe.kernels import llvm_ir as ll
+
     loaded = {}
 
     def load32(at: int):
@@ -93,14 +93,13 @@ def _superblock_ir(builder, block):
             loaded[at] = ll.load(builder, ll.offset(builder, block, at), ll.vector(ll.I8, 32))
         return loaded[at]
 
-    def piece(p: int):
+    def values(p: int):
         half, j = divmod(p, 4)
         low = ll.bits(builder, load32(64 * half + 32 * (j % 2)), 4 * (j // 2), 0x0F)
         high = ll.shl(builder, ll.bits(builder, load32(128 + 32 * half), 2 * j, 3), 4)
-        v = builder.sub(builder.or_(low, high), ll.const_vec(ll.I8, [32] * 32))  # -32 .. 31
-        return ll.scaled_halves(builder, v, table, (2 * p, 2 * p + 1), signed=True)
+        return builder.or_(low, high)
 
-    return piece
+    return values
 
 
 def _byte_pieces(builder, block):

@@ -166,7 +166,7 @@ def _superblock_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, row
     pieces = kernel.pieces
 
     def step(block: ir.Value, lane: ir.Value) -> None:
-        weights = []  # per weight row: (SuperBlockIntsIR, [u of each piece])
+        weights = []  # per weight row: (SuperBlockIntsIR, [u], [pair scales]) of each piece
         for w_row in w_rows:
             at = builder.gep(w_row, [builder.mul(block, i64(kernel.block_bytes))])
             for line in range(0, kernel.block_bytes, LINE_BYTES):
@@ -174,7 +174,8 @@ def _superblock_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, row
                     prefetch, [builder.gep(at, [builder.add(tile_bytes, i64(line))]), *hints]
                 )
             ints = kernel.superblock_ints_ir(builder, at)
-            weights.append((ints, [ints.piece(p) for p in range(pieces)]))
+            pair_scales = [ints.pair_scales(p) for p in range(pieces)]  # shared by the x rows
+            weights.append((ints, [ints.piece(p) for p in range(pieces)], pair_scales))
         first = builder.mul(block, i64(KERNEL_BLOCK * pieces))
         for c, (q_row, d_row, s_row) in enumerate(zip(q_rows, d_rows, s_rows, strict=True)):
             qs = [
@@ -183,10 +184,10 @@ def _superblock_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, row
             ]
             sums = load(builder, builder.gep(s_row, [builder.mul(block, i64(16))]), V16S, align=2)
             dx = builder.load(builder.gep(d_row, [block]))
-            for (ints, us), row_accs in zip(weights, accs, strict=True):
+            for (ints, us, pair_scales), row_accs in zip(weights, accs, strict=True):
                 acc = ir.Constant(V8I, None)
                 for p in range(pieces):
-                    acc = scaled_add(acc, pairs(us[p], qs[p]), ints.pair_scales(p))
+                    acc = scaled_add(acc, pairs(us[p], qs[p]), pair_scales[p])
                 low = madd(ints.lows, sums)
                 if ints.dmin is None:
                     total = builder.call(reduce_add, [builder.sub(acc, low)])
@@ -197,11 +198,16 @@ def _superblock_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, row
                         builder.fmul(builder.sitofp(s_int, F32), builder.fmul(ints.d, dx)),
                         builder.fmul(builder.sitofp(m_int, F32), builder.fmul(ints.dmin, dx)),
                     )
-                vec = builder.load(row_accs[c])
-                summed = builder.fadd(builder.extract_element(vec, lane), product)
-                builder.store(builder.insert_element(vec, summed, lane), row_accs[c])
+                _add_to_lane(builder, row_accs[c], lane, product)
 
     return step
+
+
+def _add_to_lane(builder: ir.IRBuilder, acc: ir.Value, lane: ir.Value, product: ir.Value) -> None:
+    """Lane `lane` (an i32, constant or not) of the <8 x float> at `acc` += `product`."""
+    vec = builder.load(acc)
+    summed = builder.fadd(builder.extract_element(vec, lane), product)
+    builder.store(builder.insert_element(vec, summed, lane), acc)
 
 
 def _tile_codegen(kernel: KernelFormat, wrows: int, xrows: int):
@@ -322,9 +328,7 @@ def _tail_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tup
             for (w, dw), row_accs in zip(weights, accs, strict=True):
                 total = builder.call(reduce_add, [dot(w, q)])
                 product = builder.fmul(builder.sitofp(total, F32), builder.fmul(dw, dx))
-                acc = builder.load(row_accs[c])
-                summed = builder.fadd(builder.extract_element(acc, lane), product)
-                builder.store(builder.insert_element(acc, summed, lane), row_accs[c])
+                _add_to_lane(builder, row_accs[c], lane, product)
 
     return step
 

@@ -14,8 +14,9 @@ best-of-reps column of two formats run side by side.
 
 --tile measures the kernel's arithmetic alone instead: the T=1 tile (4 weight rows x 1
 activation row, kernels/numba_simd.py) over 16 rows of 2048 weights that stay in cache, one
-thread, best of 300 calls, in ns per 256 weights. The best of many short calls holds up on a
-busy machine: run it for two checkouts back to back to compare their loops.
+thread, best of 300 calls, in ns per 256 weights; FORMAT+q8 the q8 tile (integer dots) on
+activations quantised once. The best of many short calls holds up on a busy machine: run it
+for two checkouts back to back to compare their loops.
 
 Shapes: qwen3-30b-a3b (H=2048, I=768, E=128, K=8), mixtral (H=4096, I=14336, E=8, K=2) and
 gpt-oss-120b (H=2880, I=2880, E=128, K=4; its experts ship as mxfp4, and 2880 is no multiple of
@@ -156,36 +157,40 @@ def time_calls(fn, bank, shape, tokens, shared, reps, memory, seed=1) -> tuple[f
 
 
 def tile_ns(fmt_name: str, rows: int = 16, weights: int = 2048, calls: int = 300) -> float:
-    """Best ns per 256 weights of the 4x1 tile on `rows` cached rows of `weights` (--tile)."""
+    """Best ns per 256 weights of the 4x1 tile on `rows` cached rows of `weights` (--tile);
+    FORMAT+q8: the q8 tile (numba_simd_q8.tile_dot_q8) on activations quantised once."""
     import numba
+    import numpy as np
 
+    from hybridmoe.kernels.numba_moe_q8 import group_sums, quantize_rows
     from hybridmoe.kernels.numba_simd import tile_dot
+    from hybridmoe.kernels.numba_simd_q8 import tile_dot_q8
 
+    fmt_name, q8 = fmt_name.removesuffix("+q8"), fmt_name.endswith("+q8")
     fmt = weight_format(fmt_name)
     kernel, g = fmt.kernel, torch.Generator().manual_seed(0)
     w = random_stored(fmt_name, (1, rows, weights), g).view(torch.uint8).reshape(-1).numpy()
     x = torch.randn(weights, generator=g).numpy()
     row_bytes, offs, out = w.size // rows, torch.zeros(1, dtype=torch.int64).numpy(), x[:4] * 0
+    width = kernel.block_weights
+    xq, xd = np.empty(weights, np.int8), np.empty(weights // width, np.float32)
+    xs = np.empty(weights // 16, np.int16)
+    if q8:
+        quantize_rows(x, weights, xq, xd, width)
+        group_sums(xq, weights, xs)
 
     @numba.njit(nogil=True)
     def loop(w, x, offs, out, reps):
         for _ in range(reps):
             for t in range(rows // 4):
-                tile_dot(
-                    kernel,
-                    4,
-                    1,
-                    w,
-                    t * 4 * row_bytes,
-                    row_bytes,
-                    weights // 32,
-                    x,
-                    offs,
-                    0,
-                    out,
-                    0,
-                    4,
-                )
+                at = t * 4 * row_bytes
+                if q8:
+                    tile_dot_q8(
+                        kernel, 4, 1, w, at, row_bytes, weights // width, xq, xd, xs, offs, 0,
+                        out, 0, 4,
+                    )  # fmt: skip
+                else:
+                    tile_dot(kernel, 4, 1, w, at, row_bytes, weights // 32, x, offs, 0, out, 0, 4)
 
     reps = 20
     loop(w, x, offs, out, reps)  # compile

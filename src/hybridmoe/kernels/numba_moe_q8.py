@@ -87,13 +87,13 @@ def group_sums(q, n, s):
 
 @cached_njit(inline="always", **_EXACT)
 def _quantized(fmt, x, n):
-    """(q, d, s) of x[:n] for `fmt`'s projections: its blocks' activation quantisation and,
-    for super-blocks, the 16-weight sums (else an empty s)."""
+    """(q, d, s) of x[:n] for `fmt`'s projections: its blocks' activation quantisation and the
+    16-weight sums (a super-block's minimums multiply them; a 32-block's biased dot takes its
+    two)."""
     q, d = np.empty(n, np.int8), np.empty(n // fmt.block_weights, np.float32)
     quantize_rows(x, n, q, d, fmt.block_weights)
-    s = np.empty(n // 16 if fmt.block_weights > 32 else 0, np.int16)
-    if fmt.block_weights > 32:
-        group_sums(q, n, s)
+    s = np.empty(n // 16, np.int16)
+    group_sums(q, n, s)
     return q, d, s
 
 

@@ -7,9 +7,12 @@ A block's dot Σ v_i q_i is taken 32 bytes at a time into <8 x i32> partial sums
 instructions the target has (`dot_path`, chosen when numba compiles, so for the machine it
 runs on or what NUMBA_CPU_FEATURES names): AVX-512 VNNI or AVX-VNNI `vpdpbusd` (one intrinsic:
 LLVM encodes it as the target allows), AVX2 `vpmaddubsw` + `vpmaddwd`, or portable widening
-multiplies. Both x86 paths take |v| unsigned and q with v's sign (sign(q, v)), exact since
-|v|, |q| <= 127 (no int16 saturation). Eight consecutive blocks' partials are then summed
-exactly into one <8 x i32> of block sums (a transpose-add tree), converted to float, scaled
+multiplies. VNNI takes v + 128 unsigned (one xor per weight block) and subtracts 128 B, B =
+Σ q the block's activation sum (from the 16-weight sums, one `vpmaddwd` per 8 blocks); AVX2
+takes |v| unsigned and q with v's sign (sign(q, v)), exact since |v|, |q| <= 127 (no int16
+saturation, which v + 128 would hit). Both give Σ v q exactly in int32. Eight consecutive
+blocks' partials are then summed exactly into one <8 x i32> of block sums (a transpose-add
+tree within 128-bit halves, then one cross-half add), converted to float, scaled
 by d_w * d_x and added into the lane accumulator of the contract: lane j holds blocks j, j + 8,
 ...; blocks after the last whole group of 8 are added one by one into their lanes. The result
 is the contract's to the bit on every path.
@@ -47,6 +50,7 @@ from hybridmoe.quant.formats import KERNEL_BLOCK, KernelFormat
 V8I, V8F, V32B = (ir.VectorType(t, n) for t, n in ((I32, 8), (F32, 8), (I8, 32)))
 V16S, V32S = (ir.VectorType(ir.IntType(16), n) for n in (16, 32))
 DOT_PATHS = ("vnni", "avx2", "portable")
+OFFSET = 128  # VNNI's weight bias: v + 128 is an unsigned byte
 
 
 def dot_path() -> str:
@@ -58,8 +62,9 @@ def dot_path() -> str:
 
 
 def _block_dot(builder: ir.IRBuilder, path: str):
-    """dot(v, q) -> <8 x i32> whose lanes sum to Σ v_i q_i of two <32 x i8>; `prepare(v)` is
-    computed once per weight block (shared by the activation rows)."""
+    """(prepare, dot, bias): dot(prepare(v), q) -> <8 x i32> whose lanes sum to Σ v_i q_i +
+    bias Σ q_i of two <32 x i8>; `prepare(v)` is computed once per weight block (shared by the
+    activation rows)."""
     if path == "portable":
 
         def prepare(v):
@@ -73,44 +78,70 @@ def _block_dot(builder: ir.IRBuilder, path: str):
             ]
             return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
 
-        return prepare, dot
-    abs_fn = declare(builder, "llvm.abs.v32i8", V32B, [V32B, ir.IntType(1)])
-    sign_fn = declare(builder, "llvm.x86.avx2.psign.b", V32B, [V32B, V32B])
-
-    def prepare(v):
-        return v, builder.call(abs_fn, [v, ir.Constant(ir.IntType(1), 0)])
-
+        return prepare, dot, 0
     if path == "vnni":
         dpbusd = declare(builder, "llvm.x86.avx512.vpdpbusd.256", V8I, [V8I] * 3)
 
-        def dot(prepared, q):
-            v, magnitude = prepared
-            signed_q = builder.call(sign_fn, [q, v])
-            args = [builder.bitcast(a, V8I) for a in (magnitude, signed_q)]
-            return builder.call(dpbusd, [ir.Constant(V8I, None), *args])
+        def prepare(v):  # v + 128 as unsigned bytes
+            return builder.bitcast(builder.xor(v, const_vec(I8, [0x80] * 32)), V8I)
 
-        return prepare, dot
+        def dot(biased, q):
+            return builder.call(dpbusd, [ir.Constant(V8I, None), biased, builder.bitcast(q, V8I)])
+
+        return prepare, dot, OFFSET
+    abs_fn = declare(builder, "llvm.abs.v32i8", V32B, [V32B, ir.IntType(1)])
+    sign_fn = declare(builder, "llvm.x86.avx2.psign.b", V32B, [V32B, V32B])
     maddubs = declare(builder, "llvm.x86.avx2.pmadd.ub.sw", V16S, [V32B, V32B])
     maddwd = declare(builder, "llvm.x86.avx2.pmadd.wd", V8I, [V16S, V16S])
     ones = ir.Constant(V16S, [1] * 16)
+
+    def prepare(v):
+        return v, builder.call(abs_fn, [v, ir.Constant(ir.IntType(1), 0)])
 
     def dot(prepared, q):
         v, magnitude = prepared
         pairs = builder.call(maddubs, [magnitude, builder.call(sign_fn, [q, v])])
         return builder.call(maddwd, [pairs, ones])
 
-    return prepare, dot
+    return prepare, dot, 0
 
 
 def _transpose_sum(builder: ir.IRBuilder, parts: list[ir.Value]) -> ir.Value:
-    """8 x <8 x i32> -> <8 x i32> whose lane b is the sum of parts[b]'s lanes (exact)."""
-    even, odd = const_vec(I32, list(range(0, 16, 2))), const_vec(I32, list(range(1, 16, 2)))
-    while len(parts) > 1:
+    """8 x <8 x i32> -> <8 x i32> whose lane b is the sum of parts[b]'s lanes (exact): two
+    levels of pairwise adds within 128-bit halves (`vphaddd`, no lane crossing), then each
+    half-sum added to its other half's (one cross-half shuffle per operand)."""
+    even = const_vec(I32, [0, 2, 8, 10, 4, 6, 12, 14])
+    odd = const_vec(I32, [1, 3, 9, 11, 5, 7, 13, 15])
+    for _ in range(2):
         parts = [
             builder.add(builder.shuffle_vector(a, b, even), builder.shuffle_vector(a, b, odd))
             for a, b in zip(parts[::2], parts[1::2], strict=True)
         ]
-    return parts[0]
+    low, high = parts  # lanes 0-3: parts[0..3]'s sums over lanes 0-3, 4-7: over lanes 4-7
+    first = builder.shuffle_vector(low, high, const_vec(I32, [0, 1, 2, 3, 8, 9, 10, 11]))
+    second = builder.shuffle_vector(low, high, const_vec(I32, [4, 5, 6, 7, 12, 13, 14, 15]))
+    return builder.add(first, second)
+
+
+def _bias_sums(builder: ir.IRBuilder, bias: int):
+    """None for a dot without bias, else sums(s_row, block, n): bias B_b for the n 32-blocks
+    from `block` on (<8 x i32> for n = 8, an i32 for n = 1), B_b = Σ q of block b, from the
+    pairs of 16-weight sums (int16) at s_row; exact (|bias B_b| <= 128 * 32 * 127)."""
+    if not bias:
+        return None
+
+    def sums(s_row: ir.Value, block: ir.Value, n: int) -> ir.Value:
+        at = builder.gep(s_row, [builder.mul(block, i64(2))])
+        wide = ir.VectorType(I32, 2 * n)
+        pairs = builder.sext(load(builder, at, ir.VectorType(ir.IntType(16), 2 * n), align=2), wide)
+        even, odd = (const_vec(I32, list(range(k, 2 * n, 2))) for k in (0, 1))
+        both = builder.add(
+            builder.shuffle_vector(pairs, pairs, even), builder.shuffle_vector(pairs, pairs, odd)
+        )  # <n x i32>: B_b
+        scaled = builder.mul(both, ir.Constant(both.type, [bias] * n))
+        return scaled if n > 1 else builder.extract_element(scaled, ir.Constant(I32, 0))
+
+    return sums
 
 
 def _pair_ops(builder: ir.IRBuilder, path: str):
@@ -239,9 +270,9 @@ def _tile_codegen(kernel: KernelFormat, wrows: int, xrows: int):
             for _ in range(wrows)
         ]
         tile_bytes = builder.mul(row_bytes, i64(wrows))  # the next tile: `wrows` rows on
+        s_data = context.make_array(s_ty)(context, builder, xs).data
+        s_rows = [builder.gep(s_data, [builder.lshr(s, i64(4))]) for s in x_starts]
         if superblocks:
-            s_data = context.make_array(s_ty)(context, builder, xs).data
-            s_rows = [builder.gep(s_data, [builder.lshr(s, i64(4))]) for s in x_starts]
             step = _superblock_step(
                 builder, kernel, path, (w_rows, q_rows, d_rows, s_rows, accs, tile_bytes)
             )
@@ -249,7 +280,7 @@ def _tile_codegen(kernel: KernelFormat, wrows: int, xrows: int):
                 lane = builder.trunc(builder.and_(loop.index, i64(LANES - 1)), I32)
                 step(loop.index, lane)
         else:
-            rows = (w_rows, q_rows, d_rows, accs, tile_bytes)
+            rows = (w_rows, q_rows, d_rows, s_rows, accs, tile_bytes)
             groups = builder.udiv(nblocks, i64(LANES))
             group_step = _group_step(builder, kernel, path, rows)
             with cgutils.for_range(builder, groups) as loop:
@@ -273,8 +304,9 @@ def _group_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tu
     """step(first_block): blocks first_block .. + 7 of every (weight row, activation row)
     pair into its lane accumulator; the same blocks of the next tile (`tile_bytes` on)
     prefetched into L2, as numba_simd.tile_dot does."""
-    w_rows, q_rows, d_rows, accs, tile_bytes = rows
-    prepare, dot = _block_dot(builder, path)
+    w_rows, q_rows, d_rows, s_rows, accs, tile_bytes = rows
+    prepare, dot, bias = _block_dot(builder, path)
+    bias_sums = _bias_sums(builder, bias)
     prefetch = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
     hints = [ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1)]
     group_bytes = LANES * kernel.block_bytes
@@ -295,14 +327,16 @@ def _group_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tu
                 scales = builder.insert_element(scales, d, ir.Constant(I32, b))
             weights.append((blocks, scales))
         at = builder.mul(first_block, i64(KERNEL_BLOCK))
-        for c, (q_row, d_row) in enumerate(zip(q_rows, d_rows, strict=True)):
+        for c, (q_row, d_row, s_row) in enumerate(zip(q_rows, d_rows, s_rows, strict=True)):
             qs = [
                 load(builder, builder.gep(q_row, [builder.add(at, i64(b * KERNEL_BLOCK))]), V32B)
                 for b in range(LANES)
             ]
             dx = load(builder, builder.gep(d_row, [first_block]), V8F, align=4)
+            biases = bias_sums and bias_sums(s_row, first_block, LANES)
             for (blocks, dw), row_accs in zip(weights, accs, strict=True):
                 sums = _transpose_sum(builder, [dot(w, q) for w, q in zip(blocks, qs, strict=True)])
+                sums = builder.sub(sums, biases) if bias_sums else sums
                 products = builder.fmul(builder.sitofp(sums, V8F), builder.fmul(dw, dx))
                 acc = row_accs[c]
                 builder.store(builder.fadd(builder.load(acc), products), acc)
@@ -312,8 +346,9 @@ def _group_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tu
 
 def _tail_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tuple):
     """step(block, lane): one block of every pair added into lane `lane` of its accumulator."""
-    w_rows, q_rows, d_rows, accs, _ = rows
-    prepare, dot = _block_dot(builder, path)
+    w_rows, q_rows, d_rows, s_rows, accs, _ = rows
+    prepare, dot, bias = _block_dot(builder, path)
+    bias_sums = _bias_sums(builder, bias)
     reduce_add = declare(builder, "llvm.vector.reduce.add.v8i32", I32, [V8I])
 
     def step(block: ir.Value, lane: ir.Value) -> None:
@@ -322,11 +357,13 @@ def _tail_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tup
             at = builder.gep(w_row, [builder.mul(block, i64(kernel.block_bytes))])
             v, d = kernel.int8_block_ir(builder, at)
             weights.append((prepare(v), d))
-        for c, (q_row, d_row) in enumerate(zip(q_rows, d_rows, strict=True)):
+        for c, (q_row, d_row, s_row) in enumerate(zip(q_rows, d_rows, s_rows, strict=True)):
             q = load(builder, builder.gep(q_row, [builder.mul(block, i64(KERNEL_BLOCK))]), V32B)
             dx = builder.load(builder.gep(d_row, [block]))
+            bias_sum = bias_sums and bias_sums(s_row, block, 1)
             for (w, dw), row_accs in zip(weights, accs, strict=True):
                 total = builder.call(reduce_add, [dot(w, q)])
+                total = builder.sub(total, bias_sum) if bias_sums else total
                 product = builder.fmul(builder.sitofp(total, F32), builder.fmul(dw, dx))
                 _add_to_lane(builder, row_accs[c], lane, product)
 
@@ -356,8 +393,8 @@ def tile_dot_q8(
     blocks of `fmt`, a KernelFormat with int8_block_ir or superblock_ints_ir, at byte w_off +
     r * row_bytes of `weights`) with the quantised activation row starting at
     xq[x_offs[first + c]] (int8), whose block scales start at xd[x_offs[first + c] / W] (W the
-    block's weights: 32, or 256 a super-block) and, for super-blocks, its 16-weight sums
-    (int16) at xs[x_offs[first + c] / 16], for r < wrows, c < xrows (TILES)."""
+    block's weights: 32, or 256 a super-block) and its 16-weight sums (int16) at
+    xs[x_offs[first + c] / 16], for r < wrows, c < xrows (TILES)."""
     from hybridmoe.kernels.numba_simd import KernelFormatType
 
     if not isinstance(fmt, KernelFormatType):

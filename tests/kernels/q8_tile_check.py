@@ -32,7 +32,11 @@ def _tiles(kernel):
     def tile_1x3(w, row_bytes, nb, q, d, s, offs, out):
         tile_dot_q8(kernel, 1, 3, w, 0, row_bytes, nb, q, d, s, offs, 0, out, 0, 1)
 
-    return ((tile_4x2, 4, 2), (tile_1x3, 1, 3))
+    @numba.njit
+    def tile_4x1(w, row_bytes, nb, q, d, s, offs, out):  # a decode step's tile
+        tile_dot_q8(kernel, 4, 1, w, 0, row_bytes, nb, q, d, s, offs, 0, out, 0, 4)
+
+    return ((tile_4x2, 4, 2), (tile_1x3, 1, 3), (tile_4x1, 4, 1))
 
 
 def _check(fmt, tile, wrows: int, xrows: int, blocks: int) -> list[str]:

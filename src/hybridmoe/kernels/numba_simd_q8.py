@@ -21,8 +21,10 @@ A k-quant super-block (_superblock_step) is 8 pieces of 32 unsigned weights u: e
 pair sums u_2l q_2l + u_2l+1 q_2l+1 (`vpmaddubsw`: u unsigned, q signed, |sum| <= 2 * 63 * 127
 < 2^15, no saturation; or portable widening multiplies) times the pairs' sub-block scales into
 <8 x i32> (`vpdpwssd` with VNNI, else `vpmaddwd` + `vpaddd`); the minimum (or offset) term
-from the activations' 16-weight sums (`vpmaddwd`), both reduced exactly to the contract's S
-and M; the super-block's product is added into lane (super-block mod 8).
+from the activations' 16-weight sums (`vpmaddwd`). The S and M vectors of 4 (weight row,
+activation row) pairs are reduced together, exactly, by one transpose-add tree, then
+converted and scaled as one vector; each pair's product is added into lane (super-block
+mod 8) of its accumulator, the lanes of 4 pairs held side by side (one vector add).
 """
 
 from __future__ import annotations
@@ -107,9 +109,9 @@ def _block_dot(builder: ir.IRBuilder, path: str):
 
 
 def _transpose_sum(builder: ir.IRBuilder, parts: list[ir.Value]) -> ir.Value:
-    """8 x <8 x i32> -> <8 x i32> whose lane b is the sum of parts[b]'s lanes (exact): two
-    levels of pairwise adds within 128-bit halves (`vphaddd`, no lane crossing), then each
-    half-sum added to its other half's (one cross-half shuffle per operand)."""
+    """8 (or 4) x <8 x i32> -> <8 (or 4) x i32> whose lane b is the sum of parts[b]'s lanes
+    (exact): pairwise adds within 128-bit halves (`vphaddd`, no lane crossing) down to one
+    vector, then each half-sum added to its other half's (one cross-half shuffle per operand)."""
     even = const_vec(I32, [0, 2, 8, 10, 4, 6, 12, 14])
     odd = const_vec(I32, [1, 3, 9, 11, 5, 7, 13, 15])
     for _ in range(2):
@@ -117,6 +119,12 @@ def _transpose_sum(builder: ir.IRBuilder, parts: list[ir.Value]) -> ir.Value:
             builder.add(builder.shuffle_vector(a, b, even), builder.shuffle_vector(a, b, odd))
             for a, b in zip(parts[::2], parts[1::2], strict=True)
         ]
+    if len(parts) == 1:  # 4 parts: lanes 0-3 their sums over lanes 0-3, 4-7 over lanes 4-7
+        (sums,) = parts
+        halves = [
+            builder.shuffle_vector(sums, sums, const_vec(I32, [*range(h, h + 4)])) for h in (0, 4)
+        ]
+        return builder.add(*halves)
     low, high = parts  # lanes 0-3: parts[0..3]'s sums over lanes 0-3, 4-7: over lanes 4-7
     first = builder.shuffle_vector(low, high, const_vec(I32, [0, 1, 2, 3, 8, 9, 10, 11]))
     second = builder.shuffle_vector(low, high, const_vec(I32, [4, 5, 6, 7, 12, 13, 14, 15]))
@@ -185,13 +193,23 @@ def _pair_ops(builder: ir.IRBuilder, path: str):
     return pairs, scaled_add, madd
 
 
+def _pair_chunks(wrows: int, xrows: int) -> list[list[tuple[int, int]]]:
+    """The tile's (weight row, activation row) pairs, activation row major, in the chunks of 4
+    whose super-block products are reduced and scaled as one vector (their S and M: 8 partial
+    vectors)."""
+    pairs = [(r, c) for c in range(xrows) for r in range(wrows)]
+    return [pairs[k : k + 4] for k in range(0, len(pairs), 4)]
+
+
 def _superblock_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tuple):
     """step(block, lane): super-block `block` of every (weight row, activation row) pair into
     lane `lane` of its accumulator by the contract's super-block steps; the same super-block
-    of the next tile (`tile_bytes` on) prefetched into L2."""
-    w_rows, q_rows, d_rows, s_rows, accs, tile_bytes = rows
+    of the next tile (`tile_bytes` on) prefetched into L2. A chunk's (_pair_chunks) S and M
+    partial vectors are summed together (_transpose_sum), converted and scaled in one vector,
+    and added into lane `lane` of its lane accumulators (lanes[lane]: one <n x float> for the
+    chunk's n pairs)."""
+    w_rows, q_rows, d_rows, s_rows, chunks, tile_bytes = rows
     pairs, scaled_add, madd = _pair_ops(builder, path)
-    reduce_add = declare(builder, "llvm.vector.reduce.add.v8i32", I32, [V8I])
     prefetch = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
     hints = [ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1)]
     pieces = kernel.pieces
@@ -208,30 +226,53 @@ def _superblock_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, row
             pair_scales = [ints.pair_scales(p) for p in range(pieces)]  # shared by the x rows
             weights.append((ints, [ints.piece(p) for p in range(pieces)], pair_scales))
         first = builder.mul(block, i64(KERNEL_BLOCK * pieces))
-        for c, (q_row, d_row, s_row) in enumerate(zip(q_rows, d_rows, s_rows, strict=True)):
+        activations = []  # per activation row: ([q of each piece], 16-weight sums, d_x)
+        for q_row, d_row, s_row in zip(q_rows, d_rows, s_rows, strict=True):
             qs = [
                 load(builder, builder.gep(q_row, [builder.add(first, i64(p * KERNEL_BLOCK))]), V32B)
                 for p in range(pieces)
             ]
             sums = load(builder, builder.gep(s_row, [builder.mul(block, i64(16))]), V16S, align=2)
-            dx = builder.load(builder.gep(d_row, [block]))
-            for (ints, us, pair_scales), row_accs in zip(weights, accs, strict=True):
+            activations.append((qs, sums, builder.load(builder.gep(d_row, [block]))))
+        for chunk, lanes in chunks:
+            s_parts, m_parts, s_scales, m_scales = [], [], [], []
+            for r, c in chunk:
+                (ints, us, pair_scales), (qs, sums, dx) = weights[r], activations[c]
                 acc = ir.Constant(V8I, None)
                 for p in range(pieces):
                     acc = scaled_add(acc, pairs(us[p], qs[p]), pair_scales[p])
                 low = madd(ints.lows, sums)
                 if ints.dmin is None:
-                    total = builder.call(reduce_add, [builder.sub(acc, low)])
-                    product = builder.fmul(builder.sitofp(total, F32), builder.fmul(ints.d, dx))
+                    s_parts.append(builder.sub(acc, low))
                 else:
-                    s_int, m_int = (builder.call(reduce_add, [v]) for v in (acc, low))
-                    product = builder.fsub(
-                        builder.fmul(builder.sitofp(s_int, F32), builder.fmul(ints.d, dx)),
-                        builder.fmul(builder.sitofp(m_int, F32), builder.fmul(ints.dmin, dx)),
-                    )
-                _add_to_lane(builder, row_accs[c], lane, product)
+                    s_parts.append(acc)
+                    m_parts.append(low)
+                    m_scales.append(builder.fmul(ints.dmin, dx))
+                s_scales.append(builder.fmul(ints.d, dx))
+            products = _scaled_sums(builder, s_parts + m_parts, s_scales + m_scales)
+            n = len(chunk)
+            product = builder.shuffle_vector(products, products, const_vec(I32, [*range(n)]))
+            if m_parts:  # fl(S) fl(d dx) - fl(M) fl(dmin dx)
+                minimum = builder.shuffle_vector(
+                    products, products, const_vec(I32, [*range(n, 2 * n)])
+                )
+                product = builder.fsub(product, minimum)
+            at = builder.gep(lanes, [ir.Constant(I32, 0), lane])
+            builder.store(builder.fadd(builder.load(at), product), at)
 
     return step
+
+
+def _scaled_sums(builder: ir.IRBuilder, parts: list[ir.Value], scales: list[ir.Value]) -> ir.Value:
+    """<4 or 8 x float>: lane k = fl(Σ lanes of parts[k]) * scales[k] (each product rounded
+    to float32), k < len(parts) <= 8; zero parts pad the sum to 4 or 8 vectors."""
+    width = 4 if len(parts) <= 4 else LANES
+    zero = ir.Constant(V8I, None)
+    sums = _transpose_sum(builder, parts + [zero] * (width - len(parts)))
+    scale = ir.Constant(ir.VectorType(F32, width), None)
+    for k, value in enumerate(scales):
+        scale = builder.insert_element(scale, value, ir.Constant(I32, k))
+    return builder.fmul(builder.sitofp(sums, scale.type), scale)
 
 
 def _add_to_lane(builder: ir.IRBuilder, acc: ir.Value, lane: ir.Value, product: ir.Value) -> None:
@@ -239,6 +280,29 @@ def _add_to_lane(builder: ir.IRBuilder, acc: ir.Value, lane: ir.Value, product: 
     vec = builder.load(acc)
     summed = builder.fadd(builder.extract_element(vec, lane), product)
     builder.store(builder.insert_element(vec, summed, lane), acc)
+
+
+def _superblock_loop(builder, kernel, path, rows, shape, nblocks, store) -> None:
+    """The tile's loop over super-blocks: each pair chunk's lane accumulators (zeroed), the
+    super-block steps, then per pair the contract's lane sum (elementwise over a chunk's pairs)
+    handed to store(r, c, y)."""
+    w_rows, q_rows, d_rows, s_rows, tile_bytes = rows
+    chunks = []
+    for chunk in _pair_chunks(*shape):
+        lanes_type = ir.ArrayType(ir.VectorType(F32, len(chunk)), LANES)
+        chunks.append((chunk, cgutils.alloca_once_value(builder, ir.Constant(lanes_type, None))))
+    step = _superblock_step(
+        builder, kernel, path, (w_rows, q_rows, d_rows, s_rows, chunks, tile_bytes)
+    )
+    with cgutils.for_range(builder, nblocks) as loop:
+        step(loop.index, builder.trunc(builder.and_(loop.index, i64(LANES - 1)), I32))
+    for chunk, lanes in chunks:
+        values = [builder.load(builder.gep(lanes, [i64(0), i64(j)])) for j in range(LANES)]
+        while len(values) > 1:  # ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+            half = len(values) // 2
+            values = [builder.fadd(a, b) for a, b in zip(values[:half], values[half:], strict=True)]
+        for k, (r, c) in enumerate(chunk):
+            store(r, c, builder.extract_element(values[0], ir.Constant(I32, k)))
 
 
 def _tile_codegen(kernel: KernelFormat, wrows: int, xrows: int):
@@ -265,36 +329,35 @@ def _tile_codegen(kernel: KernelFormat, wrows: int, xrows: int):
         q_rows = [builder.gep(q_data, [s]) for s in x_starts]
         shift = i64(weights_per_block.bit_length() - 1)  # a block's scale: one per block
         d_rows = [builder.gep(d_data, [builder.lshr(s, shift)]) for s in x_starts]
+        tile_bytes = builder.mul(row_bytes, i64(wrows))  # the next tile: `wrows` rows on
+        s_data = context.make_array(s_ty)(context, builder, xs).data
+        s_rows = [builder.gep(s_data, [builder.lshr(s, i64(4))]) for s in x_starts]
+        out_data = context.make_array(out_ty)(context, builder, out).data
+
+        def store(r: int, c: int, total: ir.Value) -> None:
+            index = builder.add(out_off, builder.add(builder.mul(stride, i64(c)), i64(r)))
+            builder.store(total, builder.gep(out_data, [index]))
+
+        if superblocks:
+            rows = (w_rows, q_rows, d_rows, s_rows, tile_bytes)
+            _superblock_loop(builder, kernel, path, rows, (wrows, xrows), nblocks, store)
+            return context.get_dummy_value()
         accs = [
             [cgutils.alloca_once_value(builder, ir.Constant(V8F, None)) for _ in range(xrows)]
             for _ in range(wrows)
         ]
-        tile_bytes = builder.mul(row_bytes, i64(wrows))  # the next tile: `wrows` rows on
-        s_data = context.make_array(s_ty)(context, builder, xs).data
-        s_rows = [builder.gep(s_data, [builder.lshr(s, i64(4))]) for s in x_starts]
-        if superblocks:
-            step = _superblock_step(
-                builder, kernel, path, (w_rows, q_rows, d_rows, s_rows, accs, tile_bytes)
-            )
-            with cgutils.for_range(builder, nblocks) as loop:
-                lane = builder.trunc(builder.and_(loop.index, i64(LANES - 1)), I32)
-                step(loop.index, lane)
-        else:
-            rows = (w_rows, q_rows, d_rows, s_rows, accs, tile_bytes)
-            groups = builder.udiv(nblocks, i64(LANES))
-            group_step = _group_step(builder, kernel, path, rows)
-            with cgutils.for_range(builder, groups) as loop:
-                group_step(builder.mul(loop.index, i64(LANES)))
-            done = builder.mul(groups, i64(LANES))
-            tail_step = _tail_step(builder, kernel, path, rows)
-            with cgutils.for_range(builder, builder.sub(nblocks, done)) as loop:
-                tail_step(builder.add(done, loop.index), loop.index)
-        out_data = context.make_array(out_ty)(context, builder, out).data
+        rows = (w_rows, q_rows, d_rows, s_rows, accs, tile_bytes)
+        groups = builder.udiv(nblocks, i64(LANES))
+        group_step = _group_step(builder, kernel, path, rows)
+        with cgutils.for_range(builder, groups) as loop:
+            group_step(builder.mul(loop.index, i64(LANES)))
+        done = builder.mul(groups, i64(LANES))
+        tail_step = _tail_step(builder, kernel, path, rows)
+        with cgutils.for_range(builder, builder.sub(nblocks, done)) as loop:
+            tail_step(builder.add(done, loop.index), loop.index)
         for r in range(wrows):
             for c in range(xrows):
-                index = builder.add(out_off, builder.add(builder.mul(stride, i64(c)), i64(r)))
-                total = pairwise_sum(builder, builder.load(accs[r][c]), LANES)
-                builder.store(total, builder.gep(out_data, [index]))
+                store(r, c, pairwise_sum(builder, builder.load(accs[r][c]), LANES))
         return context.get_dummy_value()
 
     return codegen

@@ -235,8 +235,8 @@ def _kquant_bank(gate_up_fmt, down_fmt) -> ExpertBank:
 @pytest.mark.parametrize("formats", [("q4_k", "q6_k"), ("q5_k", "q8_0")], ids=lambda f: "+".join(f))
 def test_kquant_layers_compute_the_reference(formats) -> None:
     """The numba layer kernel and gathered_moe against bank_moe for k-quant banks under q8,
-    T = 1..16 and beyond, K = 2 and 8, skipped routes; q8 really on (it differs from the
-    float path by the activations' quantisation error)."""
+    T = 1..16 and beyond, K = 2 and 8, skipped routes, and with bf16 activations; q8 really
+    on (it differs from the float path by the activations' quantisation error)."""
     bank = _kquant_bank(*(weight_format(n) for n in formats))
     assert bank.q8_activations
     flips, cases = 0, 0
@@ -247,6 +247,13 @@ def test_kquant_layers_compute_the_reference(formats) -> None:
             for path in (fused_cpu_moe, gathered_moe):
                 flips += layer_flips(path(x, ids, weights, bank), expected, f"{top_k} {tokens}")
                 cases += 1
+    for tokens in (1, 5):  # bf16 activations and router weights: bf16's roundings in each step
+        x, ids, weights = _routes(tokens, 8, tokens, K_HIDDEN)
+        x, weights = x.bfloat16(), weights.bfloat16()
+        expected = bank_moe(x, ids, weights, bank)
+        for path in (fused_cpu_moe, gathered_moe):
+            flips += layer_flips(path(x, ids, weights, bank), expected, f"bf16 {tokens}")
+            cases += 1
     assert flips <= cases // 10, f"{flips} of {cases} calls off by a q8 step"
     x, ids, weights = _routes(4, 2, 7, K_HIDDEN)
     with_q8 = bank_moe(x, ids, weights, bank)

@@ -102,6 +102,8 @@ class KVCache:
         self.attention_kernel = attention_kernel
         # layer -> (its k, v tensors, the kernel's flat views of them)
         self._host: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[np.ndarray, ...]]] = {}
+        # (layer, b) -> (k cache, v cache, their first b rows): _rows' views, made once
+        self._first_rows: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.k, self.v = [], []
         self.ring_sizes: dict[int, int] = {}  # ring layer -> its window
         self.prefill_kv: dict[int, PrefillKV] = {}  # ring layer -> the last prefill's k, v
@@ -195,7 +197,13 @@ class KVCache:
         k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
         if batch.rows == list(range(len(batch.rows))):
             b = len(batch.rows)
-            return k_cache[:b, :, :length], v_cache[:b, :, :length]
+            if b < k_cache.shape[0]:  # the first b rows, as views made once
+                held = self._first_rows.get((layer_idx, b))
+                if held is None or held[0] is not k_cache or held[1] is not v_cache:
+                    held = (k_cache, v_cache, k_cache[:b], v_cache[:b])
+                    self._first_rows[layer_idx, b] = held
+                k_cache, v_cache = held[2], held[3]
+            return k_cache.narrow(2, 0, length), v_cache.narrow(2, 0, length)  # 1 aten op each
         rows = batch.row_index
         return k_cache[rows, :, :length], v_cache[rows, :, :length]
 

@@ -35,7 +35,7 @@ def _decode_sized(x: torch.Tensor) -> bool:
     return ok and 0 < x.numel() <= MAX_NUMEL and x.shape[-1] <= MAX_ROW
 
 
-def _empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.empty(shape, dtype=dtype), as empty_like of a kept tensor of that shape and dtype
     (torch parses a dtype keyword slower than a small op runs)."""
     template = _templates.get((shape, dtype))
@@ -157,7 +157,7 @@ def norm_rotary(
     if strides is None:
         return None
     (B, T, heads, D), kv_heads = q.shape, k.shape[2]
-    q_out, k_out = _empty(q.shape, dtype), _empty(k.shape, dtype)
+    q_out, k_out = empty(q.shape, dtype), empty(k.shape, dtype)
     _numba_glue().norm_rotary_rows(
         q.data_ptr(), k.data_ptr(), *strides, heads, kv_heads, D,
         *((q_scale.data_ptr(), k_scale.data_ptr()) if scales else (0, 0)),
@@ -179,7 +179,7 @@ def route_topk(
     T, E = probs.shape
     if not (0 < top_k <= E and (dtype is _BF16 or dtype is _F32) and env.glue_kernels()):
         return None
-    ids, weights = _empty((T, top_k), torch.int64), _empty((T, top_k), dtype)
+    ids, weights = empty((T, top_k), torch.int64), empty((T, top_k), dtype)
     bf16 = dtype is _BF16
     ok = _numba_glue().topk_route(
         probs.data_ptr(), ids.data_ptr(), weights.data_ptr(), bf16, T, E, top_k, renorm

@@ -25,7 +25,7 @@ import torch
 from numba import prange
 
 from hybridmoe import env
-from hybridmoe.kernels import dense_ir
+from hybridmoe.kernels import dense_ir, glue
 from hybridmoe.kernels.dense_ir import dense_rows, fma32
 from hybridmoe.kernels.host_arrays import host_array
 from hybridmoe.kernels.numba_cache import cached_njit
@@ -195,10 +195,9 @@ class DenseCall:
     """dense_linear for one weight, with what does not change between its calls worked out
     once (the size checks, row_bytes, the work items, the entry points, the bias): a decode
     step calls each projection once, and that setup took more host time than the numba call.
-    A call is then a numpy view of x by address (kernels/host_arrays.py), one numpy output
-    array, the kernel: 1 aten op for float32 activations (from_numpy's lift_fresh), 2 for
-    bf16 (and the output's view as bf16), in torch.inference_mode (outside it the view adds a
-    detach)."""
+    A call is then a numpy view of x by address (kernels/host_arrays.py), one output, the
+    kernel: 1 aten op (float32: from_numpy's lift_fresh of a numpy output; bf16: the output
+    tensor's empty_like, the kernel writing it through a view by address)."""
 
     def __init__(
         self,
@@ -232,9 +231,9 @@ class DenseCall:
             x = x.contiguous()
         if x.dtype == torch.bfloat16:  # converted and rounded inside the kernel
             x_bits = host_array(x, np.uint16)  # [T * n]
-            y = np.empty(out_shape, np.uint16)
-            self._run(x_bits.shape[0] // n, _NO_F32, x_bits, _NO_F32, y.reshape(-1))
-            return torch.from_numpy(y).view(torch.bfloat16)
+            out = glue.empty(out_shape, torch.bfloat16)
+            self._run(x_bits.shape[0] // n, _NO_F32, x_bits, _NO_F32, host_array(out, np.uint16))
+            return out
         _check_dtype(x.dtype)
         x32 = host_array(x, np.float32)  # [T * n]
         y = np.empty(out_shape, np.float32)

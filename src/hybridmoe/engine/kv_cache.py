@@ -142,10 +142,36 @@ class KVCache:
         if layer_idx in self.ring_sizes:
             return self._update_ring(layer_idx, batch, k, v)
         k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
-        row_col = batch.row_index[:, None]  # [B, 1], broadcasts against positions [B, T]
-        k_cache[row_col, :, batch.positions] = k  # values [B, T, kv_heads, D]
-        v_cache[row_col, :, batch.positions] = v
+        if not self._write_host(layer_idx, batch, k, v):
+            row_col = batch.row_index[:, None]  # [B, 1], broadcasts against positions [B, T]
+            k_cache[row_col, :, batch.positions] = k  # values [B, T, kv_heads, D]
+            v_cache[row_col, :, batch.positions] = v
         return self._rows(layer_idx, batch, batch.kv_len)
+
+    def _write_host(self, layer_idx: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor):
+        """update()'s indexed assignment by the attention kernel's writes (the same bits, no
+        aten op) for a decode step on a host cache of KERNEL_DTYPES; False: not taken."""
+        k_cache = self.k[layer_idx]
+        if not (
+            batch.is_decode
+            and k.shape[1] == 1
+            and k_cache.is_cpu
+            and k.dtype is k_cache.dtype
+            and k_cache.dtype in numba_attention.KERNEL_DTYPES
+        ):
+            return False
+        rows, positions = batch.host_index()
+        caches, slots = self._host_caches(layer_idx), k_cache.shape[2]
+        return numba_attention.write_step(k, v, caches, slots, rows, positions, batch.kv_len)
+
+    def _host_caches(self, layer_idx: int) -> tuple[np.ndarray, np.ndarray]:
+        """The kernel's flat views of layer `layer_idx`'s k and v caches, made once."""
+        k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
+        held = self._host.get(layer_idx)
+        if held is None or held[0] is not k_cache or held[1] is not v_cache:
+            host = numba_attention.cache_array
+            held = self._host[layer_idx] = (k_cache, v_cache, (host(k_cache), host(v_cache)))
+        return held[2]
 
     def fused_attention(
         self,
@@ -176,11 +202,7 @@ class KVCache:
             or q.dtype not in numba_attention.KERNEL_DTYPES
         ):
             return None
-        held = self._host.get(layer_idx)
-        if held is None or held[0] is not k_cache or held[1] is not self.v[layer_idx]:
-            host, v_cache = numba_attention.cache_array, self.v[layer_idx]
-            held = self._host[layer_idx] = (k_cache, v_cache, (host(k_cache), host(v_cache)))
-        caches = held[2]
+        caches = self._host_caches(layer_idx)
         ring = self.ring_sizes.get(layer_idx)
         rows, positions = batch.host_index()
         window = None if ring is not None else window

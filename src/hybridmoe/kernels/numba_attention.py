@@ -238,6 +238,17 @@ def _entry(parallel: bool):
 
 DECODE_ATTENTION = _entry(parallel=True)
 DECODE_ATTENTION_SERIAL = _entry(parallel=False)
+
+
+@cached_njit(**_FLAGS)
+def _write_step(step, kc, vc, dims, rows, pos) -> None:
+    """Every sequence's key and value of every kv head into its cache row (decode_attention's
+    writes, without the attention)."""
+    for b in range(rows.shape[0]):
+        for kvh in range(dims[1]):
+            _write(b, kvh, step, kc, vc, dims, rows, pos, 0)
+
+
 numba.config.CACHE_DIR = _previous_cache_dir  # every cached function above is decorated
 
 
@@ -316,6 +327,30 @@ def decode_attention(
     else:
         launch(DECODE_ATTENTION, threads, *args)
     return out
+
+
+def write_step(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    caches: tuple[np.ndarray, np.ndarray],
+    slots: int,
+    rows: np.ndarray,
+    positions: np.ndarray,
+    kv_len: int,
+) -> bool:
+    """decode_attention's cache writes alone (no ring): host k/v [B, 1, kv_heads, D] into
+    `caches` at `positions` of the cache rows `rows`, as decode_attention takes them, the bits
+    copied; the indexed assignment's result in one numba call and no aten op. False (nothing
+    written) where decode_attention would not take these arguments."""
+    if not _fits(k, k, v, caches, slots, rows, positions, kv_len, None):
+        return False
+    k_stride = row_stride(k)
+    if k_stride is None or k_stride != row_stride(v):
+        return False
+    B, _, kv_heads, D = k.shape
+    dims = (kv_heads, kv_heads, D, slots, k_stride, k_stride)
+    _write_step((0, k.data_ptr(), v.data_ptr(), 0), *caches, dims, rows, positions)
+    return True
 
 
 def _fits(q, k, v, caches, slots, rows, positions, kv_len, ring) -> bool:

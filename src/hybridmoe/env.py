@@ -92,8 +92,8 @@ def default_set(name: str, value: str) -> Iterator[None]:
 
 @functools.cache
 def glue_kernels() -> bool:
-    """HYBRIDMOE_GLUE_KERNELS=0 computes the decode step's norms, residual adds, router top-k
-    and MoE output rounding with torch on the CPU too (a measurement switch: the numba glue
-    kernels' before/after, kernels/numba_glue.py). Read once (it is asked ~30 times a
+    """HYBRIDMOE_GLUE_KERNELS=0 computes the decode step's norms, residual adds, router top-k,
+    MoE output rounding and KV writes with torch on the CPU too (a measurement switch: the
+    numba glue kernels' before/after, kernels/numba_glue.py). Read once (it is asked ~30 times a
     decoded token): glue_kernels.cache_clear() makes the next call read it again."""
     return os.environ.get("HYBRIDMOE_GLUE_KERNELS", "1") != "0"

@@ -2,7 +2,8 @@
 kernel's writes alone) against the indexed assignment they replace, bit for bit: float32 and
 bfloat16, rows out of order and at different positions, k and v as the stacked projection's
 split views (rows apart in memory) or contiguous; the write is taken (no index_put) where it
-applies and the torch path elsewhere (prefill, ring layers), with the same caches."""
+applies and the torch path elsewhere (prefill, ring layers, HYBRIDMOE_GLUE_KERNELS=0), with
+the same caches."""
 
 from __future__ import annotations
 
@@ -115,3 +116,22 @@ def test_prefill_and_ring_layers_keep_the_torch_path() -> None:
                 reference.v[layer][row_col, :, batch.positions] = v
                 assert torch.equal(cache.k[layer], reference.k[layer])
                 assert torch.equal(cache.v[layer], reference.v[layer])
+
+
+def test_switched_off_with_the_glue_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybridmoe import env
+
+    cfg, gen = config(), torch.Generator().manual_seed(3)
+    cache = filled(cfg, torch.bfloat16, gen)
+    batch = batch_of(cache, [[4]], [0])
+    k, v = step_kv(cfg, 1, 1, torch.bfloat16, True, gen)
+    monkeypatch.setenv("HYBRIDMOE_GLUE_KERNELS", "0")
+    env.glue_kernels.cache_clear()
+    try:
+        with CountingOps() as counted:
+            cache.update(0, batch, k, v)
+    finally:
+        monkeypatch.delenv("HYBRIDMOE_GLUE_KERNELS")
+        env.glue_kernels.cache_clear()
+    assert "aten.index_put_.default" in counted.ops
+    assert torch.equal(cache.k[0][0, :, 4], k[0, 0]) and torch.equal(cache.v[0][0, :, 4], v[0, 0])

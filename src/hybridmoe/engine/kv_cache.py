@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hybridmoe import env
 from hybridmoe.config.model import ModelConfig
 from hybridmoe.kernels import numba_attention
 from hybridmoe.layers.batch import RING, RING_AND_CHUNK, ForwardBatch, ring_layout
@@ -150,7 +151,8 @@ class KVCache:
 
     def _write_host(self, layer_idx: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor):
         """update()'s indexed assignment by the attention kernel's writes (the same bits, no
-        aten op) for a decode step on a host cache of KERNEL_DTYPES; False: not taken."""
+        aten op) for a decode step on a host cache of KERNEL_DTYPES, unless the glue kernels
+        are switched off (env.glue_kernels); False: not taken."""
         k_cache = self.k[layer_idx]
         if not (
             batch.is_decode
@@ -158,6 +160,7 @@ class KVCache:
             and k_cache.is_cpu
             and k.dtype is k_cache.dtype
             and k_cache.dtype in numba_attention.KERNEL_DTYPES
+            and env.glue_kernels()
         ):
             return False
         rows, positions = batch.host_index()

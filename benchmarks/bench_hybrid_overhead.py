@@ -60,8 +60,7 @@ PHASES = (
     "accelerator math (gpu_runner)",
     "sync: blocked on worker",
     "sync: wake-up + bookkeeping",
-    "stats (_record)",
-    "inline in decode (clone, masks, add)",
+    "inline in decode (clone, masks, stats, add)",
 )
 
 
@@ -170,7 +169,6 @@ def instrument(hybrid: HybridDecodeExecutor, clock: CallClock) -> Callable[[], N
     original_split = hybrid_decode.split_routes
     hybrid_decode.split_routes = clock.wrap(PHASES[1], original_split)
     cache.copy_missing = clock.wrap(PHASES[3], cache.copy_missing)
-    hybrid._record = clock.wrap(PHASES[7], hybrid._record)
     cpu.decode_submit = _stamped(clock, "submit", cpu.decode_submit)
     cpu.decode_sync = _stamped(clock, "sync", cpu.decode_sync)
 
@@ -300,7 +298,7 @@ def _record_call(result: Pass, clock: CallClock, total_ns: int) -> None:
         PHASES[5]: blocked,
         PHASES[6]: sync_exit - sync_entry - blocked,
     }
-    phases[PHASES[8]] = total_ns - sum(phases.values())
+    phases[PHASES[7]] = total_ns - sum(phases.values())
     # not a phase of the caller: how long after decode_submit returned the worker's math began
     phases["(worker) start after submit returned"] = clock.worker_start_ns - submit_exit
     # and from the end of the worker's math to decode_sync returning (blocked case only)
@@ -437,7 +435,7 @@ def print_profile(profiler: cProfile.Profile, calls: int, top: int) -> None:
 # -- main ---------------------------------------------------------------------------------
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=48, help="MoE layers")
     parser.add_argument("--experts", type=int, default=128, help="routed experts per layer")
@@ -459,11 +457,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-phases", action="store_true", help="skip the instrumented passes")
     parser.add_argument("--profile", action="store_true", help="cProfile the noop overlap pass")
     parser.add_argument("--profile-top", type=int, default=25)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> list[Pass]:
+    """The run; returns its passes (the instrumented ones after the plain)."""
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     banks = make_banks(args)
     trace = sticky_trace(args, args.warmup + args.steps)
@@ -473,13 +472,16 @@ def main() -> None:
     for p in passes:
         run_pass(args, banks, trace, p)
     print_summary(passes)
+    instrumented = []
     if not args.no_phases:
         for plain in passes:
-            print_phases(run_pass(args, banks, trace, Pass(plain.overlap, plain.real, True)), plain)
+            instrumented.append(run_pass(args, banks, trace, Pass(plain.overlap, plain.real, True)))
+            print_phases(instrumented[-1], plain)
     if args.profile:
         profiler = cProfile.Profile()
         run_pass(args, banks, trace, Pass(True, False), profiler)
         print_profile(profiler, args.steps * args.layers, args.profile_top)
+    return passes + instrumented
 
 
 if __name__ == "__main__":

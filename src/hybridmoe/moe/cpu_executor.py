@@ -230,9 +230,11 @@ def _compile_kernels(expert_fn: CpuExpertFn, banks: Sequence[ExpertBank]) -> Non
     activation) on one route of weight 0, before any job. The numba kernel compiles, or loads
     from its disk cache, on its first call: minutes on a slow or shared machine, which a job
     must not spend inside `timeout_s` (that bounds a hung worker, not a compiler); here it
-    takes what it takes, while the engine is built. The first call's argument types are a
-    job's whatever the activation dtype: fused_cpu_moe hands the kernel float32, int64 and
-    the bank's own arrays (tests/moe/test_cpu_executor_compile.py checks it)."""
+    takes what it takes, while the engine is built. The kernel's argument types are a job's
+    whatever the activation dtype (fused_cpu_moe hands it float32, int64 and the bank's own
+    arrays); a bf16 x and router weights are widened first by a numba glue call of its own,
+    so each kind is called with float32 and with bfloat16 inputs
+    (tests/moe/test_cpu_executor_compile.py checks it)."""
     seen = set()
     for bank in banks:
         kernel = (*(f.name for f in bank.formats), bank.activation_quant)  # picks the entry
@@ -240,8 +242,10 @@ def _compile_kernels(expert_fn: CpuExpertFn, banks: Sequence[ExpertBank]) -> Non
         if key in seen:
             continue
         seen.add(key)
-        x = torch.zeros(1, bank.hidden_size)  # [1, H]
-        expert_fn(x, torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1), bank)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.zeros(1, bank.hidden_size, dtype=dtype)  # [1, H]
+            weights = torch.zeros(1, 1, dtype=dtype)
+            expert_fn(x, torch.zeros(1, 1, dtype=torch.int64), weights, bank)
 
 
 def _check_shapes(

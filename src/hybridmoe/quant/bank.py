@@ -180,7 +180,8 @@ class ExpertBank:
     def expert_nbytes(self) -> int:
         """Bytes one expert occupies (what fetching it copies), its biases included."""
         bias_bytes = 0 if self.biases is None else self.biases.nbytes_per_expert
-        return self.gate[0].nbytes + self.up[0].nbytes + self.down[0].nbytes + bias_bytes
+        experts = max(self.down.shape[0], 1)  # from the shapes: no view made (asked per fetch)
+        return (self.gate.nbytes + self.up.nbytes + self.down.nbytes) // experts + bias_bytes
 
     @property
     def nbytes(self) -> int:

@@ -82,7 +82,7 @@ class ExpertBiases:
 
     @property
     def nbytes_per_expert(self) -> int:
-        return self.gate_up[0].nbytes + self.down[0].nbytes
+        return (self.gate_up.nbytes + self.down.nbytes) // max(self.down.shape[0], 1)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.gate_up, self.down]

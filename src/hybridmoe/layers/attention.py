@@ -137,10 +137,7 @@ class GroupedQueryAttention:
         """x [B, T, H] -> [B, T, H]."""
         cfg = self.cfg
         B, T, _ = x.shape
-        q, k, v = self._project(x)  # [B, T, heads * D] each
-        q = q.view(B, T, cfg.num_heads, cfg.head_dim)
-        k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = self._project_heads(x)  # [B, T, heads, D] each
         rotated = cfg.qk_norm == "per_head"
         if rotated:
             q, k = self._norm_rotary(q, k, batch)
@@ -183,13 +180,27 @@ class GroupedQueryAttention:
     def projections(self) -> list[Linear]:
         return [self.q_proj, self.k_proj, self.v_proj, self.o_proj]
 
+    def _project_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> q [B, T, heads, D], k and v [B, T, kv_heads, D]."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        if cfg.qk_norm != "full" and cfg.clip_qkv is None and self.q_proj.uses_kernel(x):
+            return self._stacked_qkv().heads(x, cfg.head_dim)  # views of the one kernel call
+        q, k, v = self._project(x)  # [B, T, heads * D] each
+        q = q.view(B, T, cfg.num_heads, cfg.head_dim)
+        k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        return q, k, v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+
+    def _stacked_qkv(self) -> StackedQKV:
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        if self._qkv is None or not self._qkv.holds(parts):
+            self._qkv = StackedQKV.of(parts)
+        return self._qkv
+
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        parts = (self.q_proj, self.k_proj, self.v_proj)
         if self.q_proj.uses_kernel(x):  # one kernel call for the three: the same bits
-            if self._qkv is None or not self._qkv.holds(parts):
-                self._qkv = StackedQKV.of(parts)
-            q, k, v = self._qkv(x)
+            q, k, v = self._stacked_qkv()(x)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if cfg.qk_norm == "full":

@@ -86,3 +86,10 @@ class StackedQKV:
         """x [..., H] -> each part's [..., out] (views of one output), for an x the parts'
         uses_kernel accepts (attention checks it before calling): the kernel at once."""
         return self.stacked.kernel(x).split(self.sizes, dim=-1)
+
+    def heads(self, x: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, ...]:
+        """As calling it, each part viewed per head, [..., out / head_dim, head_dim]: one view
+        and one split of the output (2 aten ops, not a split and a view per part)."""
+        y = self.stacked.kernel(x)
+        counts = [size // head_dim for size in self.sizes]
+        return y.view(*y.shape[:-1], sum(counts), head_dim).split(counts, dim=-2)

@@ -152,13 +152,12 @@ class KVCache:
     def _write_host(self, layer_idx: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor):
         """update()'s indexed assignment by the attention kernel's writes (the same bits, no
         aten op) for a decode step on a host cache of KERNEL_DTYPES, unless the glue kernels
-        are switched off (env.glue_kernels); False: not taken."""
+        are switched off (env.glue_kernels); False: not taken (write_step checks the step's
+        shapes and dtypes against the cache's)."""
         k_cache = self.k[layer_idx]
         if not (
             batch.is_decode
-            and k.shape[1] == 1
             and k_cache.is_cpu
-            and k.dtype is k_cache.dtype
             and k_cache.dtype in numba_attention.KERNEL_DTYPES
             and env.glue_kernels()
         ):

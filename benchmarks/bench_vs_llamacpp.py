@@ -85,7 +85,7 @@ def parse_args() -> argparse.Namespace:
         "--activation-quant",
         choices=("none", "q8"),
         default="none",
-        help="hybridmoe's --activation-quant (q8: integer dots for q8_0, q4_0, q4_k, q5_k, q6_k)",
+        help="hybridmoe's --activation-quant (q8: integer dots for q8_0, q4_0, q2_k ... q6_k)",
     )
     parser.add_argument(
         "--busy-cores", type=float, default=0.5, help="others' cores that make a round busy"

@@ -45,7 +45,7 @@ def _fused_q8_pair(gate_up_name: str, down_name: str) -> None:
 
 
 # the (gate/up, down) pairs of k-quant banks the suite computes with q8 activations
-Q8_PAIRS = (("q4_k", "q6_k"), ("q4_k", "q5_k"), ("q5_k", "q8_0"))
+Q8_PAIRS = (("q4_k", "q6_k"), ("q4_k", "q5_k"), ("q5_k", "q8_0"), ("q2_k", "q3_k"))
 
 
 def _quantize(name: str) -> None:

@@ -1,6 +1,6 @@
 """Run as a script (tests/kernels/test_activation_q8_paths.py does, under forced
 NUMBA_CPU_FEATURES): compiles the q8 tile for a few shapes of q8_0 and q4_0 rows and of the
-k-quants with integer super-blocks (q4_k, q5_k, q6_k: random bytes, finite scales), compares
+k-quants with integer super-blocks (q2_k ... q6_k: random bytes, finite scales), compares
 each with the torch reference bit for bit, and prints the instruction path and the result."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hybridmoe.quant.formats import weight_format
 from hybridmoe.quant.random_blocks import random_stored
 
 INT8_BLOCKS = ("q8_0", "q4_0")
-SUPER_BLOCKS = ("q4_k", "q5_k", "q6_k")
+SUPER_BLOCKS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 
 
 def _tiles(kernel):

@@ -6,9 +6,10 @@ instruction path: tests/kernels/test_activation_q8_paths.py); a layer differs fr
 where the float path's does (silu's last bit, numba's against torch's; the order of the sum
 over routes), and where such an ulp moves an activation across a rounding boundary of its
 quantisation, by one q8 step (layer_flips), far below q8's own effect
-(test_q8_changes_the_arithmetic_not_the_model). The k-quants with integer super-blocks (q4_k,
-q5_k, q6_k) likewise, their integers also against gguf's dequantisation. Numba layer kernels
-compiled: q4_0 gate/up beside q8_0 down, q4_k beside q6_k, q5_k beside q8_0."""
+(test_q8_changes_the_arithmetic_not_the_model). The k-quants with integer super-blocks (q2_k
+... q6_k) likewise, their integers also against gguf's dequantisation. Numba layer kernels
+compiled: q4_0 gate/up beside q8_0 down, q4_k beside q6_k, q5_k beside q8_0, q2_k beside q3_k
+(a Q2_K file's pair)."""
 
 from __future__ import annotations
 
@@ -158,19 +159,19 @@ def test_q8_changes_the_arithmetic_not_the_model() -> None:
 
 
 def test_mixed_kinds_are_refused() -> None:
-    q3_k = weight_format("q3_k")
-    down = torch.zeros(q3_k.stored_shape((1, 256, 256)), dtype=torch.uint8)
+    q5_1 = weight_format("q5_1")
+    down = q5_1.quantize(torch.zeros(1, 256, 256))
     gate_up = Q8_0.quantize(torch.zeros(1, 512, 256))
     with pytest.raises(ValueError, match="mix formats with integer dot products"):
-        ExpertBank(gate_up, down, Q8_0, down_fmt=q3_k, activation_quant="q8")
+        ExpertBank(gate_up, down, Q8_0, down_fmt=q5_1, activation_quant="q8")
     with pytest.raises(ValueError, match="activation_quant must be one of"):
         ExpertBank(gate_up, Q8_0.quantize(torch.zeros(1, 256, 256)), Q8_0, activation_quant="q4")
 
 
-# k-quants with integer super-blocks (q4_k, q5_k, q6_k): 3 super-blocks a gate/up row, 1 a
+# k-quants with integer super-blocks (q2_k ... q6_k): 3 super-blocks a gate/up row, 1 a
 # down row; Q4_K_M's pair (q4_k gate/up, q6_k down) and q5_k beside q8_0 (32- and 256-blocks)
 K_HIDDEN, K_INTER = 768, 256
-SUPER_BLOCK_FORMATS = [weight_format(n) for n in ("q4_k", "q5_k", "q6_k")]
+SUPER_BLOCK_FORMATS = [weight_format(n) for n in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")]
 
 
 @pytest.mark.parametrize("fmt", SUPER_BLOCK_FORMATS, ids=lambda f: f.name)
@@ -232,7 +233,9 @@ def _kquant_bank(gate_up_fmt, down_fmt) -> ExpertBank:
     return ExpertBank(gate_up, down, gate_up_fmt, down_fmt=down_fmt, activation_quant="q8")
 
 
-@pytest.mark.parametrize("formats", [("q4_k", "q6_k"), ("q5_k", "q8_0")], ids=lambda f: "+".join(f))
+@pytest.mark.parametrize(
+    "formats", [("q4_k", "q6_k"), ("q5_k", "q8_0"), ("q2_k", "q3_k")], ids=lambda f: "+".join(f)
+)
 def test_kquant_layers_compute_the_reference(formats) -> None:
     """The numba layer kernel and gathered_moe against bank_moe for k-quant banks under q8,
     T = 1..16 and beyond, K = 2 and 8, skipped routes, and with bf16 activations; q8 really

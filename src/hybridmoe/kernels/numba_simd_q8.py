@@ -1,6 +1,6 @@
 """LLVM vector code for the q8 activation contract (quant/activation_q8.py): a tile of weight
 rows of an int8-block format (KernelFormat.int8_block_ir: q8_0, q4_0) or of a k-quant with
-integer super-blocks (KernelFormat.superblock_ints_ir: q4_k, q5_k, q6_k) dotted with up to 4
+integer super-blocks (KernelFormat.superblock_ints_ir: q2_k ... q6_k) dotted with up to 4
 rows of q8-quantised activations by integer dot products.
 
 A block's dot Σ v_i q_i is taken 32 bytes at a time into <8 x i32> partial sums by the best

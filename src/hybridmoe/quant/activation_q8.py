@@ -1,5 +1,5 @@
 """Activation quantisation: the `q8` contract of a projection whose weights are 32-integer
-blocks (q8_0, q4_0: WeightFormat.has_int8_blocks) or integer super-blocks (q4_k, q5_k, q6_k:
+blocks (q8_0, q4_0: WeightFormat.has_int8_blocks) or integer super-blocks (q2_k ... q6_k:
 has_superblock_ints), as llama.cpp computes its quantised matmuls; the torch reference that
 every path (the numba CPU kernel, `bank_moe`, the accelerator's `gathered_moe`, prefill)
 reproduces bit for bit, so every decode target still gives the same tokens.
@@ -128,7 +128,7 @@ def check_formats(activation_quant: str, formats: tuple[WeightFormat, WeightForm
         names = "/".join(fmt.name for fmt in formats)
         raise ValueError(
             f"activation_quant q8: experts in {names} mix formats with integer dot products "
-            "(q8_0, q4_0, q4_k, q5_k, q6_k) and others; it needs all of gate/up and down in "
+            "(q8_0, q4_0, q2_k ... q6_k) and others; it needs all of gate/up and down in "
             "one kind"
         )
 

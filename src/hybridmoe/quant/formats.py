@@ -61,7 +61,7 @@ class KernelFormat:
     # a 32-weight block as integers and one scale, for formats whose blocks are that (q8_0,
     # q4_0): with activation_quant q8 their projections take integer dot products
     int8_block_ir: Int8BlockIR | None = field(default=None, repr=False)
-    # a super-block as integers (q4_k, q5_k, q6_k): their integer dot products under q8
+    # a super-block as integers (the k-quants q2_k ... q6_k): their integer dot products under q8
     superblock_ints_ir: SuperBlockIntsIR | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -169,7 +169,7 @@ class WeightFormat:
     @property
     def has_superblock_ints(self) -> bool:
         """Whether a super-block reads as integers (superblock_ints): the k-quants whose
-        projections take integer dot products with q8 activations (q4_k, q5_k, q6_k)."""
+        projections take integer dot products with q8 activations (q2_k ... q6_k)."""
         return self.superblock_ints_fn is not None
 
     def superblock_ints(self, q: torch.Tensor) -> Any:

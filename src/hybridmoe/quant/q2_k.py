@@ -1,28 +1,75 @@
 """GGUF/ggml Q2_K: super-blocks of 256 weights in 84 bytes: 16 bytes of 4-bit scale / minimum
 pairs (low nibble sc, high nibble m; one per sub-block of 16 weights), 64 bytes of 2-bit
 values, fp16 d, fp16 dmin. Half h of 128 weights reads qs[32 h:][:32]; its piece j takes bits
-2 j, 2 j + 1 of each byte. Weight = (d * sc) * v - (dmin * m), one rounding. No quantiser (see
-_kquants.py).
+2 j, 2 j + 1 of each byte. Weight = (d * sc) * v - (dmin * m), one rounding; as integers
+(SuperBlockInts, the q8 contract's view) u = v, sc and m per 16 weights, offset 0. No quantiser
+(see _kquants.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hybridmoe.quant._kquants import fp16_at, register_k_quant, shifted
+from hybridmoe.quant._kquants import (
+    SuperBlockInts,
+    fp16_at,
+    register_k_quant,
+    shifted,
+    superblock_ints,
+)
 
 __all__ = ["BLOCK_BYTES", "Q2_K"]
 
 BLOCK_BYTES = 84  # 16 bytes of scales, 64 of 2-bit values, fp16 d, fp16 dmin
 
 
+def _values(blocks: torch.Tensor) -> torch.Tensor:
+    """The 2-bit v [b, 16, 16] uint8 of blocks [b, 84], by sub-block."""
+    v = shifted(blocks[:, 16:80].reshape(-1, 2, 32), [0, 2, 4, 6], 3)  # [b, 2, 4, 32]
+    return v.reshape(-1, 16, 16)
+
+
 def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
     packed = blocks[:, :16]  # [b, 16]
     scale = fp16_at(blocks, 80) * (packed & 0x0F).to(torch.float32)[:, :, None]  # [b, 16, 1]
     low = fp16_at(blocks, 82) * (packed >> 4).to(torch.float32)[:, :, None]  # [b, 16, 1]
-    v = shifted(blocks[:, 16:80].reshape(-1, 2, 32), [0, 2, 4, 6], 3)  # [b, 2, 4, 32]
-    v = v.reshape(-1, 16, 16).to(torch.float32)  # [b, 16, 16]; in place below: few temporaries
+    v = _values(blocks).to(torch.float32)  # [b, 16, 16]; in place below: few temporaries
     return v.mul_(scale).sub_(low).reshape(-1, 256)
+
+
+def _superblock_ints(q: torch.Tensor) -> SuperBlockInts:
+    blocks = q.reshape(-1, BLOCK_BYTES)
+    packed = blocks[:, :16]
+    u = _values(blocks).reshape(-1, 256)
+    return superblock_ints(
+        q, u, packed & 0x0F, packed >> 4, fp16_at(blocks, 80), fp16_at(blocks, 82)
+    )
+
+
+def _superblock_ints_ir(builder, block):
+    """LLVM IR: the SuperBlockIntsIR of a Q2_K super-block: pair scales sc_s, lows m_s."""
+    from hybridmoe.kernels import llvm_ir as ll
+    from hybridmoe.quant._kquants import SuperBlockIntsIR
+
+    packed = ll.load(builder, block, ll.vector(ll.I8, 16))
+    i16 = ll.vector(ll.I16, 16)
+    scales, mins = (builder.zext(ll.bits(builder, packed, at, 0x0F), i16) for at in (0, 4))
+    halves = [
+        ll.load(builder, ll.offset(builder, block, 16 + 32 * h), ll.vector(ll.I8, 32))
+        for h in range(2)
+    ]
+
+    def piece(p: int):  # bits 2 j, 2 j + 1 of half h's bytes, p = 4 h + j
+        half, j = divmod(p, 4)
+        return ll.bits(builder, halves[half], 2 * j, 3)
+
+    return SuperBlockIntsIR(
+        piece=piece,
+        pair_scales=lambda p: ll.lanes(builder, scales, [2 * p] * 8 + [2 * p + 1] * 8),
+        lows=mins,
+        d=ll.fp16_scale(builder, ll.offset(builder, block, 80)),
+        dmin=ll.fp16_scale(builder, ll.offset(builder, block, 82)),
+    )
 
 
 def _scale_table(builder, block, negated: bool = False):
@@ -95,4 +142,11 @@ def _byte_pieces(builder, block):
     return piece
 
 
-Q2_K = register_k_quant("q2_k", BLOCK_BYTES, _dequantize_chunk, _superblock_ir, (80, 82))
+Q2_K = register_k_quant(
+    "q2_k",
+    BLOCK_BYTES,
+    _dequantize_chunk,
+    _superblock_ir,
+    (80, 82),
+    (_superblock_ints, _superblock_ints_ir),
+)

@@ -4,14 +4,22 @@ scales (one per sub-block of 16 weights), fp16 d. Half h of 128 weights reads qs
 its piece j (p = 4 h + j) takes bits 2 j, 2 j + 1 of each byte. v = low - (4 if the high bit is
 clear else 0), in [-4, 3]; weight = (d * (scale - 32)) * v, exact in fp32. Scale s: low 4 bits
 in the low (s < 8) or high nibble of byte s % 8, top 2 bits at bit 2 (s // 4) of byte 8 + s % 4.
-No quantiser (see _kquants.py).
+As integers (SuperBlockInts, the q8 contract's view): u = low + 4 high in [0, 7], offset 4, the
+signed scale - 32 per 16 weights. No quantiser (see _kquants.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hybridmoe.quant._kquants import PIECES, fp16_at, register_k_quant, shifted
+from hybridmoe.quant._kquants import (
+    PIECES,
+    SuperBlockInts,
+    fp16_at,
+    register_k_quant,
+    shifted,
+    superblock_ints,
+)
 
 __all__ = ["BLOCK_BYTES", "Q3_K"]
 
@@ -21,20 +29,70 @@ _TOP_SHIFTS = [0] * 4 + [2] * 4 + [4] * 4 + [6] * 4  # its top 2: bits 2 (s // 4
 
 
 def _scales(packed: torch.Tensor) -> torch.Tensor:
-    """The 12 scale bytes [b, 12] uint8 -> the 16 signed scales [b, 16] fp32, in [-32, 31]."""
+    """The 12 scale bytes [b, 12] uint8 -> the 16 signed scales [b, 16] int8, in [-32, 31]."""
     low = shifted(packed[:, None, :8], [0, 4], 0x0F).reshape(-1, 16)  # [b, 16]
     top = shifted(packed[:, None, 8:], [0, 2, 4, 6], 3).reshape(-1, 16)  # [b, 16]
-    return ((low | (top << 4)).view(torch.int8) - 32).to(torch.float32)
+    return (low | (top << 4)).view(torch.int8) - 32
+
+
+def _low_high(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each weight's 2 low bits and its hmask bit, [b, 8, 32] uint8 each, by piece."""
+    low = shifted(blocks[:, 32:96].reshape(-1, 2, 32), [0, 2, 4, 6], 3)  # [b, 2, 4, 32]
+    high = shifted(blocks[:, None, :32], list(range(8)), 1)  # [b, 1, 8, 32]
+    return low.reshape(-1, PIECES, 32), high.reshape(-1, PIECES, 32)
 
 
 def _dequantize_chunk(blocks: torch.Tensor) -> torch.Tensor:
-    scale = (fp16_at(blocks, 108)[:, 0] * _scales(blocks[:, 96:108]))[:, :, None]  # [b, 16, 1]
-    low = shifted(blocks[:, 32:96].reshape(-1, 2, 32), [0, 2, 4, 6], 3)  # [b, 2, 4, 32]
-    high = shifted(blocks[:, None, :32], list(range(8)), 1)  # [b, 1, 8, 32]
-    v = low.reshape(-1, PIECES, 32).view(torch.int8) - (
-        (high.reshape(-1, PIECES, 32) ^ 1) << 2
-    ).view(torch.int8)
+    scales = _scales(blocks[:, 96:108]).to(torch.float32)
+    scale = (fp16_at(blocks, 108)[:, 0] * scales)[:, :, None]  # [b, 16, 1]
+    low, high = _low_high(blocks)
+    v = low.view(torch.int8) - ((high ^ 1) << 2).view(torch.int8)
     return v.reshape(-1, 16, 16).to(torch.float32).mul_(scale).reshape(-1, 256)
+
+
+def _superblock_ints(q: torch.Tensor) -> SuperBlockInts:
+    blocks = q.reshape(-1, BLOCK_BYTES)
+    low, high = _low_high(blocks)
+    u = (low | (high << 2)).reshape(-1, 256)  # v + 4
+    scales = _scales(blocks[:, 96:108])
+    return superblock_ints(q, u, scales, None, fp16_at(blocks, 108), None, offset=4)
+
+
+def _superblock_ints_ir(builder, block):
+    """LLVM IR: the SuperBlockIntsIR of a Q3_K super-block: lows = 4 (scale - 32) (the
+    offset), u of piece p = its 2 low bits or'ed with its hmask bit as bit 2."""
+    from hybridmoe.kernels import llvm_ir as ll
+    from hybridmoe.quant._kquants import SuperBlockIntsIR
+
+    scales = builder.sext(_signed_scales_ir(builder, block), ll.vector(ll.I16, 16))
+    hmask = ll.load(builder, block, ll.vector(ll.I8, 32))
+    halves = [
+        ll.load(builder, ll.offset(builder, block, 32 + 32 * h), ll.vector(ll.I8, 32))
+        for h in range(2)
+    ]
+
+    def piece(p: int):
+        half, j = divmod(p, 4)
+        high = ll.shl(builder, ll.bits(builder, hmask, p, 1), 2)
+        return builder.or_(ll.bits(builder, halves[half], 2 * j, 3), high)
+
+    return SuperBlockIntsIR(
+        piece=piece,
+        pair_scales=lambda p: ll.lanes(builder, scales, [2 * p] * 8 + [2 * p + 1] * 8),
+        lows=ll.shl(builder, scales, 2),  # 4 sc_k: S - Σ 4 sc_k B_k
+        d=ll.fp16_scale(builder, ll.offset(builder, block, 108)),
+        dmin=None,
+    )
+
+
+def _signed_scales_ir(builder, block):
+    """LLVM IR: <16 x i8>, the 16 scales - 32 of the super-block at `block`."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    packed = ll.load(builder, ll.offset(builder, block, 96), ll.vector(ll.I8, 12))
+    low = ll.bits(builder, ll.lanes(builder, packed, [*range(8), *range(8)]), _LOW_SHIFTS, 0x0F)
+    top = ll.bits(builder, ll.lanes(builder, packed, [8, 9, 10, 11] * 4), _TOP_SHIFTS, 3)
+    return builder.sub(builder.or_(low, ll.shl(builder, top, 4)), ll.const_vec(ll.I8, [32] * 16))
 
 
 def _scale_table(builder, block, factor: float = 1.0):
@@ -42,10 +100,7 @@ def _scale_table(builder, block, factor: float = 1.0):
     exact, d * factor first)."""
     from hybridmoe.kernels import llvm_ir as ll
 
-    packed = ll.load(builder, ll.offset(builder, block, 96), ll.vector(ll.I8, 12))
-    low = ll.bits(builder, ll.lanes(builder, packed, [*range(8), *range(8)]), _LOW_SHIFTS, 0x0F)
-    top = ll.bits(builder, ll.lanes(builder, packed, [8, 9, 10, 11] * 4), _TOP_SHIFTS, 3)
-    signed = builder.sub(builder.or_(low, ll.shl(builder, top, 4)), ll.const_vec(ll.I8, [32] * 16))
+    signed = _signed_scales_ir(builder, block)
     d = ll.fp16_scale(builder, ll.offset(builder, block, 108))
     if factor != 1.0:
         d = builder.fmul(d, ll.ir.Constant(ll.F32, factor))
@@ -112,4 +167,11 @@ def _byte_pieces(builder, block):
     return piece
 
 
-Q3_K = register_k_quant("q3_k", BLOCK_BYTES, _dequantize_chunk, _superblock_ir, (108,))
+Q3_K = register_k_quant(
+    "q3_k",
+    BLOCK_BYTES,
+    _dequantize_chunk,
+    _superblock_ir,
+    (108,),
+    (_superblock_ints, _superblock_ints_ir),
+)

@@ -20,7 +20,8 @@ for two checkouts back to back to compare their loops.
 
 Shapes: qwen3-30b-a3b (H=2048, I=768, E=128, K=8), mixtral (H=4096, I=14336, E=8, K=2) and
 gpt-oss-120b (H=2880, I=2880, E=128, K=4; its experts ship as mxfp4, and 2880 is no multiple of
-the k-quants' 256). The banks hold random bytes in each format (small valid scales); the math
+the k-quants' 256); 1gb (H=1024, I=512, E=64, K=8: bench_vs_llamacpp.py's ~1 GB model, short
+rows). The banks hold random bytes in each format (small valid scales); the math
 does not care. Before
 every timed call a 512 MiB buffer is read, so the experts come from DRAM, as they do in a real
 decode step where every other layer's weights went through the caches in between.
@@ -63,6 +64,8 @@ SHAPES = {
     "qwen3-30b-a3b": Shape(hidden=2048, inter=768, experts=128, top_k=8),
     "mixtral": Shape(hidden=4096, inter=14336, experts=8, top_k=2),
     "gpt-oss-120b": Shape(hidden=2880, inter=2880, experts=128, top_k=4),
+    # the ~1 GB model of bench_vs_llamacpp.py --shape 1gb (llamacpp_checkpoints.SHAPES)
+    "1gb": Shape(hidden=1024, inter=512, experts=64, top_k=8),
     "small": Shape(hidden=1024, inter=256, experts=4, top_k=2),  # in cache with --no-flush
 }
 FLUSH_BYTES = 512 * 2**20

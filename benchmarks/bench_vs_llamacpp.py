@@ -88,6 +88,11 @@ def parse_args() -> argparse.Namespace:
         help="hybridmoe's --activation-quant (q8: integer dots for q8_0, q4_0, q2_k ... q6_k)",
     )
     parser.add_argument(
+        "--attention-kernel",
+        action="store_true",
+        help="hybridmoe's --attention-kernel (the numba decode attention, not torch's SDPA)",
+    )
+    parser.add_argument(
         "--busy-cores", type=float, default=0.5, help="others' cores that make a round busy"
     )
     parser.add_argument("--json", type=Path, default=None, help="write every round here")
@@ -133,6 +138,7 @@ def run_worker(engine: str, path: Path, threads: int, args: argparse.Namespace) 
     command += ["--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens)]
     command += ["--batch", str(args.batch), "--prefill-tokens", str(args.prefill_tokens)]
     command += ["--activation-quant", args.activation_quant]
+    command += ["--attention-kernel"] if args.attention_kernel else []
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:

@@ -7,7 +7,7 @@ f32 by a bf16 norm); their values are the checkpoint's bf16 ones either way.
 
 Quantised experts are hybridmoe's own quantiser's bytes (q8_0 / q4_0 blocks are ggml's layout,
 tests/quant/test_gguf_layout.py), so both engines read the same bytes from the same file.
-k-quant experts (q4_k, q5_k, q6_k; q4_k_m: llama.cpp's Q4_K_M mix, EXPERT_MIXES) have no
+k-quant experts (q2_k ... q6_k; q4_k_m: llama.cpp's Q4_K_M mix, EXPERT_MIXES) have no
 quantiser: they are seeded random blocks with finite scales (hybridmoe.quant.random_blocks;
 weights std about 0.02 like the checkpoint's, so the hidden states stay finite), the same bytes
 for a tensor of a type in every file; such a file stands for its own model, not the checkpoint's.
@@ -60,7 +60,8 @@ SHAPES = {
 }  # fmt: skip
 EXPERT_TYPES = {
     "bf16": QType.BF16, "q8_0": QType.Q8_0, "q4_0": QType.Q4_0,
-    "q4_k": QType.Q4_K, "q5_k": QType.Q5_K, "q6_k": QType.Q6_K,
+    "q2_k": QType.Q2_K, "q3_k": QType.Q3_K, "q4_k": QType.Q4_K, "q5_k": QType.Q5_K,
+    "q6_k": QType.Q6_K,
 }  # fmt: skip
 QUANTISED = ("q8_0", "q4_0")  # expert formats hybridmoe quantises from the checkpoint
 RANDOM_MAX_ABS = 0.08  # k-quant blocks' largest |weight|: std about 0.02, the checkpoint's

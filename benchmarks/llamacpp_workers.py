@@ -89,11 +89,14 @@ def _peak_rss_mib() -> float:
     raise RuntimeError("/proc/self/status has no VmHWM line")
 
 
-def hybridmoe_config(threads: int, batch: int, activation_quant: str = "none"):
+def hybridmoe_config(
+    threads: int, batch: int, activation_quant: str = "none", attention_kernel: bool = False
+):
     """The EngineConfig the bench runs hybridmoe with: `--decode-target cpu`, bf16, no prefix
     cache (llama.cpp's KV is cleared before every request, so each prefills it all); nothing
     about the file's expert format (a GGUF's experts stay in its types); `activation_quant`
-    as --activation-quant (q8: int8-block experts by integer dots, as llama.cpp computes)."""
+    as --activation-quant (q8: int8-block experts by integer dots, as llama.cpp computes),
+    `attention_kernel` as --attention-kernel (the numba decode attention instead of SDPA)."""
     from hybridmoe.engine import EngineConfig
     from hybridmoe.moe.config import OffloadConfig
 
@@ -105,6 +108,7 @@ def hybridmoe_config(threads: int, batch: int, activation_quant: str = "none"):
         threads=threads,
         max_batch=max(batch, 1),
         prefix_cache_tokens=0,
+        attention_kernel=attention_kernel,
         offload=offload,
     )
 
@@ -115,7 +119,8 @@ def load_hybridmoe(path: Path, threads: int, args):
     from hybridmoe.engine import Engine, SamplingParams
 
     torch.set_num_threads(threads)
-    config = hybridmoe_config(threads, args.batch, args.activation_quant)
+    attention_kernel = getattr(args, "attention_kernel", False)
+    config = hybridmoe_config(threads, args.batch, args.activation_quant, attention_kernel)
     engine = Engine.from_pretrained(path, config)
 
     def generate(batch_prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -269,6 +274,7 @@ def main() -> None:
     for flag in ("--threads", "--tokens", "--prompt-tokens", "--batch", "--prefill-tokens"):
         parser.add_argument(flag, type=int, required=True)
     parser.add_argument("--activation-quant", choices=("none", "q8"), default="none")
+    parser.add_argument("--attention-kernel", action="store_true")
     args = parser.parse_args()
     print(json.dumps(measure(args.engine, args.gguf, args.threads, args)))
 

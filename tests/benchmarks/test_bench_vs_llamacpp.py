@@ -146,6 +146,20 @@ def test_hybridmoe_worker_decodes_greedily(files: dict[str, Path]) -> None:
     _check_worker(measure("hybridmoe", files["q8_0"], 1, RUN))
 
 
+def test_hybridmoe_worker_takes_the_attention_kernel(files: dict[str, Path], monkeypatch) -> None:
+    """--attention-kernel reaches the engine: its decode steps call the numba attention."""
+    from hybridmoe.kernels import numba_attention
+
+    calls = []
+    real = numba_attention.decode_attention
+    monkeypatch.setattr(
+        numba_attention, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    run = SimpleNamespace(**{**vars(RUN), "attention_kernel": True})
+    _check_worker(measure("hybridmoe", files["q8_0"], 1, run))
+    assert calls
+
+
 def test_missing_llama_cpp_is_named(files: dict[str, Path]) -> None:
     try:
         import llama_cpp  # noqa: F401

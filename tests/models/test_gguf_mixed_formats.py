@@ -1,7 +1,9 @@
-"""A GGUF whose experts mix k-quant types as a Q4_K_M file does: Q4_K gate/up beside Q6_K down
-in one layer and Q5_K down in the other. It loads in the file's types, layer by layer, and
-gives transformers' greedy tokens (float32, on the dequantised float model) on every decode
-target; a layer whose gate and up differ in type is refused in one line naming both."""
+"""GGUFs whose experts mix k-quant types as downloaded files do: Q4_K_M-like (Q4_K gate/up beside
+Q6_K down in one layer and Q5_K down in the other) and Q2_K-like (Q2_K gate/up beside Q3_K down,
+then Q3_K throughout). Each loads in the file's types, layer by layer, and gives transformers'
+greedy tokens (float32, on the dequantised float model) on every decode target, and with q8
+activations one set of tokens on every target; a layer whose gate and up differ in type is
+refused in one line naming both."""
 
 from __future__ import annotations
 
@@ -28,8 +30,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 N_GREEDY = 10
 GREEDY = SamplingParams(max_tokens=N_GREEDY, temperature=0.0, ignore_eos=True)
-# per layer: the ggml type of gate, up and down (Q4_K_M: down gets more bits)
-LAYER_TYPES = {0: ("Q4_K", "Q4_K", "Q6_K"), 1: ("Q4_K", "Q4_K", "Q5_K")}
+# per file, per layer: the ggml type of gate, up and down (down gets more bits, as llama.cpp's
+# Q4_K_M and Q2_K rules give it)
+FILE_TYPES = {
+    "q4_k_m": {0: ("Q4_K", "Q4_K", "Q6_K"), 1: ("Q4_K", "Q4_K", "Q5_K")},
+    "q2_k": {0: ("Q2_K", "Q2_K", "Q3_K"), 1: ("Q3_K", "Q3_K", "Q3_K")},
+}
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # widths of one k-quant super-block (256), so every expert row is whole blocks
 WIDE_QWEN3 = dict(
@@ -52,12 +58,14 @@ def random_kquants(types: dict[int, tuple[str, str, str]]):
     return encode
 
 
-@pytest.fixture(scope="module")
-def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], torch.Tensor]:
-    """(the GGUF, transformers' greedy tokens and logits on the float model it stands for)."""
-    root = tmp_path_factory.mktemp("gguf-mixed")
+@pytest.fixture(scope="module", params=list(FILE_TYPES))
+def mixed(request, tmp_path_factory: pytest.TempPathFactory):
+    """(the GGUF, transformers' greedy tokens and logits on the float model it stands for, its
+    types per layer)."""
+    types = FILE_TYPES[request.param]
+    root = tmp_path_factory.mktemp(f"gguf-{request.param}")
     hf_dir = write_custom_checkpoint("qwen3_moe", WIDE_QWEN3, root / "hf", seed=0)
-    encoder = random_kquants(LAYER_TYPES)
+    encoder = random_kquants(types)
     float_dir = write_encoded_checkpoint(hf_dir, root / "float", encoder)
     gguf_path = write_gguf(hf_dir, root / "model.gguf", experts=encoder)
     tokens = hf_greedy(float_dir, PROMPT_IDS, N_GREEDY)
@@ -65,22 +73,23 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], to
     gaps = top2_gap(logits[len(PROMPT_IDS) - 1 :])
     assert gaps.min() >= 1e-3, f"near-tie in the reference: {gaps.tolist()}"
     assert len(set(tokens)) > 1, tokens
-    return gguf_path, tokens, logits
+    return gguf_path, tokens, logits, types
 
 
 def test_banks_hold_each_layers_file_types(mixed) -> None:
     model = load_model(mixed[0])
-    for layer, types in LAYER_TYPES.items():
+    for layer, types in mixed[3].items():
         bank = model.moe_layers[layer].experts.store
         assert bank.gate_up_fmt == weight_format(types[0].lower())
         assert bank.down_fmt == weight_format(types[2].lower())
-        with pytest.raises(ValueError, match="no one format"):
-            bank.fmt  # noqa: B018
+        if types[0] != types[2]:
+            with pytest.raises(ValueError, match="no one format"):
+                bank.fmt  # noqa: B018
 
 
 @pytest.mark.parametrize("target", list(DECODE_TARGETS))
 def test_mixed_gguf_greedy_matches_transformers(mixed, target: str) -> None:
-    gguf_path, tokens, reference_logits = mixed
+    gguf_path, tokens, reference_logits, _ = mixed
     offload = OffloadConfig(decode_target=target)
     with Engine.from_pretrained(gguf_path, EngineConfig(dtype="float32", offload=offload)) as e:
         [ours] = e.generate_ids([PROMPT_IDS], GREEDY)
@@ -95,7 +104,7 @@ def test_mixed_gguf_greedy_matches_transformers(mixed, target: str) -> None:
 )  # fmt: skip
 def test_mixed_gguf_small_caches_share_slots_between_formats(mixed, target: dict) -> None:
     """Slots too few for one layer's experts: each is refilled by either layer, in its types."""
-    gguf_path, tokens, _ = mixed
+    gguf_path, tokens, _, _ = mixed
     offload = OffloadConfig(**target)
     with Engine.from_pretrained(gguf_path, EngineConfig(dtype="float32", offload=offload)) as e:
         [ours] = e.generate_ids([PROMPT_IDS], GREEDY)
@@ -115,11 +124,11 @@ def test_gate_and_up_of_different_types_are_refused(tmp_path: Path) -> None:
 
 
 def test_mixed_gguf_q8_activations_give_one_set_of_tokens(mixed) -> None:
-    """activation_quant q8 on the Q4_K_M-like file (integer super-blocks, q4_k beside q6_k and
-    q5_k): every decode target gives the resident target's tokens (bank_moe, the contract's
+    """activation_quant q8 on each file (integer super-blocks of every k-quant, two types in a
+    layer): every decode target gives the resident target's tokens (bank_moe, the contract's
     torch reference), the banks really compute with q8, and its logits stay within q8's
     error of transformers' float ones."""
-    gguf_path, _, reference_logits = mixed
+    gguf_path, _, reference_logits, _ = mixed
 
     def run(**target) -> tuple[list[int], torch.Tensor]:
         offload = OffloadConfig(activation_quant="q8", **target)

@@ -93,3 +93,18 @@ def test_a_wrong_width_is_refused():
         call(torch.randn(1, 64).half())
     with pytest.raises(ValueError, match="weight bytes"):
         DenseCall(fmt, weight_bytes(torch.randn(8, 64).bfloat16()), 9, 64)
+
+
+def test_output_templates_stay_one_op_after_many_shapes():
+    """glue.empty keeps a template per shape up to MAX_TEMPLATES; a process that met more
+    shapes (a long test session, a server's batch sizes) still makes a kept shape's output
+    in one op, not two (the template cache dropped and refilled, not frozen full)."""
+    from hybridmoe.kernels import glue
+
+    for n in range(glue.MAX_TEMPLATES + 3):
+        glue.empty((1, n + 1), torch.bfloat16)
+    glue.empty((7, 3), torch.bfloat16)
+    with CountingOps() as counted:
+        out = glue.empty((7, 3), torch.bfloat16)
+    assert out.shape == (7, 3) and out.dtype == torch.bfloat16
+    assert len(counted.ops) == 1, counted.ops

@@ -37,12 +37,15 @@ def _decode_sized(x: torch.Tensor) -> bool:
 
 def empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.empty(shape, dtype=dtype), as empty_like of a kept tensor of that shape and dtype
-    (torch parses a dtype keyword slower than a small op runs)."""
+    (torch parses a dtype keyword slower than a small op runs). Past MAX_TEMPLATES shapes the
+    kept ones are dropped and the shapes in use kept again: a process that met many shapes
+    (a server's batch sizes over a day, a test session) still gets one op a call."""
     template = _templates.get((shape, dtype))
     if template is None:
         template = torch.empty(shape, dtype=dtype)
-        if len(_templates) < MAX_TEMPLATES:
-            _templates[(shape, dtype)] = template
+        if len(_templates) >= MAX_TEMPLATES:
+            _templates.clear()
+        _templates[(shape, dtype)] = template
     return torch.empty_like(template)
 
 

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from hybridmoe.kernels.numba_moe import max_threads
-from hybridmoe.moe.cpu_experts import FUSED_MAX_TOKENS, bank_moe, fused_cpu_moe
+from hybridmoe.moe.cpu_experts import (
+    FUSED_MAX_ROUTES_FLOAT,
+    FUSED_MAX_ROUTES_QUANTIZED,
+    FUSED_MAX_TOKENS,
+    bank_moe,
+    fused_cpu_moe,
+    uses_fused_kernel,
+)
 from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.formats import WEIGHT_FORMATS, weight_format
 from random_weights import random_bank, whole_blocks
@@ -157,14 +164,33 @@ def test_rows_left_out_of_the_count_still_catch_a_missed_rounding(fmt: str) -> N
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_prefill_sized_calls_take_the_reference_path(fmt: str) -> None:
+def test_prefill_sized_calls_take_the_path_of_their_routes_per_expert(
+    fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past FUSED_MAX_TOKENS the fused kernel keeps a batch whose experts get at most the
+    bank's kind's limit of routes each on average (quantised banks more than float ones);
+    bank_moe takes one route beyond. Both give the reference's sums."""
+    from hybridmoe.moe import cpu_experts
+
     bank = make_bank(fmt)
-    tokens = FUSED_MAX_TOKENS + 5
-    ids, weights = make_routes(tokens, 2, bank.num_experts)
-    x = x_for(bank, tokens)
-    torch.testing.assert_close(
-        fused_cpu_moe(x, ids, weights, bank), bank_moe(x, ids, weights, bank), **FP32_TOL
-    )
+    quantized = bank.gate_up_fmt.is_quantized
+    limit = FUSED_MAX_ROUTES_QUANTIZED if quantized else FUSED_MAX_ROUTES_FLOAT
+    top_k = 2
+    at_limit = limit * bank.num_experts // top_k
+    taken = []
+    monkeypatch.setattr(cpu_experts, "bank_moe", lambda *a: taken.append(1) or bank_moe(*a))
+    for tokens, reference in (
+        (FUSED_MAX_TOKENS + 5, False),
+        (at_limit, False),
+        (at_limit + 1, True),
+    ):
+        assert uses_fused_kernel(tokens, top_k, bank) is not reference
+        ids, weights = make_routes(tokens, top_k, bank.num_experts, seed=tokens)
+        x = x_for(bank, tokens)
+        taken.clear()
+        actual = fused_cpu_moe(x, ids, weights, bank)
+        assert bool(taken) is reference, tokens
+        torch.testing.assert_close(actual, bank_moe(x, ids, weights, bank), **FP32_TOL)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

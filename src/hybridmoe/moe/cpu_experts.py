@@ -3,9 +3,10 @@
 `bank_moe` is the pure-torch reference: the same sum as `moe_reference` (layers/moe.py), per
 expert one GEMM over its stacked gate_up rows (or one each for gate and up when the bank holds
 them apart), the expert's weights dequantised first when the bank is quantised.
-`fused_cpu_moe` is the fast path: for up to FUSED_MAX_TOKENS tokens one numba call per layer
-reads each weight row once for all tokens (kernels/numba_moe.py); beyond that (prefill)
-compute dominates and the dequantise-then-GEMM reference is the better kernel, except with q8
+`fused_cpu_moe` is the fast path: one numba call per layer reads each weight row once for all
+the tokens routed to it (kernels/numba_moe.py), for up to FUSED_MAX_TOKENS tokens and for
+longer batches (prefill) while the experts get few routes each (uses_fused_kernel); beyond
+that the torch GEMM of the dequantised (or float) weights is the better kernel, except with q8
 activations, whose reference is not a GEMM: their kernel (kernels/numba_moe_q8.py) takes
 every batch.
 Kernels are registered by name in CPU_EXPERT_FNS; their factories import them lazily.
@@ -35,10 +36,28 @@ CpuExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertBank], t
 # kernel name -> factory(threads); a factory imports its optional dependency when called
 CPU_EXPERT_FNS: dict[str, Callable[[int | None], CpuExpertFn]] = {}
 
-# fused_cpu_moe's fused kernel up to this many tokens; beyond: bank_moe (dequantise, then
-# torch's matmul), except for banks with q8 activations, whose torch reference is slower than
-# the kernel at any batch
+# fused_cpu_moe's fused kernel up to this many tokens (a decode step: on an accelerator
+# GATHER_MAX_TOKENS follows it), and beyond them up to this many routes per expert on average:
+# the kernel dequantises a weight tile once per 4 routes, bank_moe dequantises each expert once
+# and multiplies by torch's GEMM, which wins on more routes; a float bank needs no dequantising.
+# Measured side by side, 2 threads, bf16 activations (2026-12-03, AMD EPYC AVX-512), bank_moe's
+# time / the kernel's at 4 / 16 / 64 / 256 routes an expert, ~1 GB model's layer: q4_k 7.1 /
+# 3.2 / 1.4 / 1.1, q8_0 17 / 6.6 / 2.8 / 1.0, bf16 3.6 / 1.6 / 0.69 / 0.50; Qwen3-30B-A3B's at 8 /
+# 32 / 128: q4_k 10.7 / 2.0 / 1.1, bf16 1.5 / 0.74 / 0.64.
 FUSED_MAX_TOKENS = 16
+FUSED_MAX_ROUTES_QUANTIZED = 128
+FUSED_MAX_ROUTES_FLOAT = 16
+
+
+def uses_fused_kernel(tokens: int, top_k: int, bank: ExpertBank) -> bool:
+    """Whether fused_cpu_moe computes `tokens` tokens of `top_k` routes by the fused kernel (else
+    bank_moe): up to FUSED_MAX_TOKENS, with q8 activations always, else while the mean routes
+    per expert stay within the bank's kind's limit (quantised: either projection's format)."""
+    if tokens <= FUSED_MAX_TOKENS or bank.q8_activations:
+        return True
+    quantized = bank.gate_up_fmt.is_quantized or bank.down_fmt.is_quantized
+    limit = FUSED_MAX_ROUTES_QUANTIZED if quantized else FUSED_MAX_ROUTES_FLOAT
+    return tokens * top_k <= limit * bank.num_experts
 
 
 def register_cpu_expert_fn(
@@ -86,7 +105,7 @@ def fused_cpu_moe(
     (_BankCall), inputs already of the kernel's dtype are passed as views (the kernel only
     reads them) and bf16 ones widened by a numba call: a call is 1 aten op (from_numpy's)."""
     tokens, top_k = expert_ids.shape
-    if tokens > FUSED_MAX_TOKENS and not bank.q8_activations:  # q8: the kernel at any T
+    if not uses_fused_kernel(tokens, top_k, bank):
         return bank_moe(x, expert_ids, weights, bank)
     call = _BANK_CALLS.get(bank) or _BankCall.of(bank)
     x32 = _kernel_array(x, torch.float32, np.float32)  # [T*H]

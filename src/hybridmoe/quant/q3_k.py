@@ -65,11 +65,7 @@ def _superblock_ints_ir(builder, block):
     from hybridmoe.quant._kquants import SuperBlockIntsIR
 
     scales = builder.sext(_signed_scales_ir(builder, block), ll.vector(ll.I16, 16))
-    hmask = ll.load(builder, block, ll.vector(ll.I8, 32))
-    halves = [
-        ll.load(builder, ll.offset(builder, block, 32 + 32 * h), ll.vector(ll.I8, 32))
-        for h in range(2)
-    ]
+    hmask, halves = _hmask_halves_ir(builder, block)
 
     def piece(p: int):
         half, j = divmod(p, 4)
@@ -83,6 +79,18 @@ def _superblock_ints_ir(builder, block):
         d=ll.fp16_scale(builder, ll.offset(builder, block, 108)),
         dmin=None,
     )
+
+
+def _hmask_halves_ir(builder, block):
+    """LLVM IR: the 32 hmask bytes and each half's 32 bytes of 2-bit values, <32 x i8> each."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    hmask = ll.load(builder, block, ll.vector(ll.I8, 32))
+    halves = [
+        ll.load(builder, ll.offset(builder, block, 32 + 32 * h), ll.vector(ll.I8, 32))
+        for h in range(2)
+    ]
+    return hmask, halves
 
 
 def _signed_scales_ir(builder, block):
@@ -117,11 +125,7 @@ def _superblock_ir(builder, block):
     if ll.byte_permutes():
         return _byte_pieces(builder, block)
     scales = _scale_table(builder, block)
-    hmask = ll.load(builder, block, ll.vector(ll.I8, 32))
-    halves = [
-        ll.load(builder, ll.offset(builder, block, 32 + 32 * h), ll.vector(ll.I8, 32))
-        for h in range(2)
-    ]
+    hmask, halves = _hmask_halves_ir(builder, block)
 
     def piece(p: int):
         half, j = divmod(p, 4)

@@ -3,8 +3,8 @@ layer kernel for banks whose gate/up and down have integer dot products (int8-bl
 q8_0, q4_0; integer super-blocks: the k-quants q2_k ... q6_k) under `activation_quant q8`.
 Each token's x is quantised once (per 32-block or 256-block, the format's, as the contract's
 step 1), each route's down input once after its activation; every projection is a tile of
-integer dot products (kernels/numba_simd_q8.py). Everything else (grouping, activation, biases, bf16
-rounding points, the weighted sum) is numba_moe.py's, from its helpers.
+integer dot products (kernels/numba_simd_q8.py). Everything else (grouping, activation, biases,
+bf16 rounding points, the weighted sum) is numba_moe.py's, from its helpers.
 
 Imported only when a bank computes with q8 activations, so engines without it compile nothing
 here; its entry points are made on first use per format pair, cached on disk as numba_moe.py's.

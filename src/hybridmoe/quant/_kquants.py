@@ -90,6 +90,15 @@ class SuperBlockIntsIR:
     dmin: Any | None  # float, or None: L is taken from S
 
 
+def sixteen_weight_pair_scales(builder, scales) -> Callable[[int], Any]:
+    """SuperBlockIntsIR.pair_scales of a format with 16 sub-blocks of 16 weights (q2_k, q3_k,
+    q6_k), from their scales <16 x i16>: piece p's pairs 0..7 take sub-block 2p's scale, its
+    pairs 8..15 sub-block 2p + 1's."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    return lambda p: ll.lanes(builder, scales, [2 * p] * 8 + [2 * p + 1] * 8)
+
+
 def register_k_quant(
     name: str,
     block_bytes: int,

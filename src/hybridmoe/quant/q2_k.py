@@ -15,6 +15,7 @@ from hybridmoe.quant._kquants import (
     fp16_at,
     register_k_quant,
     shifted,
+    sixteen_weight_pair_scales,
     superblock_ints,
 )
 
@@ -54,18 +55,9 @@ def _superblock_ints_ir(builder, block):
     packed = ll.load(builder, block, ll.vector(ll.I8, 16))
     i16 = ll.vector(ll.I16, 16)
     scales, mins = (builder.zext(ll.bits(builder, packed, at, 0x0F), i16) for at in (0, 4))
-    halves = [
-        ll.load(builder, ll.offset(builder, block, 16 + 32 * h), ll.vector(ll.I8, 32))
-        for h in range(2)
-    ]
-
-    def piece(p: int):  # bits 2 j, 2 j + 1 of half h's bytes, p = 4 h + j
-        half, j = divmod(p, 4)
-        return ll.bits(builder, halves[half], 2 * j, 3)
-
     return SuperBlockIntsIR(
-        piece=piece,
-        pair_scales=lambda p: ll.lanes(builder, scales, [2 * p] * 8 + [2 * p + 1] * 8),
+        piece=_values_ir(builder, block),
+        pair_scales=sixteen_weight_pair_scales(builder, scales),
         lows=mins,
         d=ll.fp16_scale(builder, ll.offset(builder, block, 80)),
         dmin=ll.fp16_scale(builder, ll.offset(builder, block, 82)),
@@ -98,17 +90,30 @@ def _superblock_ir(builder, block):
     if ll.byte_permutes():
         return _byte_pieces(builder, block)
     table = _scale_table(builder, block)  # sc at s, m at 16 + s
+    values = _values_ir(builder, block)
+
+    def piece(p: int):
+        v = values(p)
+        return ll.scaled_halves(builder, v, table, (2 * p, 2 * p + 1), (16 + 2 * p, 17 + 2 * p))
+
+    return piece
+
+
+def _values_ir(builder, block):
+    """LLVM IR: values(p) -> <32 x i8>, the 2-bit v (0 .. 3) of piece p = 4 h + j: bits 2 j,
+    2 j + 1 of half h's 32 bytes."""
+    from hybridmoe.kernels import llvm_ir as ll
+
     halves = [
         ll.load(builder, ll.offset(builder, block, 16 + 32 * h), ll.vector(ll.I8, 32))
         for h in range(2)
     ]
 
-    def piece(p: int):
+    def values(p: int):
         half, j = divmod(p, 4)
-        v = ll.bits(builder, halves[half], 2 * j, 3)
-        return ll.scaled_halves(builder, v, table, (2 * p, 2 * p + 1), (16 + 2 * p, 17 + 2 * p))
+        return ll.bits(builder, halves[half], 2 * j, 3)
 
-    return piece
+    return values
 
 
 def _byte_pieces(builder, block):

@@ -18,6 +18,7 @@ from hybridmoe.quant._kquants import (
     fp16_at,
     register_k_quant,
     shifted,
+    sixteen_weight_pair_scales,
     superblock_ints,
 )
 
@@ -74,7 +75,7 @@ def _superblock_ints_ir(builder, block):
 
     return SuperBlockIntsIR(
         piece=piece,
-        pair_scales=lambda p: ll.lanes(builder, scales, [2 * p] * 8 + [2 * p + 1] * 8),
+        pair_scales=sixteen_weight_pair_scales(builder, scales),
         lows=ll.shl(builder, scales, 2),  # 4 sc_k: S - Σ 4 sc_k B_k
         d=ll.fp16_scale(builder, ll.offset(builder, block, 108)),
         dmin=None,

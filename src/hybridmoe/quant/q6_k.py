@@ -15,6 +15,7 @@ from hybridmoe.quant._kquants import (
     fp16_at,
     register_k_quant,
     shifted,
+    sixteen_weight_pair_scales,
     superblock_ints,
 )
 
@@ -53,7 +54,7 @@ def _superblock_ints_ir(builder, block):
     scales = builder.sext(raw, ll.vector(ll.I16, 16))
     return SuperBlockIntsIR(
         piece=_values_ir(builder, block),
-        pair_scales=lambda p: ll.lanes(builder, scales, [2 * p] * 8 + [2 * p + 1] * 8),
+        pair_scales=sixteen_weight_pair_scales(builder, scales),
         lows=ll.shl(builder, scales, 5),  # 32 sc_k: S - Σ 32 sc_k B_k
         d=ll.fp16_scale(builder, ll.offset(builder, block, 208)),
         dmin=None,

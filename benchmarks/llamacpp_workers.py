@@ -119,8 +119,7 @@ def load_hybridmoe(path: Path, threads: int, args):
     from hybridmoe.engine import Engine, SamplingParams
 
     torch.set_num_threads(threads)
-    attention_kernel = getattr(args, "attention_kernel", False)
-    config = hybridmoe_config(threads, args.batch, args.activation_quant, attention_kernel)
+    config = hybridmoe_config(threads, args.batch, args.activation_quant, args.attention_kernel)
     engine = Engine.from_pretrained(path, config)
 
     def generate(batch_prompts: list[list[int]], n: int) -> list[list[int]]:

@@ -30,7 +30,12 @@ from hybridmoe.moe.config import OffloadConfig  # noqa: E402
 K_FORMATS = ("q4_k", "q5_k", "q6_k", "q4_k_m")
 PROJECTIONS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 RUN = SimpleNamespace(
-    tokens=6, prompt_tokens=5, prefill_tokens=12, batch=2, activation_quant="none"
+    tokens=6,
+    prompt_tokens=5,
+    prefill_tokens=12,
+    batch=2,
+    activation_quant="none",
+    attention_kernel=False,
 )
 
 

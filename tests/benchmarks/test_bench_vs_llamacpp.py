@@ -30,7 +30,12 @@ from hybridmoe.moe.config import OffloadConfig  # noqa: E402
 FORMATS = ("bf16", "q8_0", "q4_0")
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 RUN = SimpleNamespace(
-    tokens=6, prompt_tokens=5, prefill_tokens=12, batch=2, activation_quant="none"
+    tokens=6,
+    prompt_tokens=5,
+    prefill_tokens=12,
+    batch=2,
+    activation_quant="none",
+    attention_kernel=False,
 )
 
 

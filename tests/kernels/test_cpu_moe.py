@@ -134,10 +134,11 @@ def test_quantised_rows_must_be_whole_blocks(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 24])  # 24: a prefill the kernel keeps
 @pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])  # Mixtral | others
 def test_bf16_activations_round_where_the_reference_does(fmt, tokens, weights_dtype) -> None:
     bank = make_bank(fmt, hidden=128, inter=64)
+    assert uses_fused_kernel(tokens, 4, bank)  # 24 x 4 routes over 8 experts: 12 each
     ids, weights = make_routes(tokens, 4, bank.num_experts, seed=tokens)
     weights = weights.to(weights_dtype)
     x = x_for(bank, tokens).to(torch.bfloat16)

@@ -3,7 +3,7 @@ format, against the memory's read bandwidth and the torch per-expert loop, measu
 
     python benchmarks/bench_cpu_moe.py [--shapes qwen3-30b-a3b mixtral gpt-oss-120b]
         [--formats bf16 q8_0 q4_0 mxfp4]
-        [--reps 15] [--threads N] [--separate]
+        [--reps 15] [--threads N] [--separate] [--llamacpp]
 
 --formats takes any registered weight format (quant/formats.py), the k-quants included
 (q2_k q3_k q4_k q5_k q6_k), and FORMAT+q8 for an int8-block format (q8_0+q8, q4_0+q8): its bank
@@ -34,8 +34,10 @@ Rows per shape and format:
 Columns: median µs per layer call; effective GB/s = bytes of the distinct experts read / time;
 % of the DRAM read bandwidth measured (torch.sum over 1 GiB, 2 threads) right before that row;
 x torch = the torch per-expert loop's time (bank_moe: the expert dequantised, then F.linear) /
-ours. Reference points on this machine, from the issue: llama.cpp's mul_mat_id on the
-Qwen shape, T=1, 2 threads: q4_0 ~2.0 ms, q8_0 ~3.0 ms per layer.
+ours; with --llamacpp, x llama.cpp = llama.cpp's MoE layer's time (ggml_moe.py: the graph
+llama.cpp builds, on ggml's CPU backend from llama-cpp-python, the `bench` extra) / ours, on
+the same bytes, routes and flush (> 1: ours is faster). FORMAT+q8 compares with the same
+llama.cpp layer (it always quantises the activations for its integer dots).
 """
 
 from __future__ import annotations
@@ -205,6 +207,26 @@ def tile_ns(fmt_name: str, rows: int = 16, weights: int = 2048, calls: int = 300
     return best / (reps * rows * weights / 256) * 1e9
 
 
+def time_llamacpp(bank, fmt_name, shape, tokens, shared, args, memory) -> float:
+    """Median seconds per call of llama.cpp's MoE layer (ggml_moe.py) on the bank's bytes,
+    the same routes (time_calls' seed) and flush as ours."""
+    from ggml_moe import GgmlMoeLayer
+
+    threads = args.threads or torch.get_num_threads()
+    fmt_name = fmt_name.partition("+")[0]  # llama.cpp quantises the activations itself
+    layer = GgmlMoeLayer(fmt_name, bank.gate, bank.up, bank.down, tokens, shape.top_k, threads)
+    try:
+
+        def call(x, ids, weights, _bank):
+            layer.set_inputs(x, ids, weights)
+            return layer.compute()
+
+        seconds, _ = time_calls(call, bank, shape, tokens, shared, args.reps, memory)
+    finally:
+        layer.close()
+    return seconds
+
+
 def bench_format(name, shape, fmt_name, args, memory) -> dict[str, float]:
     start = time.perf_counter()
     bank = make_bank(shape, fmt_name, args.separate)
@@ -225,9 +247,12 @@ def bench_format(name, shape, fmt_name, args, memory) -> dict[str, float]:
         t_ours, nbytes = time_calls(ours, bank, shape, tokens, shared, args.reps, memory)
         best = memory.best
         versus = ""
+        if args.llamacpp:
+            t_llama = time_llamacpp(bank, fmt_name, shape, tokens, shared, args, memory)
+            versus += f"   x llama.cpp {t_llama / t_ours:5.2f}"
         if args.torch_reps:
             t_torch, _ = time_calls(bank_moe, bank, shape, tokens, shared, args.torch_reps, memory)
-            versus = f"   x torch {t_torch / t_ours:5.1f}"
+            versus += f"   x torch {t_torch / t_ours:5.1f}"
         gbps = nbytes / t_ours / 1e9
         results[label] = t_ours
         print(
@@ -261,6 +286,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--torch-reps", type=int, default=3, help="0: no torch loop")
     parser.add_argument("--threads", type=int, default=None, help="kernel threads (default all)")
+    parser.add_argument(
+        "--llamacpp",
+        action="store_true",
+        help="time llama.cpp's MoE layer beside ours (ggml_moe.py; needs the bench extra)",
+    )
     parser.add_argument(
         "--separate", action="store_true", help="banks holding gate and up as two tensors"
     )

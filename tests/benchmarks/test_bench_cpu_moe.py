@@ -20,3 +20,19 @@ from bench_cpu_moe import tile_ns  # noqa: E402
 def test_tile_timing_runs(fmt: str) -> None:
     ns = tile_ns(fmt, rows=8, weights=512, calls=3)
     assert math.isfinite(ns) and ns > 0
+
+
+def test_llamacpp_column_runs(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """--llamacpp: llama.cpp's layer timed beside ours on the same bank (ggml_moe.py; skipped
+    without llama-cpp-python), its ratio printed on every row."""
+    import bench_cpu_moe
+    import ggml_moe
+
+    if not ggml_moe.available():
+        pytest.skip("llama-cpp-python absent")
+    monkeypatch.setattr(bench_cpu_moe, "FLUSH_BYTES", 2**20)
+    argv = ["bench_cpu_moe.py", "--shapes", "small", "--formats", "q4_k+q8", "--llamacpp"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--reps", "2", "--torch-reps", "0"])
+    bench_cpu_moe.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if " µs " in line]
+    assert len(rows) == 3 and all("x llama.cpp" in row for row in rows)

@@ -43,8 +43,10 @@ llama.cpp layer (it always quantises the activations for its integer dots).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -146,19 +148,30 @@ def routes(shape: Shape, tokens: int, shared: bool, g: torch.Generator):
 def time_calls(fn, bank, shape, tokens, shared, reps, memory, seed=1) -> tuple[float, float]:
     """(median seconds per call, median bytes of distinct experts read per call); the best
     call's seconds in memory.best."""
+    (seconds,), nbytes = time_interleaved((fn,), bank, shape, tokens, shared, reps, memory, seed)
+    return seconds, nbytes
+
+
+def time_interleaved(fns, bank, shape, tokens, shared, reps, memory, seed=1):
+    """([median seconds per call of each fn], median bytes of distinct experts read per call):
+    each rep draws its routes and calls every fn on them in turn, each after a flush, so a
+    drift of the machine falls on every fn alike; the first fn's best call in memory.best."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, shape.hidden, generator=g)
-    fn(x, *routes(shape, tokens, shared, g), bank)  # compile / warm up
-    seconds, nbytes = [], []
+    warm = routes(shape, tokens, shared, g)
+    for fn in fns:
+        fn(x, *warm, bank)  # compile / warm up
+    seconds, nbytes = [[] for _ in fns], []
     for _ in range(reps):
         ids, weights = routes(shape, tokens, shared, g)
-        memory.flush()
-        start = time.perf_counter()
-        fn(x, ids, weights, bank)
-        seconds.append(time.perf_counter() - start)
+        for fn, times in zip(fns, seconds, strict=True):
+            memory.flush()
+            start = time.perf_counter()
+            fn(x, ids, weights, bank)
+            times.append(time.perf_counter() - start)
         nbytes.append(len(set(ids.flatten().tolist())) * bank.expert_nbytes)
-    memory.best = min(seconds)
-    return statistics.median(seconds), statistics.median(nbytes)
+    memory.best = min(seconds[0])
+    return [statistics.median(times) for times in seconds], statistics.median(nbytes)
 
 
 def tile_ns(fmt_name: str, rows: int = 16, weights: int = 2048, calls: int = 300) -> float:
@@ -207,24 +220,24 @@ def tile_ns(fmt_name: str, rows: int = 16, weights: int = 2048, calls: int = 300
     return best / (reps * rows * weights / 256) * 1e9
 
 
-def time_llamacpp(bank, fmt_name, shape, tokens, shared, args, memory) -> float:
-    """Median seconds per call of llama.cpp's MoE layer (ggml_moe.py) on the bank's bytes,
-    the same routes (time_calls' seed) and flush as ours."""
+@contextmanager
+def llamacpp_layer(bank, fmt_name, shape, tokens, args):
+    """A call(x, ids, weights, bank) of llama.cpp's MoE layer (ggml_moe.py) on the bank's
+    bytes for `tokens` tokens, as time_calls takes ours."""
     from ggml_moe import GgmlMoeLayer
 
     threads = args.threads or torch.get_num_threads()
     fmt_name = fmt_name.partition("+")[0]  # llama.cpp quantises the activations itself
     layer = GgmlMoeLayer(fmt_name, bank.gate, bank.up, bank.down, tokens, shape.top_k, threads)
+
+    def call(x, ids, weights, _bank):
+        layer.set_inputs(x, ids, weights)
+        return layer.compute()
+
     try:
-
-        def call(x, ids, weights, _bank):
-            layer.set_inputs(x, ids, weights)
-            return layer.compute()
-
-        seconds, _ = time_calls(call, bank, shape, tokens, shared, args.reps, memory)
+        yield call
     finally:
         layer.close()
-    return seconds
 
 
 def bench_format(name, shape, fmt_name, args, memory) -> dict[str, float]:
@@ -244,12 +257,16 @@ def bench_format(name, shape, fmt_name, args, memory) -> dict[str, float]:
         ("T=4 random", 4, False),
     ):
         bw = memory.read_gbps()
-        t_ours, nbytes = time_calls(ours, bank, shape, tokens, shared, args.reps, memory)
-        best = memory.best
         versus = ""
-        if args.llamacpp:
-            t_llama = time_llamacpp(bank, fmt_name, shape, tokens, shared, args, memory)
+        if args.llamacpp:  # interleaved call by call with ours, on the same routes
+            with llamacpp_layer(bank, fmt_name, shape, tokens, args) as theirs:
+                (t_ours, t_llama), nbytes = time_interleaved(
+                    (ours, theirs), bank, shape, tokens, shared, args.reps, memory
+                )
             versus += f"   x llama.cpp {t_llama / t_ours:5.2f}"
+        else:
+            t_ours, nbytes = time_calls(ours, bank, shape, tokens, shared, args.reps, memory)
+        best = memory.best
         if args.torch_reps:
             t_torch, _ = time_calls(bank_moe, bank, shape, tokens, shared, args.torch_reps, memory)
             versus += f"   x torch {t_torch / t_ours:5.1f}"
@@ -304,6 +321,10 @@ def main() -> None:
     memory = Memory()
     memory.flushes = not args.no_flush
     print(f"torch threads {torch.get_num_threads()}, kernel threads {args.threads or 'all'}")
+    if args.llamacpp and os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
+        # llama-cpp-python's ggml computes on OpenMP threads, ours on numba's OpenMP layer:
+        # both pools then sleep between calls (measured: 1.5-2.3x slower layer calls)
+        print("warning: OMP_WAIT_POLICY=PASSIVE slows both engines' calls; unset it to compare")
     for name in args.shapes:
         shape = SHAPES[name]
         print(f"{name}: H={shape.hidden} I={shape.inter} E={shape.experts} K={shape.top_k}")

@@ -36,3 +36,40 @@ def test_llamacpp_column_runs(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     bench_cpu_moe.main()
     rows = [line for line in capsys.readouterr().out.splitlines() if " µs " in line]
     assert len(rows) == 3 and all("x llama.cpp" in row for row in rows)
+
+
+def test_interleaved_calls_share_routes_and_prepare_untimed() -> None:
+    """time_interleaved: every fn gets each rep's routes; a fn's prepare() runs before the
+    flush (untimed) on those same routes, then the timed call."""
+    from bench_cpu_moe import SHAPES, time_interleaved
+
+    events = []
+
+    class Memory:
+        flushes, best = True, 0.0
+
+        def flush(self) -> None:
+            events.append(("flush",))
+
+    def first(x, ids, weights, bank):
+        events.append(("first", ids.tolist()))
+
+    def second(x, ids, weights, bank):
+        events.append(("second", ids.tolist()))
+
+    second.prepare = lambda x, ids, weights, bank: events.append(("prepare", ids.tolist()))
+    bank = type("Bank", (), {"expert_nbytes": 10})()
+    times, nbytes = time_interleaved((first, second), bank, SHAPES["small"], 1, True, 3, Memory())
+    assert len(times) == 2 and nbytes == 10 * SHAPES["small"].top_k
+    timed = events[3:]  # after the warm-up: first, prepare, second
+    assert [e[0] for e in events[:3]] == ["first", "prepare", "second"]
+    for rep in range(3):  # a flush, the first call; the second's prepare, a flush, its call
+        flush, a, prep, flush2, b = timed[5 * rep : 5 * rep + 5]
+        assert (flush, a[0], prep[0], flush2, b[0]) == (
+            ("flush",),
+            "first",
+            "prepare",
+            ("flush",),
+            "second",
+        )
+        assert a[1] == prep[1] == b[1]

@@ -160,16 +160,16 @@ def time_interleaved(fns, bank, shape, tokens, shared, reps, memory, seed=1):
     untimed."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, shape.hidden, generator=g)
+    prepares = [getattr(fn, "prepare", None) for fn in fns]
     warm = routes(shape, tokens, shared, g)
-    for fn in fns:  # compile / warm up
-        if getattr(fn, "prepare", None) is not None:
-            fn.prepare(x, *warm, bank)
+    for fn, prepare in zip(fns, prepares, strict=True):  # compile / warm up
+        if prepare is not None:
+            prepare(x, *warm, bank)
         fn(x, *warm, bank)
     seconds, nbytes = [[] for _ in fns], []
     for _ in range(reps):
         ids, weights = routes(shape, tokens, shared, g)
-        for fn, times in zip(fns, seconds, strict=True):
-            prepare = getattr(fn, "prepare", None)
+        for fn, prepare, times in zip(fns, prepares, seconds, strict=True):
             if prepare is not None:  # the call's inputs handed over untimed, before the flush
                 prepare(x, ids, weights, bank)
             memory.flush()

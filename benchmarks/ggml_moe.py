@@ -148,14 +148,14 @@ class GgmlMoeLayer:
             ctypes.memmove(b.ggml_get_data(t), data.data_ptr(), nbytes)
             tensors.append(t)
         w_gate, w_up, w_down = tensors
-        self.x = b.ggml_new_tensor_3d(self.ctx, _F32, hidden, 1, tokens)
-        self.ids = b.ggml_new_tensor_2d(self.ctx, _I32, top_k, tokens)
-        self.weights = b.ggml_new_tensor_3d(self.ctx, _F32, 1, top_k, tokens)
-        gate_out = b.ggml_mul_mat_id(self.ctx, w_gate, self.x, self.ids)  # [I, K, T]
-        up_out = b.ggml_mul_mat_id(self.ctx, w_up, self.x, self.ids)
+        x = b.ggml_new_tensor_3d(self.ctx, _F32, hidden, 1, tokens)
+        ids = b.ggml_new_tensor_2d(self.ctx, _I32, top_k, tokens)
+        weights = b.ggml_new_tensor_3d(self.ctx, _F32, 1, top_k, tokens)
+        gate_out = b.ggml_mul_mat_id(self.ctx, w_gate, x, ids)  # [I, K, T]
+        up_out = b.ggml_mul_mat_id(self.ctx, w_up, x, ids)
         act = b.ggml_swiglu_split(self.ctx, gate_out, up_out)
-        down_out = b.ggml_mul_mat_id(self.ctx, w_down, act, self.ids)  # [H, K, T]
-        weighted = b.ggml_mul(self.ctx, down_out, self.weights)
+        down_out = b.ggml_mul_mat_id(self.ctx, w_down, act, ids)  # [H, K, T]
+        weighted = b.ggml_mul(self.ctx, down_out, weights)
         row, token = hidden * 4, hidden * 4 * top_k  # nb[1], nb[2] of the float32 [H, K, T]
         views = [
             b.ggml_view_2d(self.ctx, weighted, hidden, tokens, token, k * row) for k in range(top_k)
@@ -163,7 +163,6 @@ class GgmlMoeLayer:
         out = views[0]
         for view in views[1:]:
             out = b.ggml_add(self.ctx, out, view)
-        self.out = out
         self.graph = b.ggml_new_graph(self.ctx)
         b.ggml_build_forward_expand(self.graph, out)
         params = b.ggml_threadpool_params_default(threads)
@@ -171,11 +170,10 @@ class GgmlMoeLayer:
         self.plan = self.cpu.ggml_graph_plan(self.graph, threads, self.pool)
         self.work = (ctypes.c_uint8 * max(1, self.plan.work_size))()
         self.plan.work_data = ctypes.cast(self.work, ctypes.c_void_p)
-        self.shape = (tokens, hidden, top_k)
         self._inputs = [
-            self._array(self.x, np.float32, (tokens, hidden)),
-            self._array(self.ids, np.int32, (tokens, top_k)),
-            self._array(self.weights, np.float32, (tokens, top_k)),
+            self._array(x, np.float32, (tokens, hidden)),
+            self._array(ids, np.int32, (tokens, top_k)),
+            self._array(weights, np.float32, (tokens, top_k)),
         ]
         self._y = self._array(out, np.float32, (tokens, hidden))
 

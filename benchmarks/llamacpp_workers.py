@@ -265,8 +265,8 @@ LOADERS = {"hybridmoe": load_hybridmoe, "llama.cpp": load_llamacpp}
 IMPORTS = {"hybridmoe": import_hybridmoe, "llama.cpp": import_llamacpp}
 
 
-def main() -> None:
-    """The worker: `measure` ENGINE on GGUF, its result printed as one JSON line."""
+def parse_worker_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The worker's arguments (sys.argv's when None): ENGINE GGUF and the run's flags."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("engine", choices=sorted(LOADERS))
     parser.add_argument("gguf", type=Path)
@@ -274,7 +274,12 @@ def main() -> None:
         parser.add_argument(flag, type=int, required=True)
     parser.add_argument("--activation-quant", choices=("none", "q8"), default="none")
     parser.add_argument("--attention-kernel", action="store_true")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    """The worker: `measure` ENGINE on GGUF, its result printed as one JSON line."""
+    args = parse_worker_args()
     print(json.dumps(measure(args.engine, args.gguf, args.threads, args)))
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -29,14 +28,6 @@ from hybridmoe.moe.config import OffloadConfig  # noqa: E402
 
 K_FORMATS = ("q4_k", "q5_k", "q6_k", "q4_k_m")
 PROJECTIONS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-RUN = SimpleNamespace(
-    tokens=6,
-    prompt_tokens=5,
-    prefill_tokens=12,
-    batch=2,
-    activation_quant="none",
-    attention_kernel=False,
-)
 
 
 @pytest.fixture(scope="module")
@@ -142,12 +133,12 @@ def _mapped(path: Path) -> list[tuple[int, int]]:
     ]
 
 
-def test_bench_config_keeps_the_files_experts_mapped(files) -> None:
+def test_bench_config_keeps_the_files_experts_mapped(files, worker_run) -> None:
     """With the bench's config, each layer's bank holds the file's types (Q4_K gate/up, the
     layer's down type) as views of the mapped file: nothing converted or copied."""
     if not Path("/proc/self/maps").exists():
         pytest.skip("needs /proc/self/maps")
-    with Engine.from_pretrained(files["q4_k_m"], hybridmoe_config(1, RUN.batch)) as engine:
+    with Engine.from_pretrained(files["q4_k_m"], hybridmoe_config(1, worker_run.batch)) as engine:
         ranges = _mapped(files["q4_k_m"])
         for layer, moe in enumerate(engine.model.moe_layers):
             bank = moe.experts.cpu_executor.banks[layer]  # what decode computes from
@@ -158,11 +149,13 @@ def test_bench_config_keeps_the_files_experts_mapped(files) -> None:
 
 
 @pytest.mark.parametrize("engine", ("hybridmoe", "llama.cpp"))
-def test_workers_decode_kquant_files_with_finite_logits(files, engine: str) -> None:
+def test_workers_decode_kquant_files_with_finite_logits(files, engine: str, worker_run) -> None:
     if engine == "llama.cpp":
         pytest.importorskip("llama_cpp")
-    result = measure(engine, files["q4_k_m"], 1, RUN)
-    assert len(result["tokens"]) == RUN.tokens and result["batch_tokens"][0] == result["tokens"]
+    result = measure(engine, files["q4_k_m"], 1, worker_run)
+    assert (
+        len(result["tokens"]) == worker_run.tokens and result["batch_tokens"][0] == result["tokens"]
+    )
     assert np.isfinite(result["prompt_logits"]).all()
 
 

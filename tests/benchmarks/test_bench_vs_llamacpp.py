@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from argparse import Namespace
 from pathlib import Path
-from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -29,14 +29,6 @@ from hybridmoe.moe.config import OffloadConfig  # noqa: E402
 
 FORMATS = ("bf16", "q8_0", "q4_0")
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-RUN = SimpleNamespace(
-    tokens=6,
-    prompt_tokens=5,
-    prefill_tokens=12,
-    batch=2,
-    activation_quant="none",
-    attention_kernel=False,
-)
 
 
 @pytest.fixture(scope="module")
@@ -137,21 +129,23 @@ def test_first_divergence() -> None:
     assert first_divergence([1, 2], [1, 2, 3]) == 2
 
 
-def _check_worker(result: dict) -> None:
+def _check_worker(result: dict, run: Namespace) -> None:
     """One request's tokens: as many as asked, the same alone and first in a batch."""
-    assert len(result["tokens"]) == RUN.tokens
+    assert len(result["tokens"]) == run.tokens
     assert result["tokens"][0] == result["first_ids"][0]
-    assert len(result["batch_tokens"]) == RUN.batch
+    assert len(result["batch_tokens"]) == run.batch
     assert result["batch_tokens"][0] == result["tokens"]
     assert {"load_s", "decode_tok_s", "batch_decode_tok_s", "prefill_tok_s"} <= result.keys()
     assert result["peak_rss_mib"] > 0
 
 
-def test_hybridmoe_worker_decodes_greedily(files: dict[str, Path]) -> None:
-    _check_worker(measure("hybridmoe", files["q8_0"], 1, RUN))
+def test_hybridmoe_worker_decodes_greedily(files: dict[str, Path], worker_run: Namespace) -> None:
+    _check_worker(measure("hybridmoe", files["q8_0"], 1, worker_run), worker_run)
 
 
-def test_hybridmoe_worker_takes_the_attention_kernel(files: dict[str, Path], monkeypatch) -> None:
+def test_hybridmoe_worker_takes_the_attention_kernel(
+    files: dict[str, Path], monkeypatch, worker_run: Namespace
+) -> None:
     """--attention-kernel reaches the engine: its decode steps call the numba attention."""
     from hybridmoe.kernels import numba_attention
 
@@ -160,8 +154,8 @@ def test_hybridmoe_worker_takes_the_attention_kernel(files: dict[str, Path], mon
     monkeypatch.setattr(
         numba_attention, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
-    run = SimpleNamespace(**{**vars(RUN), "attention_kernel": True})
-    _check_worker(measure("hybridmoe", files["q8_0"], 1, run))
+    run = Namespace(**{**vars(worker_run), "attention_kernel": True})
+    _check_worker(measure("hybridmoe", files["q8_0"], 1, run), run)
     assert calls
 
 
@@ -192,6 +186,6 @@ def test_llamacpp_reads_the_file_as_hybridmoe_does(files: dict[str, Path]) -> No
     torch.testing.assert_close(theirs, ours, atol=0.02 * scale, rtol=0.0)
 
 
-def test_llamacpp_worker_decodes_greedily(files: dict[str, Path]) -> None:
+def test_llamacpp_worker_decodes_greedily(files: dict[str, Path], worker_run: Namespace) -> None:
     pytest.importorskip("llama_cpp")
-    _check_worker(measure("llama.cpp", files["q4_0"], 1, RUN))
+    _check_worker(measure("llama.cpp", files["q4_0"], 1, worker_run), worker_run)

@@ -154,3 +154,42 @@ def test_routes_counted_or_taken_from_the_caller(banks, inline):
         executor.decode_submit(0, x, torch.full_like(ids, -1), weights)
         assert torch.equal(executor.decode_sync(0), torch.zeros_like(counted))
         assert executor.stats[0].routes == ids.numel() - 1  # + 0
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_decode_is_submit_then_sync(banks, inline):
+    """decode() (the `cpu` target's call) gives submit + sync's bits and stats, inline without
+    a job on the caller, and its failures are sync's: CpuExpertError naming the layer, the
+    cause chained, nothing left pending."""
+    fails = [True]
+
+    def fn(x, ids, weights, bank):
+        if fails[0]:
+            fails[0] = False
+            raise ValueError("kernel exploded")
+        return fused_cpu_moe(x, ids, weights, bank)
+
+    with (
+        CpuMoeExecutor(banks, expert_fn=fused_cpu_moe) as reference,
+        CpuMoeExecutor(banks, expert_fn=fn, inline=inline) as executor,
+    ):
+        x, ids, weights = make_inputs(2, 3, seed=4, cpu_fraction=1.0)
+        with pytest.raises(CpuExpertError, match=r"layer 1.*kernel exploded") as caught:
+            executor.decode(1, x, ids, weights)
+        assert isinstance(caught.value.__cause__, ValueError)
+        for layer, routes in ((1, None), (2, 5), (1, None)):
+            out = executor.decode(layer, x, ids, weights, routes=routes)
+            reference.decode_submit(layer, x, ids, weights, routes=routes)
+            assert torch.equal(out, reference.decode_sync(layer))
+        for layer in (1, 2):
+            ours, theirs = executor.stats[layer], reference.stats[layer]
+            assert (ours.jobs, ours.routes) == (theirs.jobs, theirs.routes)
+        assert executor.stats[1].routes == 2 * ids.numel() and executor.stats[2].routes == 5
+        assert executor.stats[1].jobs == 2  # the failed call counts no job
+        executor.decode_submit(0, x, ids, weights)
+        with pytest.raises(RuntimeError, match="already has CPU work in flight"):
+            executor.decode(0, x, ids, weights)
+        executor.decode_sync(0)
+        with pytest.raises(CpuExpertError, match="layer 0") as caught:
+            executor.decode(0, x, torch.full_like(ids, EXPERTS), weights)
+        assert isinstance(caught.value.__cause__, IndexError)

@@ -16,8 +16,9 @@ from typing import Protocol
 import torch
 
 from hybridmoe.kernels.torch_moe import gathered_moe
+from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import FUSED_MAX_TOKENS
-from hybridmoe.moe.hybrid_decode import CpuExecutor, HybridDecodeExecutor, HybridDecodeRequest
+from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor, HybridDecodeRequest
 from hybridmoe.moe.offload_cache import OffloadMoeCache
 from hybridmoe.moe.routing import combine_experts
 from hybridmoe.quant.bank import ExpertBank, ExpertWeights
@@ -113,12 +114,11 @@ class OffloadExperts(_HostBankExperts):
 class CpuExperts(_HostBankExperts):
     """`cpu`: decode's routes computed by the CPU executor from the host banks."""
 
-    cpu_executor: CpuExecutor
+    cpu_executor: CpuMoeExecutor
 
     def decode(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """ids: the router's, every one a route (counted without reading them)."""
-        self.cpu_executor.decode_submit(self.layer_idx, x, ids, weights, routes=ids.numel())
-        return self.cpu_executor.decode_sync(self.layer_idx)
+        return self.cpu_executor.decode(self.layer_idx, x, ids, weights, routes=ids.numel())
 
 
 @dataclass(eq=False)
@@ -146,7 +146,7 @@ class RuntimeParts:
 
     stores: list[ExpertStore]  # per MoE layer
     cache: OffloadMoeCache | None = None
-    cpu_executor: CpuExecutor | None = None
+    cpu_executor: CpuMoeExecutor | None = None
     hybrid: HybridDecodeExecutor | None = None
     prefill: PrefillExperts | None = None
 

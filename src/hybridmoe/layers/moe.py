@@ -157,12 +157,19 @@ class OffloadMoELayer:
         """The shared expert's (the router stays as stored: it picks the experts)."""
         return [] if self.shared_expert is None else self.shared_expert.projections()
 
-    def __call__(self, x: torch.Tensor, is_decode: bool = False) -> torch.Tensor:
-        """x [B, T, H] -> [B, T, H]."""
+    def __call__(
+        self, x: torch.Tensor, is_decode: bool = False, rounded: bool = True
+    ) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H] in x's dtype; with `rounded=False` the routed sum may come
+        back as the float32 partial, for a caller that rounds it to x's dtype before anything
+        else (the residual add: layers/norm.py's add_* take it, in one numba call on a decode
+        step instead of a cast op first). A shared expert's layer rounds here either way."""
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
         topk_ids, topk_weights = self.router(flat)  # [N, K] each
         run = self.experts.decode if is_decode else self.experts.prefill
-        out = run(flat, topk_ids, topk_weights).to(x.dtype)  # the one rounding
+        out = run(flat, topk_ids, topk_weights)  # the float32 partial
+        if rounded or self.shared_expert is not None:
+            out = out.to(x.dtype)  # the one rounding
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat)
-        return out.view_as(x)
+        return out.view(x.shape)

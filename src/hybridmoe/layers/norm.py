@@ -34,12 +34,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(
     x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, rms_norm(s)) for s = x + y (y of x's dtype), the residual add fused with the norm."""
-    if y.dtype == weight.dtype == x.dtype:
+    """(s, rms_norm(s)) for s = x + y, the residual add fused with the norm; y of x's dtype,
+    or float32, rounded to x's dtype first (an MoE layer's partial: OffloadMoELayer)."""
+    if weight.dtype == x.dtype and y.dtype in (x.dtype, torch.float32):
         fast = glue.norm(x, weight, eps, x.dtype == torch.bfloat16, y)
         if fast is not None:
             return fast
-    s = x + y
+    s = x + y.to(x.dtype)
     return s, rms_norm_torch(s, weight, eps)
 
 
@@ -64,12 +65,13 @@ def offset_rms_norm(x: torch.Tensor, scale_fp32: torch.Tensor, eps: float) -> to
 def add_offset_rms_norm(
     x: torch.Tensor, y: torch.Tensor, scale_fp32: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, offset_rms_norm(s)) for s = x + y (y of x's dtype), fused."""
-    if y.dtype == x.dtype and scale_fp32.dtype == torch.float32:
+    """(s, offset_rms_norm(s)) for s = x + y, fused; y of x's dtype or float32 (rounded to
+    x's dtype first, as add_rms_norm)."""
+    if y.dtype in (x.dtype, torch.float32) and scale_fp32.dtype == torch.float32:
         fast = glue.norm(x, scale_fp32, eps, False, y)
         if fast is not None:
             return fast
-    s = x + y
+    s = x + y.to(x.dtype)
     return s, offset_rms_norm_torch(s, scale_fp32, eps)
 
 

@@ -71,7 +71,8 @@ class DecoderLayer:
         """The layer on the residual stream x + delta [B, T, H] (delta: the previous layer's
         MLP output, None before the first layer) -> (the stream after attention, this layer's
         MLP output), whose sum is the layer's output: each residual add is fused with the
-        norm after it (`norm_kind.add_apply`), the last one with the next layer's."""
+        norm after it (`norm_kind.add_apply`), the last one with the next layer's. An MoE
+        layer's output may be its float32 partial: add_apply rounds it to x's dtype first."""
         if delta is None:
             h = self.norm_kind.apply(x, self.input_norm, self.eps)
         else:
@@ -79,7 +80,7 @@ class DecoderLayer:
         attn_out = self.attn(h, batch)
         x, h = self.norm_kind.add_apply(x, attn_out, self.post_attention_norm, self.eps)
         if isinstance(self.mlp, OffloadMoELayer):
-            return x, self.mlp(h, batch.is_decode)
+            return x, self.mlp(h, batch.is_decode, rounded=False)
         return x, self.mlp(h)
 
 

@@ -154,6 +154,22 @@ def test_offset_rms_norm_equals_torch(shape, dtype) -> None:
     assert torch.equal(h, norm.offset_rms_norm_torch(x + y, scale, 1e-6))
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 2048), (3, 1, 128), (64, 2048)])  # decode, prefill
+@pytest.mark.parametrize("kind", ["rms", "offset_rms"])
+def test_add_norm_rounds_a_float32_y_first(shape, kind) -> None:
+    """A float32 y (an MoE layer's unrounded partial) is rounded to x's dtype before the add,
+    in the kernel (decode-sized) and in torch (prefill-sized): the bits of y.to(x.dtype)."""
+    x, _, w = _inputs(shape, torch.bfloat16, 5)
+    y = torch.randn(shape, generator=torch.Generator().manual_seed(9)) * 2  # float32
+    norm_kind = norm.NORMS[kind]
+    kept = norm_kind.prepare(w)
+    got = norm_kind.add_apply(x, y, kept, 1e-6)
+    want = norm_kind.add_apply(x, y.to(torch.bfloat16), kept, 1e-6)
+    assert not torch.equal(y.to(torch.bfloat16).float(), y)  # y's rounding matters here
+    assert got[0].dtype == got[1].dtype == torch.bfloat16
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_norm_equals_scalar_reference() -> None:
     x, _, w = _inputs((4, 2048), torch.bfloat16, 1)
     got = norm.rms_norm(x, w, 1e-6).float().numpy()
@@ -224,6 +240,101 @@ def test_route_refuses_ties() -> None:
             routing.route(logits, 2, True), routing.route_torch(logits, 2, True), strict=True
         )
     )
+
+
+def _softmax_bits_match(logits: torch.Tensor) -> None:
+    """glue.softmax_route's probabilities of logits [T, E] are F.softmax's, bit for bit."""
+    got = glue.softmax_route(logits, 1, False, torch.float32)
+    assert got is not None
+    want = F.softmax(logits, dim=-1, dtype=torch.float32)
+    assert torch.equal(got[0].view(torch.int32), want.view(torch.int32)), logits.shape
+
+
+WIDTHS = [1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 60, 64, 100, 128, 160, 256, 384, 512]
+
+
+@pytest.mark.skipif(glue.softmax_lanes() is None, reason="torch's softmax is not reproduced here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_equals_torch(dtype) -> None:
+    """torch's vectorised softmax on this machine's build (AVX2 or AVX512 lanes): every row
+    width about the lane counts and the routers' expert counts, logits from nearly equal to
+    spread over hundreds (probabilities underflowing to subnormals and 0)."""
+    gen = torch.Generator().manual_seed(7)
+    for width in WIDTHS:
+        for scale in (0.01, 1.0, 5.0, 40.0, 300.0):
+            _softmax_bits_match((torch.randn(3, width, generator=gen) * scale).to(dtype))
+
+
+@pytest.mark.skipif(glue.softmax_lanes() is None, reason="torch's softmax is not reproduced here")
+def test_softmax_exp_over_its_range() -> None:
+    """SLEEF's expf over x - max in [-110, 0], 2^20 points: after a 0 logit, a logit d < -17
+    has probability exp(d) itself (1 + exp(d) rounds to 1), so the rows show exp's bits,
+    its subnormal results and its cut to 0 below -104 included."""
+    d = torch.linspace(-110.0, 0.0, 1 << 20)
+    logits = torch.cat((torch.zeros(d.numel() // 63, 1), d[: d.numel() // 63 * 63].view(-1, 63)), 1)
+    for rows in logits.split(256):
+        _softmax_bits_match(rows)
+
+
+@pytest.mark.skipif(glue.softmax_lanes() is None, reason="torch's softmax is not reproduced here")
+def test_softmax_route_equals_route_torch_and_leaves_ties_to_torch() -> None:
+    """(probs, routed): routed is route_torch's, or None on a tie at the k-th place (then
+    routing.route takes torch.topk of these probs); a logit not finite: None."""
+    gen, routed_rows = torch.Generator().manual_seed(3), 0
+    for experts, top_k in ((8, 2), (64, 8), (128, 8), (512, 10)):
+        for _ in range(20):
+            logits = (torch.randn(2, experts, generator=gen) * 2).bfloat16()
+            probs, routed = glue.softmax_route(logits, top_k, True, torch.bfloat16)
+            want = routing.route_torch(logits, top_k, True)
+            assert torch.equal(probs, F.softmax(logits, dim=-1, dtype=torch.float32))
+            if routed is not None:
+                routed_rows += 1
+                assert torch.equal(routed[0], want[0]) and torch.equal(routed[1], want[1])
+            got = routing.route(logits, top_k, True)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert routed_rows > 0
+    tie = torch.tensor([[1.0, 3.0, 2.0, 3.0, 1.0]])
+    assert glue.softmax_route(tie, 1, False, torch.float32)[1] is None
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        assert glue.softmax_route(torch.tensor([[0.0, bad, 1.0]]), 1, False, torch.float32) is None
+    assert glue.softmax_route(torch.rand(1, 8).half(), 2, True, torch.bfloat16) is None
+
+
+_OTHER_BUILD = """
+import sys
+import torch, torch.nn.functional as F
+from hybridmoe.kernels import glue
+assert torch.backends.cpu.get_cpu_capability() == "AVX2", torch.backends.cpu.get_cpu_capability()
+assert glue.softmax_lanes() == 8
+gen = torch.Generator().manual_seed(11)
+for width in map(int, sys.argv[1:]):
+    for scale in (0.01, 1.0, 5.0, 40.0, 300.0):
+        logits = torch.randn(3, width, generator=gen) * scale
+        probs, _ = glue.softmax_route(logits, 1, False, torch.float32)
+        want = F.softmax(logits, dim=-1, dtype=torch.float32)
+        assert torch.equal(probs.view(torch.int32), want.view(torch.int32)), width
+print("ok")
+"""
+
+
+@pytest.mark.skipif(
+    glue.softmax_lanes() != 16, reason="AVX2 lanes are this process's own build (tested above)"
+)
+def test_softmax_equals_torchs_avx2_build_too() -> None:
+    """On an AVX512 machine torch's AVX2 build (ATEN_CPU_CAPABILITY=avx2, a process of its
+    own) is reproduced with 8 lanes: a machine of either kind gets its own bits."""
+    import os
+    import subprocess
+    import sys
+
+    environ = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    done = subprocess.run(
+        [sys.executable, "-c", _OTHER_BUILD, *map(str, WIDTHS)],
+        env=environ,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_float32_array_widens_like_torch() -> None:

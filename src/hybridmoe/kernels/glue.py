@@ -1,6 +1,6 @@
 """The torch side of the numba glue kernels (kernels/numba_glue.py): a decode step's small host
 ops (RMSNorm and the residual add before it, the per-head q/k norms with rotary, the router's
-top-k) in one call each, the same bits as their torch references (layers/norm.py,
+softmax and top-k) in one call each, the same bits as their torch references (layers/norm.py,
 layers/attention.py, moe/routing.py, which call these first and fall back to torch on None).
 
 Each function returns None, computing nothing, unless every tensor is contiguous host memory
@@ -10,6 +10,9 @@ first call that computes.
 """
 
 from __future__ import annotations
+
+import functools
+import platform
 
 import numpy as np
 import torch
@@ -168,6 +171,50 @@ def norm_rotary(
         q_out.data_ptr(), k_out.data_ptr(), B * T, eps, dtype is _BF16,
     )  # fmt: skip
     return q_out, k_out
+
+
+@functools.cache
+def softmax_lanes() -> int | None:
+    """The float32 lanes of torch's vectorised softmax on this machine (its CPU capability:
+    AVX512 16, AVX2 8), which numba_glue.softmax_topk_route reproduces; None for any other
+    build (the default or an ARM one: torch's softmax then stays)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    return {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability())
+
+
+def softmax_route(
+    logits: torch.Tensor, top_k: int, renorm: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None:
+    """(probs, routed) for router logits [T, E] (bfloat16 or float32) in one call: probs
+    F.softmax(logits, -1, dtype=float32)'s bits, routed route_topk(probs, ...)'s (ids,
+    weights), or None where a row's k + 1 largest hold a tie (the caller's torch.topk of
+    probs decides). None: not computed (a logit not finite, a CPU capability whose softmax
+    is not reproduced: softmax_lanes; or see the module's docstring)."""
+    lanes = softmax_lanes()
+    if lanes is None or not (_decode_sized(logits) and logits.dim() == 2):
+        return None
+    T, E = logits.shape
+    if not (0 < top_k <= E and (dtype is _BF16 or dtype is _F32) and env.glue_kernels()):
+        return None
+    probs = empty((T, E), _F32)
+    ids, weights = empty((T, top_k), torch.int64), empty((T, top_k), dtype)
+    code = _numba_glue().softmax_topk_route(
+        logits.data_ptr(),
+        logits.dtype is _BF16,
+        probs.data_ptr(),
+        ids.data_ptr(),
+        weights.data_ptr(),
+        dtype is _BF16,
+        T,
+        E,
+        top_k,
+        renorm,
+        lanes,
+    )
+    if code == 2:
+        return None
+    return probs, ((ids, weights) if code == 0 else None)
 
 
 def route_topk(

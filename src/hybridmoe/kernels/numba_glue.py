@@ -294,28 +294,163 @@ def topk_route(probs, ids, weights, weights_bf16, T, E, k, renorm):
     chosen = np.empty(E, np.bool_)
     acc = np.empty(LEVELS * ILP * LANES, np.float32)
     for t in range(T):
-        row = p[t]
-        chosen[:] = False
-        for j in range(E):
-            if row[j] != row[j]:
-                return False
-        for s in range(min(k + 1, E)):
-            best = -1
-            for j in range(E):
-                if not chosen[j] and (best < 0 or row[j] > row[best]):
-                    best = j
-            if s > 0 and row[best] == vals[s - 1]:
-                return False
-            if s == k:
-                break
-            chosen[best] = True
-            ids_out[t, s], vals[s] = best, row[best]
-        if renorm:
-            total = _inner_sum(vals, k, acc)
-            for s in range(k):
-                vals[s] = vals[s] / total
+        if not _topk_row(p[t], E, k, renorm, chosen, vals, ids_out[t], acc):
+            return False
         _save(vals, weights + t * k * (2 if weights_bf16 else 4), weights_bf16, k)
     return True
+
+
+@cached_njit(nogil=True)
+def _topk_row(row, E, k, renorm, chosen, vals, ids_out, acc):
+    """topk_route for one row: ids_out[:k] and vals[:k] (renormalised where `renorm`); False
+    where the row holds a NaN or a tie among its k + 1 largest."""
+    chosen[:] = False
+    for j in range(E):
+        if row[j] != row[j]:
+            return False
+    for s in range(min(k + 1, E)):
+        best = -1
+        for j in range(E):
+            if not chosen[j] and (best < 0 or row[j] > row[best]):
+                best = j
+        if s > 0 and row[best] == vals[s - 1]:
+            return False
+        if s == k:
+            break
+        chosen[best] = True
+        ids_out[s], vals[s] = best, row[best]
+    if renorm:
+        total = _inner_sum(vals, k, acc)
+        for s in range(k):
+            vals[s] = vals[s] / total
+    return True
+
+
+# torch's float32 softmax over a contiguous last dim (SoftMaxKernel.cpp _vec_softmax_lastdim):
+# max = reduce_all(maximum), e = exp(x - max) by Vectorized<float>::exp (SLEEF's expf_u10),
+# sum = reduce_all(+) over e, out = e * (1 / sum); reduce_all (functional_base.h) folds whole
+# vectors of the build's lanes in order, the tail's lanes into the first ones, then the lanes
+# by halving shuffles; a row shorter than a vector is folded in index order.
+_LN2_INV = np.float32(1.442695040888963407359924681001892137426645954152985934135449406931)
+_LN2_HI, _LN2_LO = np.float32(0.693145751953125), np.float32(1.428606765330187045e-06)
+_EXP_POLY = (
+    np.float32(0.000198527617612853646278381),
+    np.float32(0.00139304355252534151077271),
+    np.float32(0.00833336077630519866943359),
+    np.float32(0.0416664853692054748535156),
+    np.float32(0.166666671633720397949219),
+    np.float32(0.5),
+)
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """a * b + c in float32, rounded once (llvm.fma: the FMA instruction, or libm's fmaf)."""
+    if not (a == b == c == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        return builder.call(llvm_ir.declare(builder, "llvm.fma.f32", f32, [f32] * 3), args)
+
+    return types.float32(a, b, c), codegen
+
+
+@cached_njit(nogil=True)
+def _pow2(e):
+    """2.0 ** e as a float32, for -126 <= e <= 127."""
+    return _bits_f32(np.uint32((e + 127) << 23))
+
+
+@cached_njit(nogil=True)
+def sleef_expf(d):
+    """exp(d) for a float32 d <= 100 (not NaN), as SLEEF's xexpf (the u10 vector expf torch's
+    Vectorized<float>::exp calls, built with FMA): d = q ln2 + s in two parts, a degree-6
+    polynomial, times 2^q in two factors; 0 below -104."""
+    if d < np.float32(-104):
+        return np.float32(0)
+    q = np.int32(np.rint(d * _LN2_INV))
+    qf = np.float32(q)
+    s = _fma(qf, -_LN2_HI, d)
+    s = _fma(qf, -_LN2_LO, s)
+    u = _EXP_POLY[0]
+    u = _fma(u, s, _EXP_POLY[1])
+    u = _fma(u, s, _EXP_POLY[2])
+    u = _fma(u, s, _EXP_POLY[3])
+    u = _fma(u, s, _EXP_POLY[4])
+    u = _fma(u, s, _EXP_POLY[5])
+    u = np.float32(1) + _fma(s * s, u, s)
+    half = q >> 1
+    return u * _pow2(half) * _pow2(q - half)
+
+
+@cached_njit(nogil=True)
+def _reduce_all(v, n, lanes, is_sum, acc, swap):
+    """reduce_all(+ or maximum) over v[:n] float32 in torch's order for `lanes`-wide vectors
+    (above); acc, swap: float32 scratch of `lanes`. Values are finite (maximum's NaN rule is
+    not needed)."""
+    if n < lanes:
+        total = v[0]
+        for i in range(1, n):
+            total = total + v[i] if is_sum else max(total, v[i])
+        return total
+    for j in range(lanes):
+        acc[j] = v[j]
+    whole = n - n % lanes
+    for d in range(lanes, whole, lanes):
+        for j in range(lanes):
+            acc[j] = acc[j] + v[d + j] if is_sum else max(acc[j], v[d + j])
+    for j in range(n - whole):
+        acc[j] = acc[j] + v[whole + j] if is_sum else max(acc[j], v[whole + j])
+    shift = lanes // 2
+    while shift > 0:
+        for j in range(lanes):
+            swap[j] = acc[j ^ shift]
+        for j in range(lanes):
+            acc[j] = acc[j] + swap[j] if is_sum else max(acc[j], swap[j])
+        shift //= 2
+    return acc[0]
+
+
+@cached_njit(nogil=True)
+def _softmax_row(x, out, n, lanes, acc, swap):
+    """out[:n] = torch.softmax(x[:n]) (float32, finite) to the bit, for torch's `lanes`."""
+    top = _reduce_all(x, n, lanes, False, acc, swap)
+    for j in range(n):
+        out[j] = sleef_expf(x[j] - top)
+    inv = np.float32(1) / _reduce_all(out, n, lanes, True, acc, swap)
+    for j in range(n):
+        out[j] = out[j] * inv
+
+
+@cached_njit(nogil=True)
+def softmax_topk_route(
+    logits, logits_bf16, probs, ids, weights, weights_bf16, T, E, k, renorm, lanes
+):
+    """topk_route of torch.softmax(logits [T, E], dtype=float32), which is also written to
+    probs [T, E] float32 (addresses, as topk_route's): torch's bits for a CPU capability of
+    `lanes` float32 lanes (8: AVX2, 16: AVX512; see above), logits bfloat16 where
+    `logits_bf16`, else float32. Returns 0 when ids and weights are written, 1 where a row
+    has a tie among its k + 1 largest probabilities (probs written: torch.topk decides), 2
+    where a logit is not finite (nothing reliable written: torch decides it all)."""
+    x = np.empty(E, np.float32)
+    p = numba.carray(address_pointer(probs), (T, E), np.float32)
+    ids_out = numba.carray(address_pointer(ids), (T, k), np.int64)
+    vals, chosen = np.empty(k, np.float32), np.empty(E, np.bool_)
+    acc = np.empty(LEVELS * ILP * LANES, np.float32)
+    lane_acc, swap = np.empty(lanes, np.float32), np.empty(lanes, np.float32)
+    tied = False
+    for t in range(T):
+        _load(logits + t * E * (2 if logits_bf16 else 4), logits_bf16, x, E)
+        for j in range(E):
+            if not np.isfinite(x[j]):
+                return 2
+        _softmax_row(x, p[t], E, lanes, lane_acc, swap)
+        if tied or not _topk_row(p[t], E, k, renorm, chosen, vals, ids_out[t], acc):
+            tied = True
+            continue
+        _save(vals, weights + t * k * (2 if weights_bf16 else 4), weights_bf16, k)
+    return 1 if tied else 0
 
 
 numba.config.CACHE_DIR = _previous_cache_dir  # every cached function above is decorated

@@ -115,11 +115,19 @@ def route(
     router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, weights_fp32: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """route_torch's ids and weights, bit for bit: on the host (a decode step's few rows) the
-    top-k, renormalisation and rounding after torch's softmax are one numba call
-    (kernels/numba_glue.topk_route), unless a row's k + 1 largest probabilities hold a tie
-    (torch.topk's order among equal values is not reproduced: then torch decides)."""
-    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    softmax, top-k, renormalisation and rounding are one numba call (kernels/numba_glue:
+    softmax_topk_route, torch's softmax reproduced for its AVX2 and AVX512 builds; on other
+    builds topk_route after torch's softmax), unless a row's k + 1 largest probabilities
+    hold a tie (torch.topk's order among equal values is not reproduced: then torch.topk
+    decides, on the same probabilities)."""
     dtype = torch.float32 if weights_fp32 else router_logits.dtype
+    fast = glue.softmax_route(router_logits, top_k, norm_topk_prob, dtype)
+    if fast is not None:
+        probs, routed = fast
+        if routed is not None:
+            return routed
+        return _topk_torch(probs, router_logits.dtype, top_k, norm_topk_prob, weights_fp32)
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
     routed = glue.route_topk(probs, top_k, norm_topk_prob, dtype)
     if routed is not None:
         return routed

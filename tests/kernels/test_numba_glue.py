@@ -242,14 +242,23 @@ def test_route_refuses_ties() -> None:
     )
 
 
+def _softmax(logits: torch.Tensor) -> torch.Tensor:
+    """numba_glue's softmax (the one softmax_topk_route computes) of float32 logits [T, E]."""
+    x = logits.float().numpy()
+    out, lanes = np.empty_like(x), glue.softmax_lanes()
+    acc, swap = np.empty(lanes, np.float32), np.empty(lanes, np.float32)
+    for t in range(x.shape[0]):
+        numba_glue._softmax_row(x[t], out[t], x.shape[1], lanes, acc, swap)
+    return torch.from_numpy(out)
+
+
 def _softmax_bits_match(logits: torch.Tensor) -> None:
-    """glue.softmax_route's probabilities of logits [T, E] are F.softmax's, bit for bit."""
-    got = glue.softmax_route(logits, 1, False, torch.float32)
-    assert got is not None
+    """The kernel's probabilities of logits [T, E] are F.softmax's, bit for bit."""
     want = F.softmax(logits, dim=-1, dtype=torch.float32)
-    assert torch.equal(got[0].view(torch.int32), want.view(torch.int32)), logits.shape
+    assert torch.equal(_softmax(logits).view(torch.int32), want.view(torch.int32)), logits.shape
 
 
+_F32 = torch.float32
 WIDTHS = [1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 60, 64, 100, 128, 160, 256, 384, 512]
 
 
@@ -278,41 +287,46 @@ def test_softmax_exp_over_its_range() -> None:
 
 @pytest.mark.skipif(glue.softmax_lanes() is None, reason="torch's softmax is not reproduced here")
 def test_softmax_route_equals_route_torch_and_leaves_ties_to_torch() -> None:
-    """(probs, routed): routed is route_torch's, or None on a tie at the k-th place (then
-    routing.route takes torch.topk of these probs); a logit not finite: None."""
+    """softmax_route's (ids, weights) are route_torch's, or None on a tie at the k-th place or
+    a logit not finite (then routing.route takes torch's path)."""
     gen, routed_rows = torch.Generator().manual_seed(3), 0
     for experts, top_k in ((8, 2), (64, 8), (128, 8), (512, 10)):
         for _ in range(20):
             logits = (torch.randn(2, experts, generator=gen) * 2).bfloat16()
-            probs, routed = glue.softmax_route(logits, top_k, True, torch.bfloat16)
+            routed = glue.softmax_route(logits, top_k, True, torch.bfloat16)
             want = routing.route_torch(logits, top_k, True)
-            assert torch.equal(probs, F.softmax(logits, dim=-1, dtype=torch.float32))
             if routed is not None:
                 routed_rows += 1
                 assert torch.equal(routed[0], want[0]) and torch.equal(routed[1], want[1])
+            else:  # a tie, as route_topk sees it on torch's probabilities
+                probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+                assert glue.route_topk(probs, top_k, True, torch.bfloat16) is None
             got = routing.route(logits, top_k, True)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert routed_rows > 0
-    tie = torch.tensor([[1.0, 3.0, 2.0, 3.0, 1.0]])
-    assert glue.softmax_route(tie, 1, False, torch.float32)[1] is None
+    assert glue.softmax_route(torch.tensor([[1.0, 3.0, 2.0, 3.0, 1.0]]), 1, False, _F32) is None
     for bad in (float("nan"), float("inf"), -float("inf")):
-        assert glue.softmax_route(torch.tensor([[0.0, bad, 1.0]]), 1, False, torch.float32) is None
+        assert glue.softmax_route(torch.tensor([[0.0, bad, 1.0]]), 1, False, _F32) is None
     assert glue.softmax_route(torch.rand(1, 8).half(), 2, True, torch.bfloat16) is None
 
 
 _OTHER_BUILD = """
 import sys
-import torch, torch.nn.functional as F
-from hybridmoe.kernels import glue
+import numpy as np, torch, torch.nn.functional as F
+from hybridmoe.kernels import glue, numba_glue
 assert torch.backends.cpu.get_cpu_capability() == "AVX2", torch.backends.cpu.get_cpu_capability()
 assert glue.softmax_lanes() == 8
 gen = torch.Generator().manual_seed(11)
+acc, swap = np.empty(8, np.float32), np.empty(8, np.float32)
 for width in map(int, sys.argv[1:]):
     for scale in (0.01, 1.0, 5.0, 40.0, 300.0):
         logits = torch.randn(3, width, generator=gen) * scale
-        probs, _ = glue.softmax_route(logits, 1, False, torch.float32)
-        want = F.softmax(logits, dim=-1, dtype=torch.float32)
-        assert torch.equal(probs.view(torch.int32), want.view(torch.int32)), width
+        x = logits.numpy()
+        got = np.empty_like(x)
+        for t in range(3):
+            numba_glue._softmax_row(x[t], got[t], width, 8, acc, swap)
+        want = F.softmax(logits, dim=-1).numpy()
+        assert np.array_equal(got.view(np.int32), want.view(np.int32)), width
 print("ok")
 """
 

@@ -185,24 +185,24 @@ def softmax_lanes() -> int | None:
 
 def softmax_route(
     logits: torch.Tensor, top_k: int, renorm: bool, dtype: torch.dtype
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None:
-    """(probs, routed) for router logits [T, E] (bfloat16 or float32) in one call: probs
-    F.softmax(logits, -1, dtype=float32)'s bits, routed route_topk(probs, ...)'s (ids,
-    weights), or None where a row's k + 1 largest hold a tie (the caller's torch.topk of
-    probs decides). None: not computed (a logit not finite, a CPU capability whose softmax
-    is not reproduced: softmax_lanes; or see the module's docstring)."""
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """route_topk(F.softmax(logits, -1, dtype=float32), ...)'s (ids, weights) for router
+    logits [T, E] (bfloat16 or float32) in one call, torch's softmax reproduced for this
+    machine's build (softmax_lanes). None where route_topk would give None (a tie among a
+    row's k + 1 largest probabilities), where a logit is not finite, on a build whose
+    softmax is not reproduced, or see the module's docstring: the caller's torch path
+    decides (a tie on 1 call in 5 on random bf16 routers: the probabilities are not kept,
+    saving every call an allocation)."""
     lanes = softmax_lanes()
     if lanes is None or not (_decode_sized(logits) and logits.dim() == 2):
         return None
     T, E = logits.shape
     if not (0 < top_k <= E and (dtype is _BF16 or dtype is _F32) and env.glue_kernels()):
         return None
-    probs = empty((T, E), _F32)
     ids, weights = empty((T, top_k), torch.int64), empty((T, top_k), dtype)
-    code = _numba_glue().softmax_topk_route(
+    ok = _numba_glue().softmax_topk_route(
         logits.data_ptr(),
         logits.dtype is _BF16,
-        probs.data_ptr(),
         ids.data_ptr(),
         weights.data_ptr(),
         dtype is _BF16,
@@ -212,9 +212,7 @@ def softmax_route(
         renorm,
         lanes,
     )
-    if code == 2:
-        return None
-    return probs, ((ids, weights) if code == 0 else None)
+    return (ids, weights) if ok else None
 
 
 def route_topk(

@@ -424,33 +424,26 @@ def _softmax_row(x, out, n, lanes, acc, swap):
 
 
 @cached_njit(nogil=True)
-def softmax_topk_route(
-    logits, logits_bf16, probs, ids, weights, weights_bf16, T, E, k, renorm, lanes
-):
-    """topk_route of torch.softmax(logits [T, E], dtype=float32), which is also written to
-    probs [T, E] float32 (addresses, as topk_route's): torch's bits for a CPU capability of
-    `lanes` float32 lanes (8: AVX2, 16: AVX512; see above), logits bfloat16 where
-    `logits_bf16`, else float32. Returns 0 when ids and weights are written, 1 where a row
-    has a tie among its k + 1 largest probabilities (probs written: torch.topk decides), 2
-    where a logit is not finite (nothing reliable written: torch decides it all)."""
-    x = np.empty(E, np.float32)
-    p = numba.carray(address_pointer(probs), (T, E), np.float32)
+def softmax_topk_route(logits, logits_bf16, ids, weights, weights_bf16, T, E, k, renorm, lanes):
+    """topk_route of torch.softmax(logits [T, E], dtype=float32) (addresses, as topk_route's)
+    with torch's bits for a CPU capability of `lanes` float32 lanes (8: AVX2, 16: AVX512; see
+    above), logits bfloat16 where `logits_bf16`, else float32. False, as topk_route's, also
+    where a logit is not finite."""
+    x, p = np.empty(E, np.float32), np.empty(E, np.float32)
     ids_out = numba.carray(address_pointer(ids), (T, k), np.int64)
     vals, chosen = np.empty(k, np.float32), np.empty(E, np.bool_)
     acc = np.empty(LEVELS * ILP * LANES, np.float32)
     lane_acc, swap = np.empty(lanes, np.float32), np.empty(lanes, np.float32)
-    tied = False
     for t in range(T):
         _load(logits + t * E * (2 if logits_bf16 else 4), logits_bf16, x, E)
         for j in range(E):
             if not np.isfinite(x[j]):
-                return 2
-        _softmax_row(x, p[t], E, lanes, lane_acc, swap)
-        if tied or not _topk_row(p[t], E, k, renorm, chosen, vals, ids_out[t], acc):
-            tied = True
-            continue
+                return False
+        _softmax_row(x, p, E, lanes, lane_acc, swap)
+        if not _topk_row(p, E, k, renorm, chosen, vals, ids_out[t], acc):
+            return False
         _save(vals, weights + t * k * (2 if weights_bf16 else 4), weights_bf16, k)
-    return 1 if tied else 0
+    return True
 
 
 numba.config.CACHE_DIR = _previous_cache_dir  # every cached function above is decorated

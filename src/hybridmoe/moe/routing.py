@@ -118,15 +118,12 @@ def route(
     softmax, top-k, renormalisation and rounding are one numba call (kernels/numba_glue:
     softmax_topk_route, torch's softmax reproduced for its AVX2 and AVX512 builds; on other
     builds topk_route after torch's softmax), unless a row's k + 1 largest probabilities
-    hold a tie (torch.topk's order among equal values is not reproduced: then torch.topk
-    decides, on the same probabilities)."""
+    hold a tie (torch.topk's order among equal values is not reproduced: then torch
+    decides)."""
     dtype = torch.float32 if weights_fp32 else router_logits.dtype
-    fast = glue.softmax_route(router_logits, top_k, norm_topk_prob, dtype)
-    if fast is not None:
-        probs, routed = fast
-        if routed is not None:
-            return routed
-        return _topk_torch(probs, router_logits.dtype, top_k, norm_topk_prob, weights_fp32)
+    routed = glue.softmax_route(router_logits, top_k, norm_topk_prob, dtype)
+    if routed is not None:
+        return routed
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
     routed = glue.route_topk(probs, top_k, norm_topk_prob, dtype)
     if routed is not None:

@@ -22,6 +22,9 @@ from safetensors_layout import write_safetensors
 # `--device auto` means cpu in this suite, on a GPU machine too (and in the servers it starts):
 # the suite tests the cpu tier; tests/gpu names its device explicitly.
 os.environ.setdefault("HYBRIDMOE_AUTO_DEVICE", "cpu")
+# transformers >= 5.25 kernelizes models with Hugging Face hub kernels by default (from_pretrained
+# then demands the `kernels` package); the references here are transformers' own modules
+os.environ.setdefault("USE_HUB_KERNELS", "0")
 WARM_SHARDS_MAX = 8
 
 

@@ -22,7 +22,7 @@ from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.formats import WEIGHT_FORMATS, weight_format
 from random_weights import random_bank, random_stored, whole_blocks
 
-# the dense projections' formats the suite's models and tests/kernels/test_dense_kernel.py use
+# the dense projections' formats the suite's models and tests/kernel_tests/test_dense_kernel.py use
 DENSE_FORMATS = ("f32", "bf16", "f16", "q8_0", "q4_0", "q4_k")
 
 

@@ -72,7 +72,7 @@ class Run:
 def one_torch_thread():
     # On a loaded 2-core machine torch's OpenMP threads spin against the CPU kernel's and each
     # other (tens of times slower). Tokens must not depend on thread counts (the CPU kernel's
-    # independence of them is tests/kernels'); restored for the next module.
+    # independence of them is tests/kernel_tests'); restored for the next module.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -7,7 +7,7 @@ computed by dequantise-then-GEMM (moe/cpu_experts.bank_moe), and torch's dequant
 ops a block, took 3-5x the GEMM's time there (measured: a Q4_K expert's gate_up [1536, 2048]
 in 6.2 ms, its float32 GEMM for 24 tokens in 1.5 ms). The IR gives the reference's values:
 each format's builder computes a weight with the reference's roundings (its module's docstring
-says how), which tests/kernels/test_numba_dequantize.py checks bit for bit for every format.
+says how), which tests/kernel_tests/test_numba_dequantize.py checks bit for bit for every format.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Run as a script (tests/kernels/test_activation_q8_paths.py does, under forced
+"""Run as a script (tests/kernel_tests/test_activation_q8_paths.py does, under forced
 NUMBA_CPU_FEATURES): compiles the q8 tile for a few shapes of q8_0 and q4_0 rows and of the
 k-quants with integer super-blocks (q2_k ... q6_k: random bytes, finite scales), compares
 each with the torch reference bit for bit, and prints the instruction path and the result."""

@@ -1,4 +1,4 @@
-"""Run as a script (tests/kernels/test_kquant_paths.py does, under forced NUMBA_CPU_FEATURES):
+"""Run as a script (tests/kernel_tests/test_kquant_paths.py does, under forced NUMBA_CPU_FEATURES):
 compiles tile_dot of the k-quants and of the 32-weight block formats (q4_0 ... q8_0, mxfp4) for
 several tile shapes and row lengths on random block bytes (finite scales), and the same IR's
 expansion of rows to float32 (kernels/numba_dequantize.py), saves every output

@@ -2,7 +2,7 @@
 loop and ggml's Q8_0 bytes, the numba quantiser against it to the bit, and every path that
 computes a layer with it (the numba layer kernel, the accelerator's gathered_moe) against
 bank_moe. A projection is the contract's to the bit on every path (the tile, on every
-instruction path: tests/kernels/test_activation_q8_paths.py); a layer differs from bank_moe
+instruction path: tests/kernel_tests/test_activation_q8_paths.py); a layer differs from bank_moe
 where the float path's does (silu's last bit, numba's against torch's; the order of the sum
 over routes), and where such an ulp moves an activation across a rounding boundary of its
 quantisation, by one q8 step (layer_flips), far below q8's own effect

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from hybridmoe.quant.formats import weight_format
-from kernels.test_activation_q8_paths import ABOVE_AVX, HOST, _without
+from kernel_tests.test_activation_q8_paths import ABOVE_AVX, HOST, _without
 
 SCRIPT = Path(__file__).with_name("kquant_tile_check.py")
 sys.path.insert(0, str(SCRIPT.parent))

@@ -1,4 +1,4 @@
-"""Run as a script (tests/kernels/test_dense_kernel_targets.py does, under forced
+"""Run as a script (tests/kernel_tests/test_dense_kernel_targets.py does, under forced
 NUMBA_CPU_FEATURES): the dense kernel (kernels/numba_dense.py) against dense_reference bit for
 bit, on a few formats and token counts, compiled for whatever CPU numba targets; prints one
 JSON line: the target's widest vector features and the failures."""

@@ -363,3 +363,48 @@ def test_float32_array_widens_like_torch() -> None:
     assert glue.float32_array(torch.ones(4)) is None  # float32: no conversion
     assert glue.float32_array(every[:0]).shape == (0,)
     assert glue.float32_array(torch.cat([every, every])) is None  # prefill-sized: torch's copy
+
+
+@pytest.mark.skipif(glue.softmax_lanes() is None, reason="torch's softmax is not reproduced here")
+@pytest.mark.parametrize(
+    "gate_dtype,x_dtype",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+        (torch.float16, torch.float32),
+    ],
+)
+@pytest.mark.parametrize("weights_fp32", [False, True])
+def test_router_in_one_call_equals_route_torch(gate_dtype, x_dtype, weights_fp32) -> None:
+    """SoftmaxTopKRouter on the host: the gate's dense kernel, softmax and top-k in one call
+    (DenseProjection.route) give route_torch's ids and weights of the gate's own logits; a
+    tie hands back those logits, bit for bit."""
+    from hybridmoe.moe.routing import RouterSpec, create_router
+
+    gen, fused = torch.Generator().manual_seed(2), 0
+    for experts, hidden, top_k in ((8, 64, 2), (64, 1024, 8), (60, 128, 4)):
+        for renorm in (False, True):
+            gate = (torch.randn(experts, hidden, generator=gen) * 0.1).to(gate_dtype)
+            spec = RouterSpec(top_k, renorm, weights_fp32)
+            router = create_router("softmax_topk", {"weight": gate}, spec)
+            for tokens in (1, 3):
+                x = torch.randn(tokens, hidden, generator=gen).to(x_dtype)
+                logits = router.gate.kernel(x)
+                want = routing.route_torch(logits, top_k, renorm, weights_fp32)
+                got = router(x)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+                assert got[1].dtype == want[1].dtype
+                dtype = torch.float32 if weights_fp32 else x_dtype
+                one_call = router.gate.route(x, top_k, renorm, dtype)
+                if isinstance(one_call, tuple):
+                    fused += 1
+                else:  # a tie: the logits
+                    assert torch.equal(one_call, logits)
+    assert fused > 0
+    tied = create_router("softmax_topk", {"weight": torch.ones(4, 32)}, RouterSpec(2, True, False))
+    x = torch.randn(1, 32)
+    assert torch.equal(tied.gate.route(x, 2, True, torch.float32), tied.gate.kernel(x))
+    ids, weights = tied(x)  # torch.topk's choice among the equal logits
+    want = routing.route_torch(tied.gate.kernel(x), 2, True)
+    assert torch.equal(ids, want[0]) and torch.equal(weights, want[1])
+    assert tied.gate.route(torch.randn(32, 32), 2, True, torch.float32) is None  # prefill-sized

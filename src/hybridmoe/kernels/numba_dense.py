@@ -25,7 +25,7 @@ import torch
 from numba import prange
 
 from hybridmoe import env
-from hybridmoe.kernels import dense_ir, glue
+from hybridmoe.kernels import dense_ir, glue, numba_glue
 from hybridmoe.kernels.dense_ir import dense_rows, fma32
 from hybridmoe.kernels.host_arrays import host_array
 from hybridmoe.kernels.numba_cache import cached_njit
@@ -42,7 +42,9 @@ _FLAGS = dict(nogil=True, fastmath={"contract", "arcp"})
 
 # cached under a hash of every source these kernels inline (see numba_moe.py)
 _previous_cache_dir = numba.config.CACHE_DIR
-numba.config.CACHE_DIR = str(env.kernel_cache_dir(__file__, dense_ir.__file__, *kernel_sources()))
+numba.config.CACHE_DIR = str(
+    env.kernel_cache_dir(__file__, dense_ir.__file__, numba_glue.__file__, *kernel_sources())
+)
 
 
 @cached_njit(inline="always", **_FLAGS)
@@ -143,8 +145,33 @@ def _dense_entry(kernel: KernelFormat, parallel: bool):
     return cached_njit(parallel=parallel, **_FLAGS)(dense)
 
 
+def _route_entry(kernel: KernelFormat):
+    """A serial entry point for a softmax router's gate in `kernel`'s format: _dense's
+    logits, then numba_glue.softmax_topk_route of them, in one call (the router's gate is
+    small: the calling thread reads it). Arguments: _dense's (less `fmt`), then the route's
+    ids and weights addresses, weights_bf16, k, renorm, lanes; the logits stay in y or
+    y_bf16 (the caller's arrays, bfloat16 bits for bfloat16 activations). Returns
+    softmax_topk_route's answer."""
+
+    def dense_route(
+        w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows, ids, weights,
+        weights_bf16, k, renorm, lanes,
+    ):  # fmt: skip
+        _dense(kernel, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows)
+        bf16 = x_bf16.shape[0] > 0
+        logits = y_bf16.ctypes.data if bf16 else y.ctypes.data
+        return numba_glue.softmax_topk_route(
+            logits, bf16, ids, weights, weights_bf16, tokens, nrows, k, renorm, lanes
+        )
+
+    dense_route.__name__ = dense_route.__qualname__ = f"dense_route_{kernel.name}"
+    return cached_njit(**_FLAGS)(dense_route)
+
+
 DENSE = {name: _dense_entry(fmt.kernel, True) for name, fmt in WEIGHT_FORMATS.items()}
 DENSE_SERIAL = {name: _dense_entry(fmt.kernel, False) for name, fmt in WEIGHT_FORMATS.items()}
+# the float formats a router's gate is kept in (a router is never quantised)
+DENSE_ROUTE = {name: _route_entry(WEIGHT_FORMATS[name].kernel) for name in ("f32", "bf16", "f16")}
 numba.config.CACHE_DIR = _previous_cache_dir  # every cached function above is decorated
 
 _NO_BIAS = _NO_F32 = np.empty(0, np.float32)
@@ -239,6 +266,49 @@ class DenseCall:
         y = np.empty(out_shape, np.float32)
         self._run(x32.shape[0] // n, x32, _NO_BF16, y.reshape(-1), _NO_BF16)
         return torch.from_numpy(y)
+
+    def route(
+        self, x: torch.Tensor, top_k: int, renorm: bool, weights_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
+        """A softmax router's step in one call, this weight its gate: routing.route(self(x),
+        top_k, renorm, ...)'s (ids [T, k], weights [T, k] in weights_dtype), by the dense
+        kernel's logits and numba_glue.softmax_topk_route of them; or the logits (self(x)'s
+        bits) where that route leaves the row to torch (a tie, a logit not finite); None
+        where it does not apply (x not a contiguous [T, n] host tensor of float32 or
+        bfloat16, a weights dtype other, a gate format without the entry, torch's softmax
+        not reproduced here: glue.softmax_lanes)."""
+        lanes = glue.softmax_lanes()
+        entry = DENSE_ROUTE.get(self.fmt.name)
+        if entry is None or lanes is None or x.dim() != 2 or not x.is_contiguous():
+            return None
+        if x.dtype not in (torch.float32, torch.bfloat16) or weights_dtype not in (
+            torch.float32,
+            torch.bfloat16,
+        ):
+            return None
+        tokens, n = x.shape
+        if n != self.in_features or not 0 < top_k <= self.out_features or not tokens:
+            return None
+        ids, weights = (
+            glue.empty((tokens, top_k), torch.int64),
+            glue.empty((tokens, top_k), weights_dtype),
+        )
+        bf16 = x.dtype == torch.bfloat16
+        if bf16:
+            x32, x_bits = _NO_F32, host_array(x, np.uint16)
+            y, y_bits = _NO_F32, np.empty(tokens * self.out_features, np.uint16)
+        else:
+            x32, x_bits = host_array(x, np.float32), _NO_BF16
+            y, y_bits = np.empty(tokens * self.out_features, np.float32), _NO_BF16
+        routed = entry(
+            self._w, self._row_bytes, n, self.out_features, x32, x_bits, tokens, self._bias,
+            y, y_bits, self._item_rows, ids.data_ptr(), weights.data_ptr(),
+            weights_dtype == torch.bfloat16, top_k, renorm, lanes,
+        )  # fmt: skip
+        if routed:
+            return ids, weights
+        logits = torch.from_numpy(y_bits).view(torch.bfloat16) if bf16 else torch.from_numpy(y)
+        return logits.view(tokens, self.out_features)
 
     def _run(self, tokens: int, x, x_bf16, y, y_bf16) -> None:
         if not tokens:

@@ -53,6 +53,17 @@ class DenseProjection:
         StackedQKV, where attention did)."""
         return (self._host or self._prepare())(x)
 
+    def route(
+        self, x: torch.Tensor, top_k: int, renorm: bool, weights_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
+        """This projection as a softmax router's gate, its step in one CPU kernel call
+        (numba_dense.DenseCall.route): (ids, weights), or the logits __call__(x) gives where
+        torch must route them, or None where the kernel does not take x (no bias; the
+        caller then runs __call__ and routes)."""
+        if self.bias is not None or not self.uses_kernel(x):
+            return None
+        return (self._host or self._prepare()).route(x, top_k, renorm, weights_dtype)
+
     def uses_kernel(self, x: torch.Tensor) -> bool:
         """Whether __call__(x) runs the CPU kernel (else torch)."""
         tokens = x.numel() // max(1, x.shape[-1])

@@ -66,7 +66,16 @@ class SoftmaxTopKRouter:
         return cls(DenseProjection(tensors["weight"]), spec)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """route(gate(x), ...): on the host at decode sizes the gate, softmax and top-k in one
+        kernel call (DenseProjection.route), its logits routed by torch where it leaves a row
+        to torch (a tie), else the gate's projection and route()."""
         spec = self.spec
+        dtype = torch.float32 if spec.weights_fp32 else x.dtype
+        fast = self.gate.route(x, spec.top_k, spec.norm_topk_prob, dtype)
+        if isinstance(fast, tuple):
+            return fast
+        if fast is not None:  # the logits, for torch to route
+            return route_torch(fast, spec.top_k, spec.norm_topk_prob, spec.weights_fp32)
         logits = self.gate(x)  # [T, E] in x's dtype
         return route(logits, spec.top_k, spec.norm_topk_prob, spec.weights_fp32)
 

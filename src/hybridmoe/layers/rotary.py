@@ -75,13 +75,38 @@ _ROPE_TYPES = {
 }
 
 
+TABLE_CHUNK = 1024  # positions a decode table grows by
+
+
 class RotaryEmbedding:
     def __init__(self, rope: RopeConfig, head_dim: int):
         rotary_dim = int(head_dim * rope.partial_rotary_factor)  # as transformers rounds it
         self.inv_freq, self.attention_factor = _ROPE_TYPES[rope.rope_type](rope, rotary_dim)
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def to(self, device: torch.device) -> None:
         self.inv_freq = self.inv_freq.to(device)
+        self._tables = {}
+
+    def table_cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos_sin(positions, dtype) for positions [B, T] below `length`, as rows of tables
+        cos_sin computed over whole chunks of TABLE_CHUNK positions, grown on demand: a
+        decode step's 2 ops instead of cos_sin's 8 (~20 -> 5 µs, 270 -> 110 µs with the
+        caches cold). The same bits: every op of cos_sin is elementwise, and its cos and sin
+        give each position's values whatever the length they are computed over
+        (tests/layers/test_rotary_table.py checks every position of the tables)."""
+        table = self._tables.get(dtype)
+        have = 0 if table is None else table[0].shape[0]
+        if length > have:
+            end = -(-length // TABLE_CHUNK) * TABLE_CHUNK
+            more = torch.arange(have, end, device=self.inv_freq.device)[None]  # [1, P]
+            cos, sin = (t[0] for t in self.cos_sin(more, dtype))  # [P, R] each
+            if table is not None:
+                cos, sin = torch.cat((table[0], cos)), torch.cat((table[1], sin))
+            table = self._tables[dtype] = (cos, sin)
+        return table[0][positions], table[1][positions]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """positions [B, T] int -> cos, sin [B, T, R] in dtype (R: the rotary dims)."""

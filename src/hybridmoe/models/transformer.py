@@ -162,7 +162,10 @@ class MoeCausalLM:
         windows = self._windows
         rings = frozenset() if kv is None else kv.ring_windows
         masks = build_attention_masks(positions, kv_len, windows, rings, starts)
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        if is_decode:  # a decode step's rows of the tables (the same bits)
+            cos, sin = self.rotary.table_cos_sin(positions, self.dtype, kv_len)
+        else:
+            cos, sin = self.rotary.cos_sin(positions, self.dtype)
         row_index = to_device_no_sync(torch.tensor(rows), self.device)
         return ForwardBatch(
             positions, rows, row_index, kv_len, masks, cos, sin, kv, is_decode, starts

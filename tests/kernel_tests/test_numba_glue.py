@@ -408,3 +408,71 @@ def test_router_in_one_call_equals_route_torch(gate_dtype, x_dtype, weights_fp32
     want = routing.route_torch(tied.gate.kernel(x), 2, True)
     assert torch.equal(ids, want[0]) and torch.equal(weights, want[1])
     assert tied.gate.route(torch.randn(32, 32), 2, True, torch.float32) is None  # prefill-sized
+
+
+_ROUTE_FIRST = """
+import torch
+from hybridmoe.moe.routing import RouterSpec, create_router, route_torch
+from hybridmoe.kernels import glue
+gen = torch.Generator().manual_seed(4)
+gate = (torch.randn(64, 256, generator=gen) * 0.1).bfloat16()
+router = create_router("softmax_topk", {"weight": gate}, RouterSpec(8, True, False))
+bad = 0
+for _ in range(30):  # the one-call router compiles first in this process, its callees with it
+    x = torch.randn(1, 256, generator=gen).bfloat16()
+    got, want = router(x), route_torch(router.gate.kernel(x), 8, True)
+    bad += not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
+probs = torch.tensor([[0.1, 0.3, 0.2, 0.4]])
+_, weights = glue.route_topk(probs, 2, True, torch.float32)
+top = torch.tensor([[0.4, 0.3]])
+bad += not torch.equal(weights, top / top.sum())
+print(bad)
+"""
+
+
+@pytest.mark.skipif(glue.softmax_lanes() is None, reason="torch's softmax is not reproduced here")
+def test_one_call_router_compiled_first_keeps_the_glue_bits(tmp_path) -> None:
+    """The one-call router compiled before any glue kernel, in a process with an empty kernel
+    cache, then the glue's own top-k: both still route_torch's bits (a fastmath router entry
+    once compiled the top-k's callees with 'arcp' and cached them so: every renormalised
+    weight an ulp off, in that process and every later one)."""
+    import os
+    import subprocess
+    import sys
+
+    environ = dict(os.environ, HYBRIDMOE_CACHE_DIR=str(tmp_path))
+    for _ in range(2):  # compiled, then loaded from the cache
+        done = subprocess.run(
+            [sys.executable, "-c", _ROUTE_FIRST], env=environ, capture_output=True, text=True
+        )
+        assert done.returncode == 0 and done.stdout.strip() == "0", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_one_call_router_logits_are_the_dense_kernels(x_dtype) -> None:
+    """DENSE_ROUTE's logits (left in the caller's arrays) are the dense kernel's bits."""
+    from hybridmoe.kernels import numba_dense
+    from hybridmoe.kernels.host_arrays import host_array
+    from hybridmoe.kernels.projection import DenseProjection
+
+    if glue.softmax_lanes() is None:
+        pytest.skip("torch's softmax is not reproduced here")
+    gen = torch.Generator().manual_seed(6)
+    gate = DenseProjection((torch.randn(64, 1024, generator=gen) * 0.1).to(x_dtype))
+    call = gate._prepare()
+    for tokens in (1, 3):
+        x = torch.randn(tokens, 1024, generator=gen).to(x_dtype)
+        ids, weights = torch.empty(tokens, 8, dtype=torch.int64), torch.empty(tokens, 8)
+        bf16 = x_dtype == torch.bfloat16
+        empty32, empty16 = np.empty(0, np.float32), np.empty(0, np.uint16)
+        y = empty32 if bf16 else np.empty(tokens * 64, np.float32)
+        y_bits = np.empty(tokens * 64, np.uint16) if bf16 else empty16
+        numba_dense.DENSE_ROUTE[gate.fmt.name](
+            call._w, call._row_bytes, 1024, 64,
+            empty32 if bf16 else host_array(x, np.float32),
+            host_array(x, np.uint16) if bf16 else empty16,
+            tokens, call._bias, y, y_bits, call._item_rows, ids.data_ptr(), weights.data_ptr(),
+            False, 8, True, glue.softmax_lanes(),
+        )  # fmt: skip
+        logits = torch.from_numpy(y_bits).view(torch.bfloat16) if bf16 else torch.from_numpy(y)
+        assert torch.equal(logits.view(tokens, 64), gate.kernel(x))

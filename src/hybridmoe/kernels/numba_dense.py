@@ -165,7 +165,12 @@ def _route_entry(kernel: KernelFormat):
         )
 
     dense_route.__name__ = dense_route.__qualname__ = f"dense_route_{kernel.name}"
-    return cached_njit(**_FLAGS)(dense_route)
+    # no fastmath here: numba compiles a jitted function first called from inside another's
+    # compile with the caller's flags (and caches it so), and 'arcp' turned the top-k's
+    # renormalising division into a multiply by the reciprocal (other bits, in every later
+    # process). _dense's own arithmetic is explicit FMAs and bit operations: the same bits
+    # (tests/kernel_tests/test_numba_glue.py compares the logits with DENSE's).
+    return cached_njit(nogil=True)(dense_route)
 
 
 DENSE = {name: _dense_entry(fmt.kernel, True) for name, fmt in WEIGHT_FORMATS.items()}

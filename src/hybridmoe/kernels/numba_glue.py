@@ -8,7 +8,9 @@ arithmetic, with one call of a few µs, and computes the torch reference's value
 - every float32 sum is added in the order of torch's CPU cascade sum (SumKernel.cpp
   `vectorized_inner_sum` over a contiguous row, see `_inner_sum`), which the norm's mean and
   the top-k renormalisation use;
-- no fastmath: LLVM neither reassociates nor contracts a multiply-add.
+- no fastmath: LLVM neither reassociates nor contracts a multiply-add. A kernel that calls
+  these must not have fastmath either: numba compiles a callee first met inside another
+  function's compile with that function's flags, and caches it so (numba_dense.DENSE_ROUTE).
 
 Tensors come as addresses of contiguous host memory (kernels/glue.py checks them and keeps
 the torch reference); an int argument is typed in nanoseconds, an array in about a µs.

@@ -8,9 +8,11 @@ arithmetic, with one call of a few µs, and computes the torch reference's value
 - every float32 sum is added in the order of torch's CPU cascade sum (SumKernel.cpp
   `vectorized_inner_sum` over a contiguous row, see `_inner_sum`), which the norm's mean and
   the top-k renormalisation use;
-- no fastmath: LLVM neither reassociates nor contracts a multiply-add. A kernel that calls
-  these must not have fastmath either: numba compiles a callee first met inside another
-  function's compile with that function's flags, and caches it so (numba_dense.DENSE_ROUTE).
+- no fastmath: LLVM neither reassociates nor contracts a multiply-add. Said explicitly on
+  each function (_EXACT): numba compiles a callee first met inside another function's
+  compile with that function's flags unless the callee sets its own, and caches it so
+  (numba_dense.DENSE_ROUTE, a fastmath caller once, got the top-k's division by a
+  reciprocal).
 
 Tensors come as addresses of contiguous host memory (kernels/glue.py checks them and keeps
 the torch reference); an int argument is typed in nanoseconds, an array in about a µs.
@@ -40,6 +42,10 @@ LANES = 4 if platform.machine().lower() in ("arm64", "aarch64") else 8
 ILP = 4  # SumKernel.cpp row_sum: a row is viewed as (-1, 4) accumulators
 LEVELS = 4  # multi_row_sum's cascade levels
 MAX_SUM_N = 32768  # longer rows: torch may split the reduction (a different order)
+
+# every kernel here: no fastmath, said explicitly (a numba callee first compiled inside a
+# fastmath caller's compile inherits the caller's flags unless it sets its own)
+_EXACT = dict(nogil=True, fastmath=False)
 
 # norm_rows' flags
 X_BF16, Y_BF16, SCALE_BF16, ADD, SCALE_ROUNDED = 1, 2, 4, 8, 16
@@ -74,7 +80,7 @@ def _bits_f32(typingctx, bits):
     return types.float32(bits), codegen
 
 
-@cached_njit(nogil=True)
+@cached_njit(**_EXACT)
 def _bf16_bits(value):
     """The bfloat16 bits (uint32, 0..0xFFFF) nearest the float32 `value`, ties to even; NaN ->
     0x7FC0 (c10::round_to_nearest_even)."""
@@ -84,13 +90,13 @@ def _bf16_bits(value):
     return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
 
 
-@cached_njit(nogil=True)
+@cached_njit(**_EXACT)
 def _round(value):
     """The float32 `value` rounded to its nearest bfloat16 value."""
     return _bits_f32(_bf16_bits(value) << np.uint32(16))
 
 
-@cached_njit(nogil=True)
+@cached_njit(**_EXACT)
 def _load(address, bf16, dst, n):
     """dst[:n] (float32) = the n values at `address`: bfloat16 widened exactly, or float32."""
     if bf16:
@@ -103,7 +109,7 @@ def _load(address, bf16, dst, n):
             dst[i] = src32[i]
 
 
-@cached_njit(nogil=True)
+@cached_njit(**_EXACT)
 def _save(h, address, bf16, n):
     """The n values at `address` = h[:n] (float32), rounded to bfloat16 where `bf16`."""
     if bf16:
@@ -116,7 +122,7 @@ def _save(h, address, bf16, n):
             dst32[i] = h[i]
 
 
-@cached_njit(nogil=True)
+@cached_njit(**_EXACT)
 def widen_bf16(src, dst, n):
     """dst[:n] (a float32 array) = the n bfloat16 values at address `src`, widened exactly."""
     _load(src, True, dst, n)
@@ -128,7 +134,7 @@ def _row_sum_of(width):
     elements, the leftover elements into partial 0, then partials 1..3 into partial 0,
     lane-wise. acc [LEVELS * ILP * width] float32 scratch; the result is acc[:width]."""
 
-    @cached_njit(nogil=True)
+    @cached_njit(**_EXACT)
     def row_sum(v, count, acc):
         acc[:] = 0
         rows = count // ILP
@@ -166,7 +172,7 @@ def _row_sum_of(width):
 _row_sum_vectors, _row_sum_scalars = _row_sum_of(LANES), _row_sum_of(1)
 
 
-@cached_njit(nogil=True)
+@cached_njit(**_EXACT)
 def _inner_sum(v, n, acc):
     """Σ v[:n] (float32) in the order of torch's CPU sum over a contiguous row: for n >= LANES
     (vectorized_inner_sum) row_sum over the n // LANES vectors, then 0 + the scalar tail in
@@ -185,7 +191,7 @@ def _inner_sum(v, n, acc):
     return total
 
 
-@cached_njit(nogil=True)
+@cached_njit(**_EXACT)
 def norm_rows(x, y, scale, total, out, rows, n, eps, flags):
     """Per row r of `rows` rows of n values: h = x[r] (+ y[r] where ADD, rounded to x's dtype
     and stored in total[r]); out[r] = scale * (h * rsqrt(Σ h² / n + eps)) in x's dtype, as
@@ -219,7 +225,7 @@ def norm_rows(x, y, scale, total, out, rows, n, eps, flags):
         _save(h, out + r * n * size, x_bf16, n)
 
 
-@cached_njit(nogil=True)
+@cached_njit(**_EXACT)
 def _norm_row(h, w, n, eps32, bf16, sq, acc):
     """h[:n] = w * (h * rsqrt(Σ h² / n + eps)) in place, as norm_rows computes it (bfloat16
     where `bf16`: h * rsqrt rounded before w multiplies, the product rounded)."""
@@ -231,7 +237,7 @@ def _norm_row(h, w, n, eps32, bf16, sq, acc):
         h[i] = _round(_round(normed) * w[i]) if bf16 else normed * w[i]
 
 
-@cached_njit(nogil=True)
+@cached_njit(**_EXACT)
 def _rotate_row(h, c, s, rot, n, bf16):
     """rot[:n] = h * c + rotate_half(h) * s (rotary.apply_rotary: rotate_half(h) is
     (-h[n/2:], h[:n/2])), each product and the sum rounded to bfloat16 where `bf16`;
@@ -245,7 +251,7 @@ def _rotate_row(h, c, s, rot, n, bf16):
         rot[i] = a - b if i < half else a + b
 
 
-@cached_njit(nogil=True)
+@cached_njit(**_EXACT)
 def norm_rotary_rows(
     q, k, q_stride, k_stride, q_rows, k_rows, n, q_scale, k_scale, cos, sin, q_out, k_out,
     tokens, eps, bf16,
@@ -282,7 +288,7 @@ def norm_rotary_rows(
                 _save(rot, dst + (t * rows + r) * n * size, bf16, n)
 
 
-@cached_njit(nogil=True)
+@cached_njit(**_EXACT)
 def topk_route(probs, ids, weights, weights_bf16, T, E, k, renorm):
     """probs [T, E] float32 -> ids [T, k] int64 (largest first), weights [T, k] (bfloat16
     where `weights_bf16`, else float32), all addresses of contiguous host memory: the k
@@ -302,7 +308,7 @@ def topk_route(probs, ids, weights, weights_bf16, T, E, k, renorm):
     return True
 
 
-@cached_njit(nogil=True)
+@cached_njit(**_EXACT)
 def _topk_row(row, E, k, renorm, chosen, vals, ids_out, acc):
     """topk_route for one row: ids_out[:k] and vals[:k] (renormalised where `renorm`); False
     where the row holds a NaN or a tie among its k + 1 largest."""
@@ -358,13 +364,13 @@ def _fma(typingctx, a, b, c):
     return types.float32(a, b, c), codegen
 
 
-@cached_njit(nogil=True)
+@cached_njit(**_EXACT)
 def _pow2(e):
     """2.0 ** e as a float32, for -126 <= e <= 127."""
     return _bits_f32(np.uint32((e + 127) << 23))
 
 
-@cached_njit(nogil=True)
+@cached_njit(**_EXACT)
 def sleef_expf(d):
     """exp(d) for a float32 d <= 100 (not NaN), as SLEEF's xexpf (the u10 vector expf torch's
     Vectorized<float>::exp calls, built with FMA): d = q ln2 + s in two parts, a degree-6
@@ -386,7 +392,7 @@ def sleef_expf(d):
     return u * _pow2(half) * _pow2(q - half)
 
 
-@cached_njit(nogil=True)
+@cached_njit(**_EXACT)
 def _reduce_all(v, n, lanes, is_sum, acc, swap):
     """reduce_all(+ or maximum) over v[:n] float32 in torch's order for `lanes`-wide vectors
     (above); acc, swap: float32 scratch of `lanes`. Values are finite (maximum's NaN rule is
@@ -414,7 +420,7 @@ def _reduce_all(v, n, lanes, is_sum, acc, swap):
     return acc[0]
 
 
-@cached_njit(nogil=True)
+@cached_njit(**_EXACT)
 def _softmax_row(x, out, n, lanes, acc, swap):
     """out[:n] = torch.softmax(x[:n]) (float32, finite) to the bit, for torch's `lanes`."""
     top = _reduce_all(x, n, lanes, False, acc, swap)
@@ -425,7 +431,7 @@ def _softmax_row(x, out, n, lanes, acc, swap):
         out[j] = out[j] * inv
 
 
-@cached_njit(nogil=True)
+@cached_njit(**_EXACT)
 def softmax_topk_route(logits, logits_bf16, ids, weights, weights_bf16, T, E, k, renorm, lanes):
     """topk_route of torch.softmax(logits [T, E], dtype=float32) (addresses, as topk_route's)
     with torch's bits for a CPU capability of `lanes` float32 lanes (8: AVX2, 16: AVX512; see

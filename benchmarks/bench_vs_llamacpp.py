@@ -89,8 +89,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--attention-kernel",
-        action="store_true",
-        help="hybridmoe's --attention-kernel (the numba decode attention, not torch's SDPA)",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="hybridmoe's --attention-kernel (when the numba decode attention runs, not SDPA)",
     )
     parser.add_argument(
         "--busy-cores", type=float, default=0.5, help="others' cores that make a round busy"
@@ -138,7 +139,7 @@ def run_worker(engine: str, path: Path, threads: int, args: argparse.Namespace) 
     command += ["--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens)]
     command += ["--batch", str(args.batch), "--prefill-tokens", str(args.prefill_tokens)]
     command += ["--activation-quant", args.activation_quant]
-    command += ["--attention-kernel"] if args.attention_kernel else []
+    command += ["--attention-kernel", args.attention_kernel]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:

@@ -25,6 +25,7 @@ from hybridmoe.cli_chat import chat_loop
 from hybridmoe.cluster.config import ROUTING_POLICIES, ClusterConfig
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.engine.config import (
+    ATTENTION_KERNELS,
     DEFAULT_MAX_SEQ_LEN,
     DENSE_FORMAT_CHOICES,
     DTYPE_CHOICES,
@@ -109,8 +110,11 @@ FLAG_DOCS: dict[str, FlagDoc] = {
         DENSE_FORMAT_CHOICES,
     ),
     "attention_kernel": FlagDoc(
-        "CPU decode attention by one numba kernel a layer instead of torch's SDPA (faster; "
-        "within SDPA's float32 rounding, not its bits: greedy tokens may differ at a near-tie)"
+        "CPU decode attention by one numba kernel a layer instead of torch's SDPA (10-30x "
+        "faster at a long context): auto where it computes SDPA's bits (bfloat16 on a machine "
+        "whose SDPA it reproduces, checked at the first decode step); on: also elsewhere "
+        "(within SDPA's rounding, not its bits: greedy tokens may differ at a near-tie); off",
+        ATTENTION_KERNELS,
     ),
     "gguf_file": FlagDoc(
         "the GGUF in --model's directory or Hugging Face repo: its file name or a part of it "

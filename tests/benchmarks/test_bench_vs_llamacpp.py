@@ -146,7 +146,7 @@ def test_hybridmoe_worker_decodes_greedily(files: dict[str, Path], worker_run: N
 def test_hybridmoe_worker_takes_the_attention_kernel(
     files: dict[str, Path], monkeypatch, worker_run: Namespace
 ) -> None:
-    """--attention-kernel reaches the engine: its decode steps call the numba attention."""
+    """--attention-kernel on reaches the engine: its decode steps call the numba attention."""
     from hybridmoe.kernels import numba_attention
 
     calls = []
@@ -154,7 +154,7 @@ def test_hybridmoe_worker_takes_the_attention_kernel(
     monkeypatch.setattr(
         numba_attention, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
-    run = Namespace(**{**vars(worker_run), "attention_kernel": True})
+    run = Namespace(**{**vars(worker_run), "attention_kernel": "on"})
     _check_worker(measure("hybridmoe", files["q8_0"], 1, run), run)
     assert calls
 

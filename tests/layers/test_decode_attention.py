@@ -1,17 +1,20 @@
 """The CPU decode-attention kernel (kernels/numba_attention.py, through KVCache.fused_attention
 and layers/attention.attend) against its reference, the torch path (KVCache.update, then
-torch's SDPA) of a cache built with attention_kernel=False: the same steps on both, each row
+torch's SDPA) of a cache built with attention_kernel="off": the same steps on both, each row
 starting out with another occupant's keys; grouped-query ratios (tiles of 4, 2 and 1 heads),
 head sizes (whole vectors, a tail, only a tail), sliding windows kept as rings and not, rows at
 different positions and out of order, rows past the window and past the kernel's softmax
 block. The caches must be equal bit for bit after every step; the outputs within the
-contract's tolerance (assert_matches), most bfloat16 elements bit for bit. A kernel that drops
-a key fails the comparison; every instruction path of the machine passes it
-(decode_attention_check.py in a process of its own)."""
+contract's tolerance (assert_matches), and in bfloat16 SDPA's bits on a machine whose SDPA the
+kernel reproduces (numba_attention.gives_sdpa_bits: torch's exp and lanes, MKL's GEMM order),
+which this module's checks then hold it to. A kernel that drops a key fails the comparison;
+every instruction path of the machine passes it (decode_attention_check.py in a process of its
+own)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -88,8 +91,8 @@ class Pair:
 
     def __init__(self, cfg, max_len: int, dtype: torch.dtype, ring: bool):
         self.cfg, self.dtype, self.gen = cfg, dtype, torch.Generator().manual_seed(0)
-        self.fast = KVCache(cfg, ROWS, max_len, dtype, ring=ring, attention_kernel=True)
-        self.slow = KVCache(cfg, ROWS, max_len, dtype, ring=ring)  # the default: SDPA
+        self.fast = KVCache(cfg, ROWS, max_len, dtype, ring=ring, attention_kernel="on")
+        self.slow = KVCache(cfg, ROWS, max_len, dtype, ring=ring, attention_kernel="off")
         for fast, slow in zip(self.fast.k + self.fast.v, self.slow.k + self.slow.v, strict=True):
             fast.copy_(torch.randn(fast.shape, generator=self.gen) * 3)  # an old occupant's
             slow.copy_(fast)
@@ -152,6 +155,8 @@ def test_decode_steps_match_sdpa(
     assert len(attention_kernel_calls) == 2 * steps  # both layers of every decode step
     if dtype == torch.bfloat16:
         assert sum(pair.equal) / len(pair.equal) >= 0.95
+        if numba_attention.gives_sdpa_bits(heads, kv_heads, head_dim):
+            assert min(pair.equal) == 1.0  # every step's every element: SDPA's bits
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -171,6 +176,8 @@ def test_long_rows_past_the_softmax_block(attention_kernel_calls, dtype, ring) -
     assert attention_kernel_calls == [3] * 2 * 5
     if dtype == torch.bfloat16:
         assert sum(pair.equal) / len(pair.equal) >= 0.95
+        if numba_attention.gives_sdpa_bits(16, 4, 64):
+            assert min(pair.equal) == 1.0
 
 
 def test_a_step_the_kernel_does_not_take_goes_to_sdpa(attention_kernel_calls) -> None:
@@ -187,7 +194,7 @@ def test_a_step_the_kernel_does_not_take_goes_to_sdpa(attention_kernel_calls) ->
     assert attention_kernel_calls == []
     pair.step([[5]], [0])
     assert attention_kernel_calls == [1, 1]
-    pair.fast.attention_kernel = False
+    pair.fast.attention_kernel = "off"
     pair.step([[6]], [0])
     assert attention_kernel_calls == [1, 1]
 
@@ -271,6 +278,80 @@ def test_a_kernel_dropping_a_key_fails_the_comparison(dtype) -> None:
         assert_matches(short, expected, v_max)
 
 
+def test_the_bits_check_can_fail(monkeypatch) -> None:
+    """gives_sdpa_bits compares the kernel with SDPA bit for bit: the kernel with the other
+    softmax lanes than torch's (8 for 16, 16 for 8: another vector part and tail) fails it
+    where the right ones pass it."""
+    lanes = numba_attention.softmax_lanes()
+    numba_attention.gives_sdpa_bits.cache_clear()
+    try:
+        if not numba_attention.gives_sdpa_bits(8, 2, 64):
+            pytest.skip("the kernel does not reproduce this machine's SDPA")
+        numba_attention.gives_sdpa_bits.cache_clear()
+        monkeypatch.setattr(numba_attention, "softmax_lanes", lambda: 24 - lanes)
+        assert not numba_attention.gives_sdpa_bits(8, 2, 64)
+    finally:
+        numba_attention.gives_sdpa_bits.cache_clear()
+
+
+REFERENCE_CASES = [  # B, heads, kv_heads, D, positions, slots, window, ring
+    (1, 16, 4, 64, [600], 700, None, None),  # two blocks, a tail
+    (2, 8, 2, 20, [1100, 37], 1200, None, None),  # a batch's short row: SDPA's blocks are 512
+    (3, 4, 4, 8, [5, 530, 17], 600, 100, None),  # a window across a block's end
+    (2, 6, 2, 48, [40, 300], 64, None, 64),  # a ring, one row past it
+]
+
+
+def reference_mismatches(dtype, case, lanes=None, seed=0) -> int:
+    """Elements of the kernel's output that are not attention_reference's (lanes: the
+    reference's, default the kernel's), over every row and head of a random step."""
+    B, heads, kv_heads, D, positions, slots, window, ring = case
+    gen = torch.Generator().manual_seed(seed)
+    caches = [(torch.randn(B, kv_heads, slots, D, generator=gen) * 2).to(dtype) for _ in "kv"]
+    q = (torch.randn(B, 1, heads, D, generator=gen) * 2).to(dtype)
+    k, v = ((torch.randn(B, 1, kv_heads, D, generator=gen) * 2).to(dtype) for _ in "kv")
+    host = tuple(numba_attention.cache_array(c) for c in caches)
+    kv_len, at = max(positions) + 1, np.array(positions)
+    out = numba_attention.decode_attention(
+        q, k, v, host, slots, np.arange(B), at, kv_len, ring, window, threads=1
+    )
+    lanes = lanes or numba_attention.softmax_lanes()
+    keys = min(kv_len, ring) if ring else kv_len  # SDPA's row: ring slots, or positions
+    bad = 0
+    for b, p in enumerate(positions):
+        visible = np.zeros(keys, bool)
+        if ring:
+            visible[: min(p + 1, ring)] = True
+        else:
+            visible[max(0, p - window + 1) if window else 0 : p + 1] = True
+        for h in range(heads):
+            kvh = h // (heads // kv_heads)
+            rows = [c[b, kvh, :keys].float().numpy() for c in caches]
+            expected = attention_reference_row(q[b, 0, h], rows, visible, D, lanes)
+            bad += int((expected.to(dtype) != out[b, 0, h]).sum())
+    return bad
+
+
+def attention_reference_row(q, rows, visible, D, lanes) -> torch.Tensor:
+    from hybridmoe.kernels.attention_reference import attend_row
+
+    scale = np.float32(1.0 / math.sqrt(D))
+    bf16 = q.dtype == torch.bfloat16
+    return torch.from_numpy(attend_row(q.float().numpy(), *rows, visible, scale, lanes, bf16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", REFERENCE_CASES)
+def test_the_kernel_gives_the_references_bits(dtype, case) -> None:
+    """On every machine, in both dtypes: the kernel's output is attention_reference's (the
+    scalar restatement of torch's flash attention with the stated GEMM orders) bit for bit;
+    with the other softmax lanes than the kernel's (another vector part and tail, another sum)
+    it is not, seen in float32's outputs (in bfloat16 such last bits mostly round away)."""
+    assert reference_mismatches(dtype, case) == 0
+    if dtype == torch.float32:
+        assert reference_mismatches(dtype, case, lanes=24 - numba_attention.softmax_lanes()) > 0
+
+
 CHECK = Path(__file__).with_name("decode_attention_check.py")
 
 
@@ -295,7 +376,8 @@ def _paths() -> dict[str, tuple[str | None, str]]:
 @pytest.mark.parametrize("path", ["host", "avx2", "portable"])
 def test_every_instruction_path_matches_sdpa(path: str) -> None:
     """16 lanes (AVX-512), 8 with FMA (AVX2), 8 without (AVX): decode steps within the
-    contract, each path compiled in a process of its own."""
+    contract, and SDPA's bits in bfloat16 where the machine's SDPA is reproduced (the same
+    arithmetic on every path), each path compiled in a process of its own."""
     from numba.core.codegen import get_host_cpu_features
 
     features, needs = _paths()[path]
@@ -312,3 +394,5 @@ def test_every_instruction_path_matches_sdpa(path: str) -> None:
     expected_lanes = {"host": info["lanes"], "avx2": 8, "portable": 8}[path]
     assert info["lanes"] == expected_lanes and info["steps"] > 0
     assert info["fma"] == (path != "portable")
+    assert info["exact"] or not info["sdpa_bits"]
+    assert info["reference_mismatches"] == 0

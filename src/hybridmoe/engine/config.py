@@ -13,6 +13,18 @@ DENSE_FORMAT_CHOICES = ("auto", "q8_0", "q4_0")
 HEAD_FORMATS = {"q8_0": "q8_0", "q4_0": "q8_0"}
 DEFAULT_MAX_SEQ_LEN = 4096  # KV positions per sequence when the model's context allows more
 PREFIX_BLOCK_TOKENS = 16  # the prefix cache's granularity: prompts share whole blocks of this
+# when a host decode step attends by the CPU kernel (kernels/numba_attention.py) instead of
+# torch's SDPA: auto = where it gives SDPA's bits, on = always (float32: within SDPA's
+# tolerance), off = never (engine/kv_cache.KVCache)
+ATTENTION_KERNELS = ("auto", "on", "off")
+
+
+def check_attention_kernel(value: str) -> None:
+    """ValueError naming the choices unless `value` is one of ATTENTION_KERNELS."""
+    if value not in ATTENTION_KERNELS:
+        raise ValueError(
+            f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {value!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -42,14 +54,17 @@ class EngineConfig:
     # format (DENSE_FORMAT_CHOICES); norms, embeddings and routers always stay as loaded
     dense_format: str = "auto"
     # a host decode step's softmax attention by one numba kernel per layer (kernels/
-    # numba_attention.py) instead of torch's SDPA: within SDPA's float32 tolerance, not its
-    # bits, so a greedy decode may part from transformers' at a near-tie; off: SDPA
-    attention_kernel: bool = False
+    # numba_attention.py) instead of torch's SDPA (ATTENTION_KERNELS): auto where the kernel
+    # computes SDPA's bits (bfloat16 on a machine whose SDPA it reproduces), so transformers'
+    # tokens; on also elsewhere (float32: within SDPA's tolerance, a greedy decode may part
+    # from transformers' at a near-tie); off: SDPA
+    attention_kernel: str = "auto"
     offload: OffloadConfig = field(default_factory=OffloadConfig)  # where experts decode
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        check_attention_kernel(self.attention_kernel)
         if self.dense_format not in DENSE_FORMAT_CHOICES:
             raise ValueError(
                 f"dense_format must be one of {', '.join(DENSE_FORMAT_CHOICES)}, "

@@ -11,6 +11,7 @@ import torch
 
 from hybridmoe import env
 from hybridmoe.config.model import ModelConfig
+from hybridmoe.engine.config import check_attention_kernel
 from hybridmoe.kernels import numba_attention
 from hybridmoe.layers.batch import RING, RING_AND_CHUNK, ForwardBatch, ring_layout
 from hybridmoe.platform.base import to_device_no_sync
@@ -25,6 +26,15 @@ class KVFootprint:
 
     def row_bytes(self, max_len: int) -> int:
         return max_len * self.bytes_per_token + self.fixed_bytes
+
+
+def _gives_sdpa_bits(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the attention kernel computes SDPA's bits for this step's q [B, 1, heads, D]
+    and k [B, 1, kv_heads, D]: bfloat16, on a machine where it does (checked once per shape)."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    return q.dtype is torch.bfloat16 and numba_attention.gives_sdpa_bits(
+        heads, kv_heads, q.shape[3]
+    )
 
 
 def ring_window(cfg: ModelConfig, layer_idx: int, max_len: int) -> int | None:
@@ -83,10 +93,12 @@ class KVCache:
     whose step keys layers/batch.ring_layout orders. No query reads a slot its row's occupant
     has not written. With `keep_prefill_kv`, ring layers also keep the last prefill step's own
     keys and values (until release_prefill_kv or the next prefill) for the prefix cache, whose
-    blocks hold every position (read_span). With `attention_kernel` (EngineConfig's opt-in
-    flag), a decode step on host tensors attends through fused_attention's CPU kernel
-    (kernels/numba_attention.py, within its tolerance of update() + SDPA, not its bits);
-    False (the default): always SDPA, transformers' bits."""
+    blocks hold every position (read_span). `attention_kernel` (EngineConfig's, one of
+    ATTENTION_KERNELS) says when a decode step on host tensors attends through
+    fused_attention's CPU kernel (kernels/numba_attention.py) instead of update() + SDPA:
+    "auto" where the kernel gives SDPA's bits (bfloat16, on a machine where
+    numba_attention.gives_sdpa_bits holds for the model's heads), "on" for every such step
+    (float32 too: within SDPA's tolerance, not its bits), "off" never."""
 
     def __init__(
         self,
@@ -97,8 +109,9 @@ class KVCache:
         device: torch.device | str = "cpu",
         ring: bool = True,
         keep_prefill_kv: bool = False,
-        attention_kernel: bool = False,
+        attention_kernel: str = "auto",
     ):
+        check_attention_kernel(attention_kernel)
         self.max_len, self.keep_prefill_kv = max_len, keep_prefill_kv
         self.attention_kernel = attention_kernel
         # layer -> (its k, v tensors, the kernel's flat views of them)
@@ -185,15 +198,16 @@ class KVCache:
         window: int | None,
     ) -> torch.Tensor | None:
         """KVStore: update() and the attention over what it returns in one call of kernels/
-        numba_attention, with `attention_kernel`, for a decode step (one query per row) on
+        numba_attention, as `attention_kernel` says, for a decode step (one query per row) on
         host tensors of the cache's dtype, one of KERNEL_DTYPES; None for any other step. A
         prefill, however short, stays on SDPA: a prompt's tokens then have the same bits
         whether a prefix-cache hit left few of them to prefill or none (tests/engine/
         test_prefix_cache.py). Which steps take the kernel depends on nothing else (not the
-        batch, nor the row's length): a row's tokens do not depend on the rows beside it."""
+        batch, nor the row's length); its bits are SDPA's for the same batch, whose key rows
+        are the batch's kv_len long (a row's last keys masked), as SDPA's are."""
         k_cache = self.k[layer_idx]
         if (
-            not self.attention_kernel
+            self.attention_kernel == "off"
             or not batch.is_decode
             or q.shape[1] != 1
             or not k_cache.is_cpu
@@ -203,6 +217,8 @@ class KVCache:
             or v.dtype is not k_cache.dtype
             or q.dtype not in numba_attention.KERNEL_DTYPES
         ):
+            return None
+        if self.attention_kernel == "auto" and not _gives_sdpa_bits(q, k):
             return None
         caches = self._host_caches(layer_idx)
         ring = self.ring_sizes.get(layer_idx)

@@ -84,7 +84,7 @@ class Scheduler:
         max_batch: int,
         max_seq_len: int,
         prefix_cache_blocks: int = 0,
-        attention_kernel: bool = False,
+        attention_kernel: str = "auto",
     ) -> None:
         context = model.cfg.max_position_embeddings
         if not 2 <= max_seq_len <= context:

@@ -1,17 +1,22 @@
 """LLVM vector code for the decode attention kernel (kernels/numba_attention.py): the scores
-q . k of a tile of query heads against a run of cached keys, and the weighted sum of the run's
-values into those heads' outputs, over head_dim in vectors of LANES floats.
+q . k of a tile of query heads against a run of cached keys (in <4 x float> partial sums, two
+keys at a time), and the weighted sum of the run's values into those heads' outputs, over
+head_dim in vectors of LANES floats.
 
 LANES is the target's widest float vector (16 with AVX-512, else 8), chosen when numba compiles
 (llvm_ir.target_has; its on-disk cache is keyed on the CPU features). A bfloat16 key or value is
 widened exactly (its 16 bits shifted into a float32's high half); float32 is read as it is.
 
-Summation orders (each lane in ascending index order by llvm.fmuladd: one rounding per step
-where the target fuses, two where it does not):
-  qk_tile: lane l sums q[d] k[d] over d = l (mod LANES) of the whole vectors, the lanes are
-    added by llvm_ir.pairwise_sum's tree, then the tail dims (head_dim % LANES) one by one;
-    the sum is multiplied by `scale`.
-  pv_tile: out[d] += p[j] v[j, d] over the run's keys j in ascending order, every dim alike.
+Summation orders, those of torch's CPU flash attention in bfloat16 (its GEMMs are MKL's
+gemm_bf16bf16f32; the orders below are that GEMM's as measured bit for bit on an AMD EPYC, the
+path MKL takes there; numba_attention.gives_sdpa_bits checks a machine): a bfloat16 product is
+exact in float32, so only the order of the additions matters.
+  qk_tile: four interleaved partial sums, lane l over d = l (mod 4) in ascending order,
+    added as (s0 + s2) + (s1 + s3), then the tail dims (head_dim % 4) one by one; the sum is
+    multiplied by `scale`.
+  pv_tile: over the keys in groups of four counted from the run's first (a softmax block's
+    first key), each group's products added as (t0 + t2) + (t1 + t3) (a group's missing keys
+    are 0), then the group's sum added to out[d]; every dim alike.
 A tile of 4, 2 or 1 heads (a compile-time literal) shares each key's or value's loads; its
 results do not depend on the tile (each head's sum is its own chain), so neither on the
 grouped-query ratio's split into tiles.
@@ -24,9 +29,19 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from hybridmoe.kernels.llvm_ir import F32, I16, I32, declare, i64, pairwise_sum, splat, vector
+from hybridmoe.kernels.llvm_ir import (
+    F32,
+    I16,
+    I32,
+    const_vec,
+    declare,
+    i64,
+    splat,
+    vector,
+)
 
 TILES = (4, 2, 1)  # heads per tile
+V4F = vector(F32, 4)
 
 
 def lanes() -> int:
@@ -52,11 +67,13 @@ def _widen(builder: ir.IRBuilder, ptr: ir.Value, bf16: bool, count: int) -> ir.V
     return builder.bitcast(shifted, vector(F32, count))
 
 
-def fmuladd(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
-    """a * b + c (float or float vectors): fused where the target has FMA."""
+def fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+    """a * b + c rounded once (float or float vectors): llvm.fma, the FMA instruction where
+    the target has one, else libm's fmaf (the same bits on every path; a bfloat16 product is
+    exact, so it is fadd's rounding)."""
     ty = a.type
     suffix = f"v{ty.count}f32" if isinstance(ty, ir.VectorType) else "f32"
-    return builder.call(declare(builder, f"llvm.fmuladd.{suffix}", ty, [ty] * 3), [a, b, c])
+    return builder.call(declare(builder, f"llvm.fma.{suffix}", ty, [ty] * 3), [a, b, c])
 
 
 def array_data(context, builder, ty, value) -> ir.Value:
@@ -78,61 +95,91 @@ def _is_cache(ty) -> bool:
     )
 
 
-def _qk_codegen(tile: int, width: int, bf16: bool):
+def _qk_codegen(tile: int, bf16: bool):
     def codegen(context, builder, sig, args):
-        _, q, _, kc, _, _, s, _, scale, _ = args
-        g0, off, n, s_stride, dim = int_args(context, builder, sig, args, "--i-ii-i-i")
+        _, q, _, kc, _, _, s, _, _, scale, _ = args
+        g0, off, n, s_stride, s_off, dim = int_args(context, builder, sig, args, "--i-ii-ii-i")
         q_data, s_data = (
             array_data(context, builder, sig.args[1], q),
             array_data(context, builder, sig.args[6], s),
         )
         k_data = array_data(context, builder, sig.args[3], kc)
-        vec = vector(F32, width)
-        accs = [cgutils.alloca_once(builder, vec) for _ in range(tile)]
-        totals = [cgutils.alloca_once(builder, F32) for _ in range(tile)]
-        chunks = builder.udiv(dim, i64(width))
-        tail_start = builder.mul(chunks, i64(width))
+        quads = builder.udiv(dim, i64(4))
+        tail_start = builder.mul(quads, i64(4))
         q_rows = [
             builder.gep(q_data, [builder.mul(builder.add(g0, i64(g)), dim)]) for g in range(tile)
         ]
-        with cgutils.for_range(builder, n) as key:
-            k_row = builder.gep(k_data, [builder.add(off, builder.mul(key.index, dim))])
+        s_rows = [
+            builder.gep(
+                s_data, [builder.add(builder.mul(builder.add(g0, i64(g)), s_stride), s_off)]
+            )
+            for g in range(tile)
+        ]
+
+        def keys(first: ir.Value, count: int) -> None:
+            """The scores of keys first .. first + count - 1 (each head's chains side by side)."""
+            k_rows = [
+                builder.gep(
+                    k_data, [builder.add(off, builder.mul(builder.add(first, i64(j)), dim))]
+                )
+                for j in range(count)
+            ]
+            accs = [cgutils.alloca_once(builder, V4F) for _ in range(count * tile)]
             for acc in accs:
-                builder.store(ir.Constant(vec, None), acc)
-            with cgutils.for_range(builder, chunks) as chunk:
-                at = builder.mul(chunk.index, i64(width))
-                kv = _widen(builder, builder.gep(k_row, [at]), bf16, width)
-                for q_row, acc in zip(q_rows, accs, strict=True):
-                    qv = _widen(builder, builder.gep(q_row, [at]), False, width)
-                    builder.store(fmuladd(builder, qv, kv, builder.load(acc)), acc)
-            for acc, total in zip(accs, totals, strict=True):
-                builder.store(pairwise_sum(builder, builder.load(acc), width), total)
-            with cgutils.for_range(builder, builder.sub(dim, tail_start)) as rest:
-                at = builder.add(tail_start, rest.index)
-                kx = _widen(builder, builder.gep(k_row, [at]), bf16, 1)
-                for q_row, total in zip(q_rows, totals, strict=True):
-                    qx = builder.load(builder.gep(q_row, [at]), align=4)
-                    builder.store(fmuladd(builder, qx, kx, builder.load(total)), total)
-            for g, total in enumerate(totals):
-                s_row = builder.mul(builder.add(g0, i64(g)), s_stride)
-                score = builder.fmul(builder.load(total), scale)
-                builder.store(score, builder.gep(s_data, [builder.add(s_row, key.index)]))
+                builder.store(ir.Constant(V4F, None), acc)
+            with cgutils.for_range(builder, quads) as quad:
+                at = builder.mul(quad.index, i64(4))
+                qs = [_widen(builder, builder.gep(row, [at]), False, 4) for row in q_rows]
+                for j, k_row in enumerate(k_rows):
+                    kv = _widen(builder, builder.gep(k_row, [at]), bf16, 4)
+                    for g, qv in enumerate(qs):
+                        acc = accs[j * tile + g]
+                        builder.store(fma(builder, qv, kv, builder.load(acc)), acc)
+            for j, k_row in enumerate(k_rows):
+                for g, (q_row, s_row) in enumerate(zip(q_rows, s_rows, strict=True)):
+                    total = cgutils.alloca_once(builder, F32)
+                    builder.store(_quad_sum(builder, builder.load(accs[j * tile + g])), total)
+                    with cgutils.for_range(builder, builder.sub(dim, tail_start)) as rest:
+                        at = builder.add(tail_start, rest.index)
+                        kx = _widen(builder, builder.gep(k_row, [at]), bf16, 1)
+                        qx = builder.load(builder.gep(q_row, [at]), align=4)
+                        builder.store(fma(builder, qx, kx, builder.load(total)), total)
+                    score = builder.fmul(builder.load(total), scale)
+                    builder.store(score, builder.gep(s_row, [builder.add(first, i64(j))]))
+
+        pairs = builder.udiv(n, i64(2))
+        with cgutils.for_range(builder, pairs) as pair:
+            keys(builder.mul(pair.index, i64(2)), 2)
+        with builder.if_then(builder.icmp_unsigned("!=", builder.urem(n, i64(2)), i64(0))):
+            keys(builder.sub(n, i64(1)), 1)
         return context.get_dummy_value()
 
     return codegen
 
 
+def _quad_sum(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
+    """(a0 + a2) + (a1 + a3) of a <4 x float>: the order of torch's bfloat16 GEMM (MKL's) for
+    a score's four interleaved partial sums."""
+    lo = builder.shuffle_vector(acc, acc, const_vec(I32, [0, 1]))
+    hi = builder.shuffle_vector(acc, acc, const_vec(I32, [2, 3]))
+    pair = builder.fadd(lo, hi)
+    return builder.fadd(
+        builder.extract_element(pair, ir.Constant(I32, 0)),
+        builder.extract_element(pair, ir.Constant(I32, 1)),
+    )
+
+
 @intrinsic
-def qk_tile(typingctx, tile, q, g0, kc, off, n, s, s_stride, scale, dim):
-    """For g < tile, j < n: s[(g0 + g) * s_stride + j] = (q[(g0 + g) * dim :][:dim] .
+def qk_tile(typingctx, tile, q, g0, kc, off, n, s, s_stride, s_off, scale, dim):
+    """For g < tile, j < n: s[(g0 + g) * s_stride + s_off + j] = (q[(g0 + g) * dim :][:dim] .
     kc[off + j * dim :][:dim]) * scale, in the module's order. q, s: flat float32; kc: flat
     uint16 (bfloat16 bits) or float32; `tile` a literal of TILES; scale float32."""
     if not (isinstance(tile, types.IntegerLiteral) and tile.literal_value in TILES):
         return None
     if not _is_cache(kc) or scale != types.float32:
         return None
-    sig = types.void(tile, q, g0, kc, off, n, s, s_stride, scale, dim)
-    return sig, _qk_codegen(tile.literal_value, lanes(), kc.dtype == types.uint16)
+    sig = types.void(tile, q, g0, kc, off, n, s, s_stride, s_off, scale, dim)
+    return sig, _qk_codegen(tile.literal_value, kc.dtype == types.uint16)
 
 
 def _pv_codegen(tile: int, width: int, bf16: bool):
@@ -144,44 +191,49 @@ def _pv_codegen(tile: int, width: int, bf16: bool):
             array_data(context, builder, sig.args[3], p),
         )
         v_data = array_data(context, builder, sig.args[5], vc)
-        vec = vector(F32, width)
-        sums = [cgutils.alloca_once(builder, vec) for _ in range(tile)]
-        scalars = [cgutils.alloca_once(builder, F32) for _ in range(tile)]
-        chunks = builder.udiv(dim, i64(width))
-        tail_start = builder.mul(chunks, i64(width))
         heads = [builder.add(g0, i64(g)) for g in range(tile)]
         acc_rows = [builder.gep(acc_data, [builder.mul(h, dim)]) for h in heads]
         p_rows = [builder.gep(p_data, [builder.mul(h, p_stride)]) for h in heads]
         v_first = builder.gep(v_data, [off])
-        with cgutils.for_range(builder, chunks) as chunk:
-            at = builder.mul(chunk.index, i64(width))
-            slots = [builder.bitcast(builder.gep(row, [at]), vec.as_pointer()) for row in acc_rows]
+        chunks = builder.udiv(dim, i64(width))
+        tail_start = builder.mul(chunks, i64(width))
+        groups = builder.udiv(builder.add(n, i64(3)), i64(4))
+
+        def dims(at: ir.Value, count: int) -> None:
+            """acc[.., at : at + count] += each group's (t0 + t2) + (t1 + t3), t_i = p_i v_i."""
+            ty = vector(F32, count) if count > 1 else F32
+            slots = [builder.gep(row, [at]) for row in acc_rows]
+            if count > 1:
+                slots = [builder.bitcast(slot, ty.as_pointer()) for slot in slots]
+            sums = [cgutils.alloca_once(builder, ty) for _ in range(tile)]
             for slot, total in zip(slots, sums, strict=True):
                 builder.store(builder.load(slot, align=4), total)
-            with cgutils.for_range(builder, n) as key:
-                v_row = builder.gep(v_first, [builder.add(builder.mul(key.index, dim), at)])
-                vv = _widen(builder, v_row, bf16, width)
-                for p_row, total in zip(p_rows, sums, strict=True):
-                    weight = splat(builder, builder.load(builder.gep(p_row, [key.index])), width)
-                    builder.store(fmuladd(builder, weight, vv, builder.load(total)), total)
+            with cgutils.for_range(builder, groups) as group:
+                first = builder.mul(group.index, i64(4))
+                terms = [[] for _ in range(tile)]
+                for i in range(4):
+                    key = builder.add(first, i64(i))
+                    present = builder.icmp_signed("<", key, n)
+                    safe = builder.select(present, key, first)  # a group's missing keys: 0
+                    v_row = builder.gep(v_first, [builder.add(builder.mul(safe, dim), at)])
+                    vv = _widen(builder, v_row, bf16, count)
+                    for g, p_row in enumerate(p_rows):
+                        weight = builder.load(builder.gep(p_row, [safe]))
+                        weight = builder.select(present, weight, ir.Constant(F32, 0.0))
+                        if count > 1:
+                            weight = splat(builder, weight, count)
+                        terms[g].append(builder.fmul(weight, vv))
+                for g, total in enumerate(sums):
+                    t = terms[g]
+                    part = builder.fadd(builder.fadd(t[0], t[2]), builder.fadd(t[1], t[3]))
+                    builder.store(builder.fadd(builder.load(total), part), total)
             for slot, total in zip(slots, sums, strict=True):
                 builder.store(builder.load(total), slot, align=4)
+
+        with cgutils.for_range(builder, chunks) as chunk:
+            dims(builder.mul(chunk.index, i64(width)), width)
         with cgutils.for_range(builder, builder.sub(dim, tail_start)) as rest:
-            at = builder.add(tail_start, rest.index)
-            for row, total in zip(acc_rows, scalars, strict=True):
-                builder.store(builder.load(builder.gep(row, [at])), total)
-            with cgutils.for_range(builder, n) as key:
-                vx = _widen(
-                    builder,
-                    builder.gep(v_first, [builder.add(builder.mul(key.index, dim), at)]),
-                    bf16,
-                    1,
-                )
-                for p_row, total in zip(p_rows, scalars, strict=True):
-                    weight = builder.load(builder.gep(p_row, [key.index]))
-                    builder.store(fmuladd(builder, weight, vx, builder.load(total)), total)
-            for row, total in zip(acc_rows, scalars, strict=True):
-                builder.store(builder.load(total), builder.gep(row, [at]))
+            dims(builder.add(tail_start, rest.index), 1)
         return context.get_dummy_value()
 
     return codegen

@@ -9,22 +9,27 @@ Work items are (sequence, kv head) pairs: an item writes its head's new row, the
 heads of its group over it; the dot products and the weighted sums of values are LLVM vector
 code over head_dim (kernels/attention_ir.py), a tile of heads sharing each key's loads. Keys a
 query does not see (beyond its position, outside its window, slots of the ring not yet
-written) are skipped: a masked key's probability is exactly 0 in torch's softmax too.
+written) are not computed: a masked key's weight is exactly 0 in torch's softmax too, and
+where it would share a vector or a group of four with seen keys it is given as -inf or 0.
 
-The numerics contract, torch's CPU flash attention's (aten/src/ATen/native/cpu/
-FlashAttentionKernel.cpp, what SDPA runs for host tensors): scores q . k in float32 times
-`scale` (float32), an online softmax over blocks of BLOCK key indices counted from key 0 (the
-block's max, exp(s - max) in float32 and their float32 sum, the running output rescaled by
-exp(old max - new max)), in bfloat16 the block's exp(s - max) rounded to bfloat16 before they
-weight v (the sum is of the unrounded ones), the weighted sum of v in float32, then out = acc *
-(1 / sum), rounded once to the output dtype. Summation orders and exp's last bits differ from
-torch's (attention_ir, softmax_ir give ours), so the contract is a tolerance, SDPA's own float32
-accumulation error: float32 outputs within 1e-5 (absolute and relative), bfloat16 outputs within
-one unit in the last place of the output plus 2^-8 max |v| (a weight whose float32 bits differ
-may round one bfloat16 step the other way). Measured: 99.5% of the bfloat16 elements are SDPA's
-bits over the tests' short rows, ~85% at 1000 keys. Not bit for bit, so a model's bf16 logits
-may differ from SDPA's by an ulp and a greedy decode part at a near-tie (the random 1 GB
-benchmark model does, at its 9th token, where SDPA's top two logits are equal).
+The numerics, torch's CPU flash attention's (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp,
+what SDPA runs for host tensors), step for step: scores q . k in float32 (attention_ir's order,
+its bfloat16 GEMM's), times `scale`; an online softmax over blocks of BLOCK keys counted from
+key 0 of SDPA's key row, whose length is the batch's kv_len (a shorter row's last keys masked),
+so a block's length, and with it which keys fall in its vector part and which in its tail, is
+SDPA's (softmax_ir: the block's max; its exps by torch's vector exp and libm's expf, their sum
+in torch's lanes and tree); the running sum fused as torch's compiled `sum + carry * old`
+(an FMA), the running output times the carry exp(old max - new max) (libm's expf); in bfloat16
+the exps rounded to bfloat16 before they weight v; the weighted sum of v (attention_ir's
+order); then out = acc * (1 / sum), rounded once to the output dtype. In bfloat16 that is
+SDPA's bits where MKL's bfloat16 GEMM sums in attention_ir's order (an AMD EPYC, measured) and
+torch's build is one whose softmax glue.softmax_lanes knows: gives_sdpa_bits checks it on the
+machine, and the engine takes the kernel by default only there (EngineConfig.attention_kernel
+"auto"). Elsewhere, and in float32 (SDPA's float32 GEMM is MKL's sgemm, whose bits even vary
+with the operands' alignment), the contract is a tolerance, SDPA's own float32 accumulation
+error: float32 outputs within 1e-5 (absolute and relative), bfloat16 outputs within one unit in
+the last place of the output plus 2^-8 max |v| (a weight whose float32 bits differ may round
+one bfloat16 step the other way).
 
 A step whose keys and values are under MIN_PARALLEL_BYTES runs on the calling thread, without
 a parallel region; a larger one on numba's pool (numba_moe.launch), an item per work unit. The
@@ -34,19 +39,22 @@ result does not depend on the thread count (each item's arithmetic is its own).
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 
 import numba
 import numpy as np
 import torch
+import torch.nn.functional as F
 from numba import prange, types
 from numba.extending import overload
 
 from hybridmoe import env
-from hybridmoe.kernels import attention_ir, llvm_ir, softmax_ir
+from hybridmoe.kernels import attention_ir, glue, llvm_ir, numba_glue, softmax_ir
 from hybridmoe.kernels.attention_ir import TILES, pv_tile, qk_tile
 from hybridmoe.kernels.llvm_ir import address_pointer
 from hybridmoe.kernels.numba_cache import cached_njit
+from hybridmoe.kernels.numba_glue import _fma
 from hybridmoe.kernels.numba_moe import launch
 from hybridmoe.kernels.softmax_ir import block_max, exp_block
 from hybridmoe.kernels.threads import kernel_threads
@@ -55,44 +63,49 @@ BLOCK = 512  # key indices per softmax block: torch's kvSplitSize
 # Steps reading fewer key/value bytes run on one thread: waking the pool's other threads
 # costs more than they save (numba_dense.MIN_PARALLEL_BYTES measured the same for weights)
 MIN_PARALLEL_BYTES = 1 << 20
-# no nnan/ninf: the running max starts at -inf; numpy's error model: no zero-division checks
-_FLAGS = dict(nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
+# no fastmath: every rounding is torch's (no reassociation, no contraction but the explicit
+# FMAs); numpy's error model: no zero-division checks
+_FLAGS = dict(nogil=True, error_model="numpy", fastmath=False)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 assert TILES == (4, 2, 1)  # _tiles below walks them in this order
 
 # the kernels are cached in a directory named by a hash of every source they compile from
 _previous_cache_dir = numba.config.CACHE_DIR
 numba.config.CACHE_DIR = str(
-    env.kernel_cache_dir(__file__, attention_ir.__file__, softmax_ir.__file__, llvm_ir.__file__)
+    env.kernel_cache_dir(
+        __file__, attention_ir.__file__, softmax_ir.__file__, llvm_ir.__file__, numba_glue.__file__
+    )
 )
 
 
 @cached_njit(inline="always", **_FLAGS)
-def _scores(qf, group, kc, off, n, s, scale, dim):
-    """s[g * BLOCK + j] = (qf's head g . key j of the run at kc[off:]) * scale, g < group."""
+def _scores(qf, group, kc, off, n, s, s_off, scale, dim):
+    """s[g * BLOCK + s_off + j] = (qf's head g . key j of the run at kc[off:]) * scale, j < n,
+    g < group."""
     g = 0
     while g + 4 <= group:
-        qk_tile(4, qf, g, kc, off, n, s, BLOCK, scale, dim)
+        qk_tile(4, qf, g, kc, off, n, s, BLOCK, s_off, scale, dim)
         g += 4
     if g + 2 <= group:
-        qk_tile(2, qf, g, kc, off, n, s, BLOCK, scale, dim)
+        qk_tile(2, qf, g, kc, off, n, s, BLOCK, s_off, scale, dim)
         g += 2
     if g < group:
-        qk_tile(1, qf, g, kc, off, n, s, BLOCK, scale, dim)
+        qk_tile(1, qf, g, kc, off, n, s, BLOCK, s_off, scale, dim)
 
 
 @cached_njit(inline="always", **_FLAGS)
-def _weigh(acc, group, s, vc, off, n, dim):
-    """acc's head g += the run's values at vc[off:] weighted by s[g * BLOCK:][:n], g < group."""
+def _weigh(acc, group, p, vc, off, n, dim):
+    """acc's head g += the run's values at vc[off:] weighted by p[g * BLOCK:][:n], g < group,
+    in groups of four keys from the run's first."""
     g = 0
     while g + 4 <= group:
-        pv_tile(4, acc, g, s, BLOCK, vc, off, n, dim)
+        pv_tile(4, acc, g, p, BLOCK, vc, off, n, dim)
         g += 4
     if g + 2 <= group:
-        pv_tile(2, acc, g, s, BLOCK, vc, off, n, dim)
+        pv_tile(2, acc, g, p, BLOCK, vc, off, n, dim)
         g += 2
     if g < group:
-        pv_tile(1, acc, g, s, BLOCK, vc, off, n, dim)
+        pv_tile(1, acc, g, p, BLOCK, vc, off, n, dim)
 
 
 def _widen(src, first, dst, n):
@@ -144,17 +157,47 @@ def _narrow_overload(src, n, dst, at):
 
 
 @cached_njit(inline="always", **_FLAGS)
-def _softmax_block(s, first, n, m, sums, acc, g, dim, round_p):
-    """One block of n scores s[first:][:n] of head g into its running max m[g], sum sums[g]
-    and output acc[g * dim:][:dim]; the scores become the block's weights exp(s - max),
-    rounded to bfloat16 (ties to even) when `round_p`."""
-    top = block_max(s, first, n, m[g])
-    total = exp_block(s, first, n, top, round_p)
-    carry = np.exp(m[g] - top)  # 0 on the first block (m = -inf, acc = 0)
-    sums[g] = total + carry * sums[g]
+def _exps(s, base, start, stop, whole, top, lanes, bf16):
+    """exp_block with the literal of torch's `lanes` and the dtype."""
+    if lanes == 16:
+        return (
+            exp_block(s, base, start, stop, whole, top, 17)
+            if bf16
+            else exp_block(s, base, start, stop, whole, top, 16)
+        )
+    if bf16:
+        return exp_block(s, base, start, stop, whole, top, 9)
+    return exp_block(s, base, start, stop, whole, top, 8)
+
+
+@cached_njit(inline="always", **_FLAGS)
+def _softmax_block(s, g, first, end, nb, lanes, m, sums, acc, dim, bf16):
+    """Head g's scores s[g * BLOCK + first : g * BLOCK + end] of a block of torch's whose keys
+    are block indices 0 .. nb - 1 (the others masked) into its running max m[g], sum sums[g]
+    and output acc[g * dim:][:dim]: the scores become the weights exp(s - max) (rounded to
+    bfloat16 values where `bf16`), as torch computes the block's (softmax_ir: its vector part
+    and tail, by its `lanes`). Returns the run (pa, pz) of block indices _weigh reads: groups
+    of four from pa, the weights of its masked keys 0."""
+    base, whole = g * BLOCK, nb - nb % lanes
+    top = block_max(s, base + first, end - first, m[g])
+    start = first - first % lanes if first < whole else first  # whole vector chunks
+    stop = end + (-end) % lanes if end < whole else end
+    for i in range(start, first):
+        s[base + i] = -np.inf  # masked: an exp of 0
+    for i in range(end, stop):
+        s[base + i] = -np.inf
+    total = _exps(s, base, start, stop, whole, top, lanes, bf16)
+    carry = np.exp(m[g] - top)  # libm's expf, torch's std::exp; 0 on the first block
+    sums[g] = _fma(carry, sums[g], total)  # torch's `tmp_sum + exp_tmp * sum`, contracted
     m[g] = top
     for d in range(dim):
         acc[g * dim + d] *= carry
+    pa, pz = first - first % 4, min(end + (-end) % 4, nb)
+    for i in range(pa, start):
+        s[base + i] = 0
+    for i in range(stop, pz):
+        s[base + i] = 0
+    return pa, pz
 
 
 def _view(address, n, like):
@@ -172,7 +215,7 @@ def _view_overload(address, n, like):
 def _write(b, kvh, step, kc, vc, dims, rows, pos, ring) -> int:
     """Sequence b's key and value of kv head kvh into its cache row (position p at index p, on
     a ring at slot p % ring); returns the element index of the row's first key of head kvh."""
-    heads, kv_heads, dim, slots, q_stride, kv_stride = dims
+    kv_heads, dim, slots, kv_stride = dims[1], dims[2], dims[3], dims[5]
     p = pos[b]
     base = (rows[b] * kv_heads + kvh) * slots * dim
     at = base + (p % ring if ring > 0 else p) * dim
@@ -188,16 +231,19 @@ def _write(b, kvh, step, kc, vc, dims, rows, pos, ring) -> int:
 def _item(item, step, kc, vc, dims, rows, pos, ring, window, scale, scratch):
     """Work item `item` = b * kv_heads + kvh: write sequence b's key and value of kv head kvh
     into its cache row, then attend with the heads of kvh's group (scratch[item]: its
-    float32 scratch, group * (2 D + BLOCK + 2))."""
-    heads, kv_heads, dim = dims[0], dims[1], dims[2]
+    float32 scratch, group * (2 D + BLOCK + 2)). dims: heads, kv_heads, D, slots, q's row
+    stride, k's and v's, the step's kv_len, torch's softmax lanes."""
+    heads, kv_heads, dim, kv_len, lanes = dims[0], dims[1], dims[2], dims[6], dims[7]
     group, size = heads // kv_heads, kc.itemsize
     b, kvh = item // kv_heads, item % kv_heads
     base = _write(b, kvh, step, kc, vc, dims, rows, pos, ring)
     p = pos[b]
     if ring > 0:  # slot i holds the row's latest position = i (mod ring), written if i <= p
-        lo, hi = 0, min(p + 1, ring)
+        lo, hi, keys = 0, min(p + 1, ring), min(kv_len, ring)
     else:
-        lo, hi = (max(0, p - window + 1) if window > 0 else 0), p + 1
+        lo, hi, keys = (max(0, p - window + 1) if window > 0 else 0), p + 1, kv_len
+    # keys: the length of SDPA's key rows (the batch's; a shorter row's last keys masked),
+    # which sets its blocks' lengths, so each key's place in the softmax's vector part or tail
     mine, width = scratch[item], group * dim
     qf, acc, s = mine[:width], mine[width : 2 * width], mine[2 * width : 2 * width + group * BLOCK]
     m, sums = mine[2 * width + group * BLOCK :][:group], mine[mine.shape[0] - group :]
@@ -207,12 +253,13 @@ def _item(item, step, kc, vc, dims, rows, pos, ring, window, scale, scratch):
     first_head = kvh * group
     _widen(_view(step[0] + (b * dims[4] + first_head * dim) * size, width, kc), 0, qf, width)
     for start in range(lo - lo % BLOCK, hi, BLOCK):
-        first, end = max(lo, start), min(hi, start + BLOCK)
-        n, off = end - first, base + first * dim
-        _scores(qf, group, kc, off, n, s, scale, dim)
+        nb = min(BLOCK, keys - start)
+        first, end = max(lo, start) - start, min(hi, start + BLOCK) - start
+        _scores(qf, group, kc, base + (start + first) * dim, end - first, s, first, scale, dim)
+        pa, pz = 0, 0
         for g in range(group):
-            _softmax_block(s, g * BLOCK, n, m, sums, acc, g, dim, size == 2)
-        _weigh(acc, group, s, vc, off, n, dim)
+            pa, pz = _softmax_block(s, g, first, end, nb, lanes, m, sums, acc, dim, size == 2)
+        _weigh(acc, group, s[pa:], vc, base + (start + pa) * dim, pz - pa, dim)
     for g in range(group):
         inverse = np.float32(1.0) / sums[g]
         for d in range(dim):
@@ -250,6 +297,43 @@ def _write_step(step, kc, vc, dims, rows, pos) -> None:
 
 
 numba.config.CACHE_DIR = _previous_cache_dir  # every cached function above is decorated
+
+
+def softmax_lanes() -> int:
+    """The lanes of torch's Vectorized<float> (its softmax's vector part: 16 on its AVX512
+    build, 8 on AVX2), or the target's where torch's build is another (glue.softmax_lanes
+    None: the kernel then keeps its tolerance only)."""
+    return glue.softmax_lanes() or attention_ir.lanes()
+
+
+@functools.cache
+def gives_sdpa_bits(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel's bfloat16 decode attention is torch's SDPA's bit for bit on this
+    machine for this shape. SDPA's bits come from torch's build (its vector exp and lanes,
+    softmax_lanes) and from MKL's bfloat16 GEMM, whose summation order is MKL's choice for the
+    CPU (attention_ir states the one the kernel computes); so it is checked, once per process
+    and shape, on random rows: a batch of two rows of different lengths over more than one
+    softmax block. False where torch's softmax is not reproduced at all (glue.softmax_lanes)."""
+    if glue.softmax_lanes() is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    positions, slots = [BLOCK + 40, 37], BLOCK + 64
+    B, kv_len = len(positions), max(positions) + 1
+
+    def randn(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 2).bfloat16()
+
+    caches = [randn(B, kv_heads, slots, head_dim) for _ in "kv"]
+    q, k, v = randn(B, 1, heads, head_dim), *(randn(B, 1, kv_heads, head_dim) for _ in "kv")
+    host = tuple(cache_array(c) for c in caches)
+    rows, at = np.arange(B), np.array(positions)
+    out = _attend(q, k, v, host, slots, rows, at, kv_len, None, None, threads=1)
+    mask = (torch.arange(kv_len)[None, :] <= torch.tensor(positions)[:, None])[:, None, None]
+    keys, values = (c[:, :, :kv_len] for c in caches)  # k, v written at `positions` by now
+    reference = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=heads != kv_heads
+    )
+    return torch.equal(out, reference.transpose(1, 2))
 
 
 def _np_dtype(dtype: torch.dtype) -> type[np.generic]:
@@ -302,6 +386,12 @@ def decode_attention(
     that many slots (its keys are the ring's written slots), else `window` (None: every
     position) limits each query's keys. `threads` None: torch's intra-op count (the user's
     --threads), the calling thread alone under MIN_PARALLEL_BYTES."""
+    return _attend(q, k, v, caches, slots, rows, positions, kv_len, ring, window, threads)
+
+
+def _attend(q, k, v, caches, slots, rows, positions, kv_len, ring, window, threads):
+    """decode_attention's work (gives_sdpa_bits calls it by this name: a test counting the
+    public function's calls does not see the check's)."""
     B, T, heads, D = q.shape
     kv_heads = k.shape[2]
     if not _fits(q, k, v, caches, slots, rows, positions, kv_len, ring):
@@ -316,7 +406,7 @@ def decode_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, 1, heads, D]
     scale = np.float32(1.0 / math.sqrt(D))  # torch's default SDPA scale
     step = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
-    dims = (heads, kv_heads, D, slots, q_stride, k_stride)
+    dims = (heads, kv_heads, D, slots, q_stride, k_stride, kv_len, softmax_lanes())
     args = (step, *caches, dims, rows, positions, ring or 0, window or 0, scale)
     if threads is None:
         keys = min(kv_len, ring or window or kv_len)

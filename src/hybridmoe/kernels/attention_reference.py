@@ -1,0 +1,132 @@
+"""The decode attention kernel's reference (kernels/numba_attention.py): one query's attention
+over its row of keys, restated in scalar code the way torch's CPU flash attention computes it
+(aten/src/ATen/native/cpu/FlashAttentionKernel.cpp), with its GEMMs' summation orders as
+kernels/attention_ir.py states them. No vectors, no tiles, no skipping: every key of SDPA's row
+is visited, a masked one as a score of -inf. The kernel must give these bits on every machine
+and every instruction path (tests/layers/test_decode_attention.py); where MKL's GEMM sums in the
+stated order, they are SDPA's (numba_attention.gives_sdpa_bits).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from hybridmoe.kernels.numba_cache import cached_njit
+from hybridmoe.kernels.numba_glue import _bits_f32, _fma, _round
+from hybridmoe.kernels.softmax_ir import (
+    _FEXP,
+    _FEXP_A,
+    _FEXP_B,
+    _U20,
+    LN2,
+    LN_FLT_MAX,
+    LN_FLT_MIN,
+    LOG2E,
+)
+
+BLOCK = 512  # torch's kvSplitSize for a decode query
+_FLAGS = dict(nogil=True, fastmath=False)
+_F32 = np.float32
+
+
+@cached_njit(**_FLAGS)
+def exp_u20(x):
+    """torch's Vectorized<float>::exp_u20, one lane."""
+    src = max(min(x, _F32(LN_FLT_MAX)), _F32(LN_FLT_MIN))
+    fx = _F32(math.floor(_fma(src, _F32(LOG2E), _F32(0.5))))
+    r = _fma(-fx, _F32(LN2), src)
+    res = _fma(r, _F32(_U20[0]), _F32(_U20[1]))
+    for c in _U20[2:]:
+        res = _fma(r, res, _F32(c))
+    power = _bits_f32(np.uint32((np.int32(fx - _F32(1)) + 127) << 23))
+    if x < _F32(LN_FLT_MIN):
+        power = _F32(0)
+    return res * power * _F32(2)
+
+
+@cached_njit(**_FLAGS)
+def fexp_u20(x):
+    """torch's Vectorized<float>::fexp_u20, one lane."""
+    if x < _F32(LN_FLT_MIN):
+        return _F32(0)
+    if x > _F32(LN_FLT_MAX):
+        return _F32(np.inf)
+    src = x * _F32(LOG2E)
+    fraction = src - _F32(math.floor(src))
+    res = _fma(fraction, _F32(_FEXP[0]), _F32(_FEXP[1]))
+    res = _fma(fraction, res, _F32(_FEXP[2]))
+    res = _fma(fraction, res, _F32(_FEXP[3]))
+    wide = _fma(_F32(_FEXP_A), src - res, _F32(_FEXP_B))
+    return _bits_f32(np.uint32(np.int32(wide)))
+
+
+@cached_njit(**_FLAGS)
+def _dot(q, k):
+    """q . k in float32: four interleaved partial sums, then (s0 + s2) + (s1 + s3), then the
+    tail dims (attention_ir's qk order)."""
+    dim = q.shape[0]
+    part = np.zeros(4, np.float32)
+    for d in range(dim - dim % 4):
+        part[d % 4] = _fma(q[d], k[d], part[d % 4])
+    total = (part[0] + part[2]) + (part[1] + part[3])
+    for d in range(dim - dim % 4, dim):
+        total = _fma(q[d], k[d], total)
+    return total
+
+
+@cached_njit(**_FLAGS)
+def attend_row(q, keys, values, visible, scale, lanes, bf16):
+    """softmax(q . keys * scale) . values for one query: q [D] float32, keys and values [S, D]
+    float32 (bfloat16 values widened where `bf16`), visible [S] bool (False: masked), scale
+    float32, `lanes` torch's Vectorized<float> lanes; -> float32 [D], before the output's
+    rounding to its dtype."""
+    S, dim = keys.shape
+    top, total = _F32(-np.inf), _F32(0)
+    acc = np.zeros(dim, np.float32)
+    for start in range(0, S, BLOCK):
+        n = min(BLOCK, S - start)
+        whole = n - n % lanes
+        s = np.full(n, -np.inf, np.float32)
+        block_top = _F32(-np.inf)
+        for j in range(n):
+            if visible[start + j]:
+                s[j] = _dot(q, keys[start + j]) * scale
+                block_top = max(block_top, s[j])
+        block_top = max(top, block_top)
+        if block_top == -np.inf:  # torch skips a block no key of which is seen
+            continue
+        lane_sums = np.zeros(lanes, np.float32)
+        for j in range(whole):  # the vector part: torch's vector exp, a sum per lane
+            e = fexp_u20(s[j] - block_top) if bf16 else exp_u20(s[j] - block_top)
+            lane_sums[j % lanes] += e
+            s[j] = e
+        width = lanes
+        while width > 1:  # vec_reduce_all: halves added to halves
+            width //= 2
+            for i in range(width):
+                lane_sums[i] = lane_sums[i] + lane_sums[i + width]
+        block_sum = lane_sums[0]
+        for j in range(whole, n):  # the tail: std::exp
+            e = np.exp(s[j] - block_top)
+            block_sum += e
+            s[j] = e
+        if bf16:
+            for j in range(n):
+                s[j] = _round(s[j])  # torch stores the exps in bfloat16
+        carry = np.exp(top - block_top)
+        total = _fma(carry, total, block_sum)
+        top = block_top
+        for d in range(dim):
+            acc[d] *= carry
+        for g in range(0, n, 4):  # the weighted values: groups of four keys
+            for d in range(dim):
+                t = np.zeros(4, np.float32)
+                for i in range(min(4, n - g)):
+                    t[i] = s[g + i] * values[start + g + i, d]
+                acc[d] = acc[d] + ((t[0] + t[2]) + (t[1] + t[3]))
+    inverse = _F32(1) / total
+    for d in range(dim):
+        acc[d] *= inverse
+    return acc

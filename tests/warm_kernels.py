@@ -61,6 +61,19 @@ def _dense(name: str) -> None:
     dense_linear(fmt, weight_bytes(stored), 8, torch.ones(1, cols))
 
 
+def _attention(dtype: torch.dtype, threads: int) -> None:
+    """The decode attention kernel (serial or on numba's pool) of a bfloat16 or float32 cache."""
+    import numpy as np
+
+    from hybridmoe.kernels import numba_attention
+
+    caches = [torch.zeros(2, 2, 16, 8, dtype=dtype) for _ in "kv"]
+    q, k, v = torch.ones(1, 1, 4, 8, dtype=dtype), *(torch.ones(1, 1, 2, 8, dtype=dtype),) * 2
+    host = tuple(numba_attention.cache_array(c) for c in caches)
+    rows, positions = np.array([0]), np.array([3])
+    numba_attention.decode_attention(q, k, v, host, 16, rows, positions, 4, None, None, threads)
+
+
 def jobs() -> list[tuple]:
     """(function, format name, ...) for every kernel warmed, in a fixed order."""
     out: list[tuple] = [(_fused, name) for name in WEIGHT_FORMATS]
@@ -69,6 +82,11 @@ def jobs() -> list[tuple]:
     out += [(_fused_q8_pair, *pair) for pair in Q8_PAIRS]
     out += [(_dense, name) for name in DENSE_FORMATS if name in WEIGHT_FORMATS]
     out += [(_quantize, n) for n, f in WEIGHT_FORMATS.items() if f.is_quantized and f.can_quantize]
+    out += [
+        (_attention, dtype, threads)
+        for dtype in (torch.bfloat16, torch.float32)
+        for threads in (1, 2)
+    ]
     return out
 
 

@@ -139,7 +139,7 @@ def load_llamacpp(path: Path, threads: int, args):
     except ImportError as exc:
         raise SystemExit(MISSING_LLAMA_CPP) from exc
     model = load_llama_model(ll, path)
-    n_ctx = args.prefill_tokens + args.tokens + 8
+    n_ctx = max(args.prefill_tokens, args.prompt_tokens) + args.tokens + 8  # the longest
     contexts = [LlamaContext(ll, model, threads, 1, n_ctx)]
 
     def make_batched() -> Generate:

@@ -1,6 +1,6 @@
 """LLVM vector code for the decode attention kernel (kernels/numba_attention.py): the scores
-q . k of a tile of query heads against a run of cached keys (in <4 x float> partial sums, two
-keys at a time), and the weighted sum of the run's values into those heads' outputs, over
+q . k of a tile of query heads against a run of cached keys (four keys' <4 x float> partial
+sums in one vector), and the weighted sum of the run's values into those heads' outputs, over
 head_dim in vectors of LANES floats.
 
 LANES is the target's widest float vector (16 with AVX-512, else 8), chosen when numba compiles
@@ -41,7 +41,6 @@ from hybridmoe.kernels.llvm_ir import (
 )
 
 TILES = (4, 2, 1)  # heads per tile
-V4F = vector(F32, 4)
 
 
 def lanes() -> int:
@@ -116,29 +115,32 @@ def _qk_codegen(tile: int, bf16: bool):
             for g in range(tile)
         ]
 
-        def keys(first: ir.Value, count: int) -> None:
-            """The scores of keys first .. first + count - 1 (each head's chains side by side)."""
+        def keys(first: ir.Value, pack: int) -> None:
+            """The scores of keys first .. first + pack - 1: each key's four partial sums in
+            its own four lanes of one <4 pack x float> per head (one FMA feeds `pack` keys)."""
+            width = 4 * pack
+            vec = vector(F32, width)
             k_rows = [
                 builder.gep(
                     k_data, [builder.add(off, builder.mul(builder.add(first, i64(j)), dim))]
                 )
-                for j in range(count)
+                for j in range(pack)
             ]
-            accs = [cgutils.alloca_once(builder, V4F) for _ in range(count * tile)]
+            accs = [cgutils.alloca_once(builder, vec) for _ in range(tile)]
             for acc in accs:
-                builder.store(ir.Constant(V4F, None), acc)
+                builder.store(ir.Constant(vec, None), acc)
             with cgutils.for_range(builder, quads) as quad:
                 at = builder.mul(quad.index, i64(4))
-                qs = [_widen(builder, builder.gep(row, [at]), False, 4) for row in q_rows]
+                kv = _widen_rows(builder, [builder.gep(row, [at]) for row in k_rows], bf16)
+                for q_row, acc in zip(q_rows, accs, strict=True):
+                    qv = _widen(builder, builder.gep(q_row, [at]), False, 4)
+                    qv = builder.shuffle_vector(qv, qv, const_vec(I32, [0, 1, 2, 3] * pack))
+                    builder.store(fma(builder, qv, kv, builder.load(acc)), acc)
+            for q_row, s_row, acc in zip(q_rows, s_rows, accs, strict=True):
+                sums = _quad_sums(builder, builder.load(acc), pack)
                 for j, k_row in enumerate(k_rows):
-                    kv = _widen(builder, builder.gep(k_row, [at]), bf16, 4)
-                    for g, qv in enumerate(qs):
-                        acc = accs[j * tile + g]
-                        builder.store(fma(builder, qv, kv, builder.load(acc)), acc)
-            for j, k_row in enumerate(k_rows):
-                for g, (q_row, s_row) in enumerate(zip(q_rows, s_rows, strict=True)):
                     total = cgutils.alloca_once(builder, F32)
-                    builder.store(_quad_sum(builder, builder.load(accs[j * tile + g])), total)
+                    builder.store(builder.extract_element(sums, ir.Constant(I32, 4 * j)), total)
                     with cgutils.for_range(builder, builder.sub(dim, tail_start)) as rest:
                         at = builder.add(tail_start, rest.index)
                         kx = _widen(builder, builder.gep(k_row, [at]), bf16, 1)
@@ -147,26 +149,45 @@ def _qk_codegen(tile: int, bf16: bool):
                     score = builder.fmul(builder.load(total), scale)
                     builder.store(score, builder.gep(s_row, [builder.add(first, i64(j))]))
 
-        pairs = builder.udiv(n, i64(2))
-        with cgutils.for_range(builder, pairs) as pair:
-            keys(builder.mul(pair.index, i64(2)), 2)
-        with builder.if_then(builder.icmp_unsigned("!=", builder.urem(n, i64(2)), i64(0))):
-            keys(builder.sub(n, i64(1)), 1)
+        fours = builder.udiv(n, i64(4))
+        with cgutils.for_range(builder, fours) as four:
+            keys(builder.mul(four.index, i64(4)), 4)
+        with cgutils.for_range(builder, builder.urem(n, i64(4))) as rest:
+            keys(builder.add(builder.mul(fours, i64(4)), rest.index), 1)
         return context.get_dummy_value()
 
     return codegen
 
 
-def _quad_sum(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
-    """(a0 + a2) + (a1 + a3) of a <4 x float>: the order of torch's bfloat16 GEMM (MKL's) for
-    a score's four interleaved partial sums."""
-    lo = builder.shuffle_vector(acc, acc, const_vec(I32, [0, 1]))
-    hi = builder.shuffle_vector(acc, acc, const_vec(I32, [2, 3]))
-    pair = builder.fadd(lo, hi)
-    return builder.fadd(
-        builder.extract_element(pair, ir.Constant(I32, 0)),
-        builder.extract_element(pair, ir.Constant(I32, 1)),
+def _quad_sums(builder: ir.IRBuilder, acc: ir.Value, pack: int) -> ir.Value:
+    """Lane 4j of the result: (a0 + a2) + (a1 + a3) of acc's lanes 4j .. 4j + 3, j < pack: the
+    order of torch's bfloat16 GEMM (MKL's) for a score's four interleaved partial sums."""
+    swap_halves = [4 * j + i for j in range(pack) for i in (2, 3, 0, 1)]
+    pairs = builder.fadd(acc, builder.shuffle_vector(acc, acc, const_vec(I32, swap_halves)))
+    swap_lanes = [4 * j + i for j in range(pack) for i in (1, 0, 3, 2)]
+    return builder.fadd(pairs, builder.shuffle_vector(pairs, pairs, const_vec(I32, swap_lanes)))
+
+
+def _widen_rows(builder: ir.IRBuilder, ptrs: list[ir.Value], bf16: bool) -> ir.Value:
+    """<4 len(ptrs) x float>: the 4 elements at each element pointer, side by side (bfloat16
+    bits widened exactly)."""
+    count = 4 * len(ptrs)
+    elem = I16 if bf16 else F32
+    parts = [builder.load(builder.bitcast(p, vector(elem, 4).as_pointer()), align=2) for p in ptrs]
+    while len(parts) > 1:  # concatenate pairwise: 4 -> 8 -> 16 lanes
+        width = 2 * parts[0].type.count
+        joined = const_vec(I32, list(range(width)))
+        parts = [
+            builder.shuffle_vector(a, b, joined)
+            for a, b in zip(parts[::2], parts[1::2], strict=True)
+        ]
+    raw = parts[0]
+    if not bf16:
+        return raw
+    wide = builder.shl(
+        builder.zext(raw, vector(I32, count)), ir.Constant(vector(I32, count), [16] * count)
     )
+    return builder.bitcast(wide, vector(F32, count))
 
 
 @intrinsic

@@ -15,9 +15,11 @@ exact in float32, so only the order of the additions matters.
     added as (s0 + s2) + (s1 + s3), then the tail dims (head_dim % 4) one by one; the sum is
     multiplied by `scale`.
   pv_tile: over the keys in groups of four counted from the run's first (a softmax block's
-    first key), each group's products added as (t0 + t2) + (t1 + t3) (a group's missing keys
-    are 0), then the group's sum added to out[d]; every dim alike.
-A tile of 4, 2 or 1 heads (a compile-time literal) shares each key's or value's loads; its
+    first key), each group's products added as (t0 + t2) + (t1 + t3), then the group's sum
+    added to out[d]; the last n % 4 keys (a block's last) added to out[d] one by one, the
+    last first; every dim alike. t0 + t2 and t1 + t3 are fused multiply-adds: for exact
+    (bfloat16) products the same bits.
+A tile of 8, 4, 2 or 1 heads (a compile-time literal) shares each key's or value's loads; its
 results do not depend on the tile (each head's sum is its own chain), so neither on the
 grouped-query ratio's split into tiles.
 """
@@ -40,7 +42,7 @@ from hybridmoe.kernels.llvm_ir import (
     vector,
 )
 
-TILES = (4, 2, 1)  # heads per tile
+TILES = (8, 4, 2, 1)  # heads per tile
 
 
 def lanes() -> int:
@@ -218,7 +220,6 @@ def _pv_codegen(tile: int, width: int, bf16: bool):
         v_first = builder.gep(v_data, [off])
         chunks = builder.udiv(dim, i64(width))
         tail_start = builder.mul(chunks, i64(width))
-        groups = builder.udiv(builder.add(n, i64(3)), i64(4))
 
         def dims(at: ir.Value, count: int) -> None:
             """acc[.., at : at + count] += each group's (t0 + t2) + (t1 + t3), t_i = p_i v_i."""
@@ -229,25 +230,36 @@ def _pv_codegen(tile: int, width: int, bf16: bool):
             sums = [cgutils.alloca_once(builder, ty) for _ in range(tile)]
             for slot, total in zip(slots, sums, strict=True):
                 builder.store(builder.load(slot, align=4), total)
-            with cgutils.for_range(builder, groups) as group:
-                first = builder.mul(group.index, i64(4))
-                terms = [[] for _ in range(tile)]
+
+            def group_of_four(first: ir.Value) -> None:
+                """Keys first .. first + 3: (t0 + t2) + (t1 + t3), t_i = w_i v_i, t0 + t2 as
+                fma(w0, v0, t2) (one rounding, fadd's where the products are exact)."""
+                values, weights = [], [[] for _ in range(tile)]
                 for i in range(4):
                     key = builder.add(first, i64(i))
-                    present = builder.icmp_signed("<", key, n)
-                    safe = builder.select(present, key, first)  # a group's missing keys: 0
-                    v_row = builder.gep(v_first, [builder.add(builder.mul(safe, dim), at)])
-                    vv = _widen(builder, v_row, bf16, count)
+                    v_row = builder.gep(v_first, [builder.add(builder.mul(key, dim), at)])
+                    values.append(_widen(builder, v_row, bf16, count))
                     for g, p_row in enumerate(p_rows):
-                        weight = builder.load(builder.gep(p_row, [safe]))
-                        weight = builder.select(present, weight, ir.Constant(F32, 0.0))
-                        if count > 1:
-                            weight = splat(builder, weight, count)
-                        terms[g].append(builder.fmul(weight, vv))
-                for g, total in enumerate(sums):
-                    t = terms[g]
-                    part = builder.fadd(builder.fadd(t[0], t[2]), builder.fadd(t[1], t[3]))
-                    builder.store(builder.fadd(builder.load(total), part), total)
+                        weight = builder.load(builder.gep(p_row, [key]))
+                        weights[g].append(splat(builder, weight, count) if count > 1 else weight)
+                for w, total in zip(weights, sums, strict=True):
+                    even = fma(builder, w[0], values[0], builder.fmul(w[2], values[2]))
+                    odd = fma(builder, w[1], values[1], builder.fmul(w[3], values[3]))
+                    builder.store(builder.fadd(builder.load(total), builder.fadd(even, odd)), total)
+
+            full = builder.udiv(n, i64(4))
+            with cgutils.for_range(builder, full) as group:
+                group_of_four(builder.mul(group.index, i64(4)))
+            loose = builder.urem(n, i64(4))
+            with cgutils.for_range(builder, loose) as back:  # the last keys, last first
+                key = builder.sub(builder.sub(n, i64(1)), back.index)
+                v_row = builder.gep(v_first, [builder.add(builder.mul(key, dim), at)])
+                value = _widen(builder, v_row, bf16, count)
+                for p_row, total in zip(p_rows, sums, strict=True):
+                    weight = builder.load(builder.gep(p_row, [key]))
+                    weight = splat(builder, weight, count) if count > 1 else weight
+                    term = builder.fmul(weight, value)
+                    builder.store(builder.fadd(builder.load(total), term), total)
             for slot, total in zip(slots, sums, strict=True):
                 builder.store(builder.load(total), slot, align=4)
 

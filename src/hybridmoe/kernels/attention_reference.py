@@ -63,9 +63,9 @@ def fexp_u20(x):
 
 
 @cached_njit(**_FLAGS)
-def _dot(q, k):
+def dot(q, k):
     """q . k in float32: four interleaved partial sums, then (s0 + s2) + (s1 + s3), then the
-    tail dims (attention_ir's qk order)."""
+    tail dims (attention_ir's qk order, MKL's bfloat16 GEMM's for one score)."""
     dim = q.shape[0]
     part = np.zeros(4, np.float32)
     for d in range(dim - dim % 4):
@@ -77,56 +77,85 @@ def _dot(q, k):
 
 
 @cached_njit(**_FLAGS)
+def weigh(acc, weights, values):
+    """acc [D] += Σ_j weights[j] values[j] in attention_ir's pv order (MKL's bfloat16 GEMM's
+    with beta = 1): groups of four keys, (t0 + t2) + (t1 + t3) each, then the last n % 4 keys
+    one by one, the last first; values [n, D] float32."""
+    n, dim = values.shape
+    full = n - n % 4
+    for g in range(0, full, 4):
+        for d in range(dim):
+            w, v = weights[g : g + 4], values[g : g + 4, d]
+            even, odd = _fma(w[0], v[0], w[2] * v[2]), _fma(w[1], v[1], w[3] * v[3])
+            acc[d] = acc[d] + (even + odd)
+    for j in range(n - 1, full - 1, -1):
+        for d in range(dim):
+            acc[d] = acc[d] + weights[j] * values[j, d]
+
+
+@cached_njit(**_FLAGS)
+def exps(s, top, lanes, bf16):
+    """torch's _exp_reduce_sum_fusion_kernel over one block's scores s [n] (in place: the
+    exps, rounded to bfloat16 values where `bf16`) -> their float32 sum."""
+    n = s.shape[0]
+    whole = n - n % lanes
+    # the vector part: torch's vector exp, summed per lane in its loops' vectors: in
+    # bfloat16 (a bfloat16 vector is two float vectors) two over whole pairs of chunks, a
+    # third over a last single chunk; then the first + the third + the second
+    group = 2 if bf16 else 1
+    paired = n - n % (group * lanes)
+    sums = np.zeros((3, lanes), np.float32)
+    for j in range(whole):
+        e = fexp_u20(s[j] - top) if bf16 else exp_u20(s[j] - top)
+        sums[2 if j >= paired else (j // lanes) % group, j % lanes] += e
+        s[j] = e
+    lane_sums = np.zeros(lanes, np.float32)
+    for i in range(lanes):
+        lane_sums[i] = (sums[0, i] + sums[2, i]) + sums[1, i]
+    width = lanes
+    while width > 1:  # vec_reduce_all: halves added to halves
+        width //= 2
+        for i in range(width):
+            lane_sums[i] = lane_sums[i] + lane_sums[i + width]
+    total = lane_sums[0]
+    for j in range(whole, n):  # the tail: std::exp
+        e = np.exp(s[j] - top)
+        total += e
+        s[j] = e
+    if bf16:
+        for j in range(n):
+            s[j] = _round(s[j])  # torch stores the exps in bfloat16
+    return total
+
+
+@cached_njit(**_FLAGS)
 def attend_row(q, keys, values, visible, scale, lanes, bf16):
     """softmax(q . keys * scale) . values for one query: q [D] float32, keys and values [S, D]
     float32 (bfloat16 values widened where `bf16`), visible [S] bool (False: masked), scale
-    float32, `lanes` torch's Vectorized<float> lanes; -> float32 [D], before the output's
-    rounding to its dtype."""
+    float32, `lanes` torch's Vectorized<float> lanes -> (float32 [D] before the output's
+    rounding to its dtype, the softmax's max, its sum: SDPA's logsumexp is max + log(sum))."""
     S, dim = keys.shape
     top, total = _F32(-np.inf), _F32(0)
     acc = np.zeros(dim, np.float32)
     for start in range(0, S, BLOCK):
         n = min(BLOCK, S - start)
-        whole = n - n % lanes
         s = np.full(n, -np.inf, np.float32)
         block_top = _F32(-np.inf)
         for j in range(n):
             if visible[start + j]:
-                s[j] = _dot(q, keys[start + j]) * scale
+                s[j] = dot(q, keys[start + j]) * scale
                 block_top = max(block_top, s[j])
         block_top = max(top, block_top)
         if block_top == -np.inf:  # torch skips a block no key of which is seen
             continue
-        lane_sums = np.zeros(lanes, np.float32)
-        for j in range(whole):  # the vector part: torch's vector exp, a sum per lane
-            e = fexp_u20(s[j] - block_top) if bf16 else exp_u20(s[j] - block_top)
-            lane_sums[j % lanes] += e
-            s[j] = e
-        width = lanes
-        while width > 1:  # vec_reduce_all: halves added to halves
-            width //= 2
-            for i in range(width):
-                lane_sums[i] = lane_sums[i] + lane_sums[i + width]
-        block_sum = lane_sums[0]
-        for j in range(whole, n):  # the tail: std::exp
-            e = np.exp(s[j] - block_top)
-            block_sum += e
-            s[j] = e
-        if bf16:
-            for j in range(n):
-                s[j] = _round(s[j])  # torch stores the exps in bfloat16
+        block_sum = exps(s, block_top, lanes, bf16)
         carry = np.exp(top - block_top)
-        total = _fma(carry, total, block_sum)
+        total = _fma(carry, total, block_sum)  # torch's `sum + carry * old`, contracted
         top = block_top
         for d in range(dim):
             acc[d] *= carry
-        for g in range(0, n, 4):  # the weighted values: groups of four keys
-            for d in range(dim):
-                t = np.zeros(4, np.float32)
-                for i in range(min(4, n - g)):
-                    t[i] = s[g + i] * values[start + g + i, d]
-                acc[d] = acc[d] + ((t[0] + t[2]) + (t[1] + t[3]))
+        weigh(acc, s, values[start : start + n])
     inverse = _F32(1) / total
     for d in range(dim):
         acc[d] *= inverse
-    return acc
+    return acc, top, total

@@ -67,7 +67,7 @@ MIN_PARALLEL_BYTES = 1 << 20
 # FMAs); numpy's error model: no zero-division checks
 _FLAGS = dict(nogil=True, error_model="numpy", fastmath=False)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-assert TILES == (4, 2, 1)  # _tiles below walks them in this order
+assert TILES == (8, 4, 2, 1)  # _scores and _weigh walk them in this order
 
 # the kernels are cached in a directory named by a hash of every source they compile from
 _previous_cache_dir = numba.config.CACHE_DIR
@@ -83,7 +83,10 @@ def _scores(qf, group, kc, off, n, s, s_off, scale, dim):
     """s[g * BLOCK + s_off + j] = (qf's head g . key j of the run at kc[off:]) * scale, j < n,
     g < group."""
     g = 0
-    while g + 4 <= group:
+    while g + 8 <= group:
+        qk_tile(8, qf, g, kc, off, n, s, BLOCK, s_off, scale, dim)
+        g += 8
+    if g + 4 <= group:
         qk_tile(4, qf, g, kc, off, n, s, BLOCK, s_off, scale, dim)
         g += 4
     if g + 2 <= group:
@@ -98,7 +101,10 @@ def _weigh(acc, group, p, vc, off, n, dim):
     """acc's head g += the run's values at vc[off:] weighted by p[g * BLOCK:][:n], g < group,
     in groups of four keys from the run's first."""
     g = 0
-    while g + 4 <= group:
+    while g + 8 <= group:
+        pv_tile(8, acc, g, p, BLOCK, vc, off, n, dim)
+        g += 8
+    if g + 4 <= group:
         pv_tile(4, acc, g, p, BLOCK, vc, off, n, dim)
         g += 4
     if g + 2 <= group:
@@ -157,17 +163,17 @@ def _narrow_overload(src, n, dst, at):
 
 
 @cached_njit(inline="always", **_FLAGS)
-def _exps(s, base, start, stop, whole, top, lanes, bf16):
+def _exps(s, base, start, stop, nb, top, lanes, bf16):
     """exp_block with the literal of torch's `lanes` and the dtype."""
     if lanes == 16:
         return (
-            exp_block(s, base, start, stop, whole, top, 17)
+            exp_block(s, base, start, stop, nb, top, 17)
             if bf16
-            else exp_block(s, base, start, stop, whole, top, 16)
+            else exp_block(s, base, start, stop, nb, top, 16)
         )
     if bf16:
-        return exp_block(s, base, start, stop, whole, top, 9)
-    return exp_block(s, base, start, stop, whole, top, 8)
+        return exp_block(s, base, start, stop, nb, top, 9)
+    return exp_block(s, base, start, stop, nb, top, 8)
 
 
 @cached_njit(inline="always", **_FLAGS)
@@ -186,7 +192,7 @@ def _softmax_block(s, g, first, end, nb, lanes, m, sums, acc, dim, bf16):
         s[base + i] = -np.inf  # masked: an exp of 0
     for i in range(end, stop):
         s[base + i] = -np.inf
-    total = _exps(s, base, start, stop, whole, top, lanes, bf16)
+    total = _exps(s, base, start, stop, nb, top, lanes, bf16)
     carry = np.exp(m[g] - top)  # libm's expf, torch's std::exp; 0 on the first block
     sums[g] = _fma(carry, sums[g], total)  # torch's `tmp_sum + exp_tmp * sum`, contracted
     m[g] = top
@@ -312,13 +318,24 @@ def gives_sdpa_bits(heads: int, kv_heads: int, head_dim: int) -> bool:
     machine for this shape. SDPA's bits come from torch's build (its vector exp and lanes,
     softmax_lanes) and from MKL's bfloat16 GEMM, whose summation order is MKL's choice for the
     CPU (attention_ir states the one the kernel computes); so it is checked, once per process
-    and shape, on random rows: a batch of two rows of different lengths over more than one
-    softmax block. False where torch's softmax is not reproduced at all (glue.softmax_lanes)."""
+    and shape, on random rows: a batch of rows of different lengths over more than one
+    softmax block, and a row whose last block is short. False where torch's softmax is not
+    reproduced at all (glue.softmax_lanes)."""
     if glue.softmax_lanes() is None:
         return False
     gen = torch.Generator().manual_seed(0)
-    positions, slots = [BLOCK + 40, 37], BLOCK + 64
+    # two steps: a batch whose rows end in another block, mid-group (559 keys: a block of
+    # 512, then 47), and one row of 531 keys (a last block of 19: a lone vector chunk)
+    return all(
+        _matches_sdpa(positions, heads, kv_heads, head_dim, gen)
+        for positions in ([BLOCK + 46, 129, 37], [BLOCK + 18])
+    )
+
+
+def _matches_sdpa(positions, heads, kv_heads, head_dim, gen) -> bool:
+    """The kernel's bfloat16 step of random rows at `positions` equals SDPA's bit for bit."""
     B, kv_len = len(positions), max(positions) + 1
+    slots = kv_len + 5
 
     def randn(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * 2).bfloat16()

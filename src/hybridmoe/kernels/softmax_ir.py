@@ -4,11 +4,14 @@ torch's CPU flash attention computes it (aten/src/ATen/native/cpu/FlashAttention
 blocks of float32 scores, with `lanes` the float32 lanes of torch's Vectorized<float> (16 on
 its AVX512 build, 8 on AVX2; kernels/glue.softmax_lanes):
 
-- the block's first `whole` = n - n % lanes scores are its vector part: score i goes to lane
-  i % lanes; exp by torch's vector exp, `fexp_u20` for a bfloat16 attention (a degree-3
-  polynomial of 2^x's fraction, built into the exponent bits; within one bfloat16 ulp) and
-  `exp_u20` for float32 (Cephes' reduction, a degree-5 polynomial); each lane sums its
-  exps in index order, then the lanes add by vec_reduce_all's tree (llvm_ir.pairwise_sum);
+- the block's first `whole` = n - n % lanes scores are its vector part, exp by torch's vector
+  exp, `fexp_u20` for a bfloat16 attention (a degree-3 polynomial of 2^x's fraction, built
+  into the exponent bits; within one bfloat16 ulp) and `exp_u20` for float32 (Cephes'
+  reduction, a degree-5 polynomial), summed per lane as torch's loops do: in float32 one
+  vector of sums over chunks of `lanes` scores; in bfloat16 the first loop steps by two
+  float vectors (one bfloat16 vector) to n - n % (2 lanes), a sum vector for each half, and
+  a last single chunk, if any, has a third; then the first + the third + the second, lane by
+  lane, and the lanes add by vec_reduce_all's tree (llvm_ir.pairwise_sum);
 - the last n % scores are its tail: exp by libm's expf (std::exp), added one by one after;
 - each exp is stored in place of its score, rounded to a bfloat16 value for a bfloat16
   attention (torch stores them in a bfloat16 buffer), the sum is of the unrounded ones.
@@ -183,17 +186,22 @@ def _tree_max(builder: ir.IRBuilder, vec: ir.Value, width: int) -> ir.Value:
 def _exp_codegen(width: int, bf16: bool):
     """exp_block for torch's `width` lanes; fexp_u20 and bfloat16 stores where `bf16`."""
     vec_exp = fexp_u20_ir if bf16 else exp_u20_ir
+    # torch's first loop steps by a vector of the output dtype: 2 float vectors for bfloat16
+    group = 2 if bf16 else 1
 
     def store(builder, value, ptr):
         builder.store(round_bf16_ir(builder, value) if bf16 else value, ptr, align=4)
 
     def codegen(context, builder, sig, args):
         s, _, _, _, _, top, _ = args
-        base, start, stop, whole = int_args(context, builder, sig, args, "-iiii--")
+        base, start, stop, n = int_args(context, builder, sig, args, "-iiii--")
         data = builder.gep(array_data(context, builder, sig.args[0], s), [base])
         vec = vector(F32, width)
-        lanes = cgutils.alloca_once(builder, vec)
-        builder.store(ir.Constant(vec, None), lanes)
+        whole = builder.sub(n, builder.urem(n, i64(width)))  # the vector part's end
+        paired = builder.sub(n, builder.urem(n, i64(width * group)))  # the first loop's end
+        sums = [cgutils.alloca_once(builder, vec) for _ in range(3)]  # a0, a1, the loose one
+        for acc in sums:
+            builder.store(ir.Constant(vec, None), acc)
         vector_end = builder.select(builder.icmp_signed("<", stop, whole), stop, whole)
         chunks = builder.sdiv(builder.sub(vector_end, start), i64(width))
         tops = splat(builder, top, width)
@@ -204,9 +212,16 @@ def _exp_codegen(width: int, bf16: bool):
             ptr = builder.bitcast(builder.gep(data, [at]), vec.as_pointer())
             e = vec_exp(builder, builder.fsub(builder.load(ptr, align=4), tops))
             store(builder, e, ptr)
-            builder.store(builder.fadd(builder.load(lanes), e), lanes)
+            second = builder.icmp_unsigned(
+                "!=", builder.urem(builder.udiv(at, i64(width)), i64(group)), i64(0)
+            )
+            acc = builder.select(second, sums[1], sums[0])
+            acc = builder.select(builder.icmp_signed(">=", at, paired), sums[2], acc)
+            builder.store(builder.fadd(builder.load(acc), e), acc)
+        first, second, loose = (builder.load(acc) for acc in sums)
+        lanes = builder.fadd(builder.fadd(first, loose), second)
         total = cgutils.alloca_once(builder, F32)
-        builder.store(pairwise_sum(builder, builder.load(lanes), width), total)
+        builder.store(pairwise_sum(builder, lanes, width), total)
         tail_start = builder.select(builder.icmp_signed(">", start, whole), start, whole)
         tail = builder.sub(stop, tail_start)
         with cgutils.for_range(
@@ -232,18 +247,18 @@ def block_max(typingctx, s, first, n, init):
 
 
 @intrinsic
-def exp_block(typingctx, s, base, start, stop, whole, top, mode):
+def exp_block(typingctx, s, base, start, stop, n, top, mode):
     """The exps of a block's scores s[base + i], start <= i < stop, minus `top`, and their
-    sum, as torch's _exp_reduce_sum_fusion_kernel computes them for a block whose vector part
-    is i < `whole` (a multiple of the lanes; `start` one too where it is below `whole`, and
-    `stop` one where it is): `mode` (a literal of MODES) is torch's lanes, + 1 for a
-    bfloat16 attention (fexp_u20, the exps stored rounded to bfloat16 values), else exp_u20.
-    Each exp replaces its score; returns the float32 sum (lanes, their tree, then the tail
-    in order). A score of -inf gives an exp of 0 (a masked key: it adds nothing)."""
+    sum, as torch's _exp_reduce_sum_fusion_kernel computes them for a block of n scores
+    (`start` a multiple of the lanes where it is in the block's vector part, `stop` one where
+    it is): `mode` (a literal of MODES) is torch's lanes, + 1 for a bfloat16 attention
+    (fexp_u20, the exps stored rounded to bfloat16 values), else exp_u20. Each exp replaces
+    its score; returns the float32 sum. A score of -inf gives an exp of 0 (a masked key: it
+    adds nothing)."""
     if not (isinstance(mode, types.IntegerLiteral) and mode.literal_value in MODES):
         return None
     if not (isinstance(s, types.Array) and s.dtype == types.float32 and top == types.float32):
         return None
     value = mode.literal_value
-    sig = types.float32(s, base, start, stop, whole, top, mode)
+    sig = types.float32(s, base, start, stop, n, top, mode)
     return sig, _exp_codegen(value & ~1, bool(value & 1))

@@ -405,3 +405,26 @@ def test_every_instruction_path_matches_sdpa(path: str) -> None:
     assert info["fma"] == (path != "portable")
     assert info["exact"] or not info["sdpa_bits"]
     assert info["reference_mismatches"] == 0
+
+
+def test_the_bits_sweep_counts_what_differs(monkeypatch, capsys) -> None:
+    """scripts/attention_bits_sweep.py: 0 (none differs) where the kernel reproduces SDPA, 1
+    with each step's output one bfloat16 step off in one element, naming the steps."""
+    import importlib.util
+
+    path = Path(__file__).parents[2] / "scripts" / "attention_bits_sweep.py"
+    spec = importlib.util.spec_from_file_location("attention_bits_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    if numba_attention.gives_sdpa_bits(8, 2, 64):
+        assert sweep.main(["--seconds", "1", "--max-keys", "600"]) == 0
+    real = numba_attention.decode_attention
+
+    def one_step_off(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out.view(torch.int16).reshape(-1)[0] += 1
+        return out
+
+    monkeypatch.setattr(numba_attention, "decode_attention", one_step_off)
+    assert sweep.main(["--seconds", "0.5", "--max-keys", "600"]) == 1
+    assert "differs: {'heads'" in capsys.readouterr().out

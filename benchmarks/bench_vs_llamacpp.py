@@ -83,9 +83,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4, help="aggregate decode; 1: skip it")
     parser.add_argument(
         "--activation-quant",
-        choices=("none", "q8"),
-        default="none",
-        help="hybridmoe's --activation-quant (q8: integer dots for q8_0, q4_0, q2_k ... q6_k)",
+        choices=("auto", "none", "q8"),
+        default="auto",
+        help="hybridmoe's --activation-quant (q8, and auto's choice for these formats: integer "
+        "dots for q8_0, q4_0, q2_k ... q6_k; none: float activations)",
     )
     parser.add_argument(
         "--attention-kernel",

@@ -90,12 +90,13 @@ def _peak_rss_mib() -> float:
 
 
 def hybridmoe_config(
-    threads: int, batch: int, activation_quant: str = "none", attention_kernel: str = "auto"
+    threads: int, batch: int, activation_quant: str = "auto", attention_kernel: str = "auto"
 ):
     """The EngineConfig the bench runs hybridmoe with: `--decode-target cpu`, bf16, no prefix
     cache (llama.cpp's KV is cleared before every request, so each prefills it all); nothing
     about the file's expert format (a GGUF's experts stay in its types); `activation_quant`
-    as --activation-quant (q8: int8-block experts by integer dots, as llama.cpp computes),
+    as --activation-quant (auto, hybridmoe's default, and q8: experts with integer blocks by
+    integer dots, as llama.cpp computes; none: float activations),
     `attention_kernel` as --attention-kernel (auto, on, off: when the numba decode attention
     runs instead of SDPA)."""
     from hybridmoe.engine import EngineConfig
@@ -273,7 +274,7 @@ def parse_worker_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("gguf", type=Path)
     for flag in ("--threads", "--tokens", "--prompt-tokens", "--batch", "--prefill-tokens"):
         parser.add_argument(flag, type=int, required=True)
-    parser.add_argument("--activation-quant", choices=("none", "q8"), default="none")
+    parser.add_argument("--activation-quant", choices=("auto", "none", "q8"), default="auto")
     parser.add_argument("--attention-kernel", default="auto")
     return parser.parse_args(argv)
 

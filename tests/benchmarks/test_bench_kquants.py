@@ -107,7 +107,9 @@ def _dequantised_checkpoint(files, fmt: str, out: Path) -> Path:
 
 
 def _logits(path: Path, prompt: list[int]) -> torch.Tensor:
-    config = EngineConfig(dtype="float32", offload=OffloadConfig(decode_target="cpu"))
+    """Float activations: the float checkpoint's arithmetic (the default is q8 for k-quants)."""
+    offload = OffloadConfig(decode_target="cpu", activation_quant="none")
+    config = EngineConfig(dtype="float32", offload=offload)
     with Engine.from_pretrained(path, config) as engine:
         return engine.model.logits(prompt).float()  # [T, V]
 

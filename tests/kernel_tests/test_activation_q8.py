@@ -20,7 +20,13 @@ import torch
 
 from hybridmoe.kernels.torch_moe import gathered_moe
 from hybridmoe.moe.cpu_experts import FUSED_MAX_TOKENS, bank_moe, fused_cpu_moe
-from hybridmoe.quant.activation_q8 import LANES, q8_bmm, q8_linear, quantize_activations
+from hybridmoe.quant.activation_q8 import (
+    LANES,
+    q8_bmm,
+    q8_linear,
+    quantize_activations,
+    resolve,
+)
 from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.formats import weight_format
 from hybridmoe.quant.random_blocks import random_stored
@@ -166,6 +172,24 @@ def test_mixed_kinds_are_refused() -> None:
         ExpertBank(gate_up, down, Q8_0, down_fmt=q5_1, activation_quant="q8")
     with pytest.raises(ValueError, match="activation_quant must be one of"):
         ExpertBank(gate_up, Q8_0.quantize(torch.zeros(1, 256, 256)), Q8_0, activation_quant="q4")
+    with pytest.raises(ValueError, match="activation_quant must be one of none, q8"):
+        ExpertBank(gate_up, down, Q8_0, down_fmt=q5_1, activation_quant="auto")  # resolved first
+
+
+@pytest.mark.parametrize(
+    ("names", "chosen"),
+    [(("q8_0", "q8_0"), "q8"), (("q4_0", "q8_0"), "q8"), (("q4_k", "q6_k"), "q8"),
+     (("q5_k", "q8_0"), "q8"), (("q2_k", "q3_k"), "q8"), (("q8_0", "q5_1"), "none"),
+     (("q4_1", "q4_1"), "none"), (("mxfp4", "mxfp4"), "none"), (("bf16", "bf16"), "none"),
+     (("f32", "f32"), "none")],
+)  # fmt: skip
+def test_auto_takes_q8_where_every_format_has_integer_dots(names, chosen) -> None:
+    """OffloadConfig's default, auto: q8 for a layer whose experts all have integer dots (as
+    llama.cpp computes them), none for floats, the other quantised formats and a mix; an
+    explicit choice stays."""
+    formats = tuple(weight_format(n) for n in names)
+    assert resolve("auto", formats) == chosen
+    assert resolve("none", formats) == "none" and resolve("q8", formats) == "q8"
 
 
 # k-quants with integer super-blocks (q2_k ... q6_k): 3 super-blocks a gate/up row, 1 a

@@ -90,7 +90,8 @@ def test_banks_hold_each_layers_file_types(mixed) -> None:
 @pytest.mark.parametrize("target", list(DECODE_TARGETS))
 def test_mixed_gguf_greedy_matches_transformers(mixed, target: str) -> None:
     gguf_path, tokens, reference_logits, _ = mixed
-    offload = OffloadConfig(decode_target=target)
+    offload = OffloadConfig(decode_target=target, activation_quant="none")  # transformers'
+
     with Engine.from_pretrained(gguf_path, EngineConfig(dtype="float32", offload=offload)) as e:
         [ours] = e.generate_ids([PROMPT_IDS], GREEDY)
         logits = e.model.logits(PROMPT_IDS + tokens[:-1])
@@ -105,7 +106,7 @@ def test_mixed_gguf_greedy_matches_transformers(mixed, target: str) -> None:
 def test_mixed_gguf_small_caches_share_slots_between_formats(mixed, target: dict) -> None:
     """Slots too few for one layer's experts: each is refilled by either layer, in its types."""
     gguf_path, tokens, _, _ = mixed
-    offload = OffloadConfig(**target)
+    offload = OffloadConfig(activation_quant="none", **target)
     with Engine.from_pretrained(gguf_path, EngineConfig(dtype="float32", offload=offload)) as e:
         [ours] = e.generate_ids([PROMPT_IDS], GREEDY)
         assert e.moe_runtime.cache.total_stats().evictions > 0
@@ -123,15 +124,15 @@ def test_gate_and_up_of_different_types_are_refused(tmp_path: Path) -> None:
     assert "'blk.0.ffn_gate_exps.weight' is Q4_K but 'blk.0.ffn_up_exps.weight' is Q5_K" in message
 
 
-def test_mixed_gguf_q8_activations_give_one_set_of_tokens(mixed) -> None:
-    """activation_quant q8 on each file (integer super-blocks of every k-quant, two types in a
-    layer): every decode target gives the resident target's tokens (bank_moe, the contract's
-    torch reference), the banks really compute with q8, and its logits stay within q8's
-    error of transformers' float ones."""
+def test_mixed_gguf_default_q8_activations_give_one_set_of_tokens(mixed) -> None:
+    """With no flags (activation_quant auto) each file computes by the q8 contract (integer
+    super-blocks of every k-quant, two types in a layer): every decode target gives the
+    resident target's tokens (bank_moe, the contract's torch reference), the banks really
+    compute with q8, and its logits stay within q8's error of transformers' float ones."""
     gguf_path, _, reference_logits, _ = mixed
 
     def run(**target) -> tuple[list[int], torch.Tensor]:
-        offload = OffloadConfig(activation_quant="q8", **target)
+        offload = OffloadConfig(**target)
         config = EngineConfig(dtype="float32", offload=offload)
         with Engine.from_pretrained(gguf_path, config) as engine:
             assert all(bank.q8_activations for bank in engine.moe_runtime.banks)

@@ -93,8 +93,10 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     )
 
 
-def _engine(path: Path, target: str) -> Engine:
-    offload = OffloadConfig(decode_target=target)
+def _engine(path: Path, target: str, activation_quant: str = "none") -> Engine:
+    """Float activations by default here: transformers computes the dequantised model so (the
+    default, q8 for q8_0/q4_0 experts, has its own test below)."""
+    offload = OffloadConfig(decode_target=target, activation_quant=activation_quant)
     return Engine.from_pretrained(path, EngineConfig(dtype="float32", offload=offload))
 
 
@@ -123,3 +125,20 @@ def test_gguf_experts_stay_in_the_files_format(case: Case) -> None:
     for layer in model.moe_layers:
         bank = layer.experts.store
         assert bank.fmt is WEIGHT_FORMATS[type_name.lower()]
+
+
+@pytest.mark.parametrize("target", list(DECODE_TARGETS))
+def test_gguf_default_activations(case: Case, target: str) -> None:
+    """With no flags a file's q8_0/q4_0 experts compute by the q8 contract (llama.cpp's
+    arithmetic), its other types on float activations; every target gives the resident
+    target's tokens and logits (bank_moe: the contract's torch reference, or the float one)."""
+    fmt = WEIGHT_FORMATS[case.gguf_path.stem.removeprefix("model-").lower()]
+    runs = {}
+    for name in ("resident", target):
+        with _engine(case.gguf_path, name, activation_quant="auto") as engine:
+            banks = engine.moe_runtime.banks
+            assert all(bank.q8_activations == fmt.has_integer_dots for bank in banks), name
+            [tokens] = engine.generate_ids([PROMPT_IDS], GREEDY)
+            runs[name] = tokens, engine.model.logits(PROMPT_IDS + tokens[:-1])
+    assert runs[target][0] == runs["resident"][0]
+    torch.testing.assert_close(runs[target][1], runs["resident"][1], atol=1e-5, rtol=1e-5)

@@ -45,11 +45,12 @@ MIN_REFERENCE_GAP = 1e-3
 GREEDY = SamplingParams(max_tokens=N_GREEDY, temperature=0.0, ignore_eos=True)
 _rng = random.Random(15)
 PROMPTS = {n: [_rng.randrange(3, 96) for _ in range(n)] for n in (1, 7, 64)}
+FLOAT = dict(activation_quant="none")  # as transformers computes the dequantised model
 TARGETS = {
-    "resident": OffloadConfig(decode_target="resident"),
-    "cpu": OffloadConfig(decode_target="cpu"),
-    "offload": OffloadConfig(decode_target="offload", expert_cache_slots=3),
-    "hybrid": OffloadConfig(decode_target="hybrid", expert_cache_slots=3, max_fetch=1),
+    "resident": OffloadConfig(decode_target="resident", **FLOAT),
+    "cpu": OffloadConfig(decode_target="cpu", **FLOAT),
+    "offload": OffloadConfig(decode_target="offload", expert_cache_slots=3, **FLOAT),
+    "hybrid": OffloadConfig(decode_target="hybrid", expert_cache_slots=3, max_fetch=1, **FLOAT),
 }
 # per MoE layer index mod 2: the ggml types of gate, up, down (Q4_K_M: down gets more bits)
 KQUANT_TYPES = {0: ("Q4_K", "Q4_K", "Q6_K"), 1: ("Q4_K", "Q4_K", "Q5_K")}

@@ -34,6 +34,7 @@ from hybridmoe.moe.offload_cache import OffloadMoeCache
 from hybridmoe.moe.prefill import ExpertPrefill, InPlacePrefill, LayerStreamer
 from hybridmoe.platform.base import Platform
 from hybridmoe.platform.cpu import CpuPlatform
+from hybridmoe.quant import activation_q8
 from hybridmoe.quant.bank import ExpertBank, ExpertWeights
 from hybridmoe.quant.formats import WeightFormat, dense_format, weight_format
 from hybridmoe.quant.slot_banks import SlotBanks
@@ -285,11 +286,13 @@ def _expert_stores(
 
 
 def _with_activation_quant(store: ExpertStore, activation_quant: str) -> ExpertStore:
-    """A bank computing with `activation_quant` (its slots and copies inherit it); the
-    checkpoint's mapped dense experts have no int8 blocks, so none applies to them."""
-    if isinstance(store, ExpertBank) and store.activation_quant != activation_quant:
-        return store.with_activation_quant(activation_quant)
-    return store
+    """A bank computing with `activation_quant` ("auto": activation_q8.resolve's choice for
+    its formats; its slots and copies inherit it); the checkpoint's mapped dense experts have
+    no integer blocks, so none applies to them."""
+    if not isinstance(store, ExpertBank):
+        return store
+    chosen = activation_q8.resolve(activation_quant, store.formats)
+    return store if store.activation_quant == chosen else store.with_activation_quant(chosen)
 
 
 def _loaded_experts(layer: OffloadMoELayer) -> ExpertStore:

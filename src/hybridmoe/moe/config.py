@@ -59,10 +59,12 @@ class OffloadConfig:
     # prefill_cpu_tokens tokens, else stream). On the cpu device auto computes from the banks.
     prefill: str = "auto"
     prefill_cpu_tokens: int = 32
-    # how expert projections in int8-block formats (q8_0, q4_0) take their input: "none"
-    # (float32, dequantised weights) or "q8" (activations quantised per 32-block, integer dot
-    # products: quant/activation_q8.py), on every decode target and in prefill alike
-    activation_quant: str = "none"
+    # how expert projections take their input: "q8" (activations quantised per 32-block for
+    # q8_0/q4_0, per 256-block for q2_k ... q6_k, integer dot products: quant/activation_q8.py,
+    # llama.cpp's arithmetic), "none" (float32 activations, dequantised weights), or "auto"
+    # (q8 for a layer whose experts all have integer dots, else none); on every decode target
+    # and in prefill alike
+    activation_quant: str = "auto"
 
     def __post_init__(self) -> None:
         if self.decode_target not in DECODE_TARGETS:

@@ -37,7 +37,9 @@ import torch
 from hybridmoe.quant.formats import KERNEL_BLOCK, WeightFormat
 from hybridmoe.quant.q8_0 import q8_0_blocks_f32
 
-ACTIVATION_QUANTS = ("none", "q8")  # OffloadConfig.activation_quant's choices
+# OffloadConfig.activation_quant's choices; a bank holds "none" or "q8" (resolve() picks)
+ACTIVATION_QUANTS = ("auto", "none", "q8")
+BANK_ACTIVATION_QUANTS = ("none", "q8")
 LANES = 8  # float32 lanes the block products are summed in (step 4)
 SUPER_BLOCK = 256  # the activation block of a k-quant row
 
@@ -114,13 +116,23 @@ def _lane_sum(products: torch.Tensor) -> torch.Tensor:
     return lanes[..., 0]
 
 
+def resolve(activation_quant: str, formats: tuple[WeightFormat, WeightFormat]) -> str:
+    """The bank's activation_quant for OffloadConfig's: "auto" is "q8" when gate/up's and
+    down's formats (`formats`) both have integer dot products (q8_0, q4_0, q2_k ... q6_k:
+    llama.cpp's arithmetic for them), else "none" (floats, q4_1, q5_0, q5_1, mxfp4, or a
+    layer mixing the two kinds); "none" and "q8" stay (check_formats judges them)."""
+    if activation_quant != "auto":
+        return activation_quant
+    return "q8" if all(fmt.has_integer_dots for fmt in formats) else "none"
+
+
 def check_formats(activation_quant: str, formats: tuple[WeightFormat, WeightFormat]) -> None:
-    """ValueError unless `activation_quant` is a choice and, for q8, gate/up's and down's
-    formats (`formats`) both have integer dot products (has_integer_dots) or neither (then
-    q8 changes nothing)."""
-    if activation_quant not in ACTIVATION_QUANTS:
+    """ValueError unless `activation_quant` is a bank's choice ("none" or "q8": "auto" is
+    resolved before) and, for q8, gate/up's and down's formats (`formats`) both have integer
+    dot products (has_integer_dots) or neither (then q8 changes nothing)."""
+    if activation_quant not in BANK_ACTIVATION_QUANTS:
         raise ValueError(
-            f"activation_quant must be one of {', '.join(ACTIVATION_QUANTS)}, "
+            f"a bank's activation_quant must be one of {', '.join(BANK_ACTIVATION_QUANTS)}, "
             f"got {activation_quant!r}"
         )
     kinds = {fmt.has_integer_dots for fmt in formats}

@@ -34,6 +34,16 @@ def test_the_fit_recovers_a_linear_cost(monkeypatch):
     assert fit.per_mib_s == pytest.approx((7e-6,) * len(TOKENS))
 
 
+@pytest.mark.parametrize(
+    ("fmt", "q8"), [("q8_0", True), ("q4_0", True), ("q4_1", False), ("bf16", False)]
+)
+def test_timed_banks_compute_as_the_engines_default(fmt: str, q8: bool):
+    """The profile times each format as a model of it computes with no flags (activation_quant
+    auto: q8 activations for formats with integer dots)."""
+    bank = bench_hw.make_bank(64, 32, fmt)
+    assert bank.fmt.name == fmt and bank.q8_activations is q8
+
+
 def test_cheap_measurements_are_positive_and_finite():
     platform = CpuPlatform()
     figures = [

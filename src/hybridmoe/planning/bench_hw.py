@@ -18,6 +18,7 @@ from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import fused_cpu_moe
 from hybridmoe.planning.hardware import TOKENS, ExpertTime
 from hybridmoe.platform.base import Platform
+from hybridmoe.quant import activation_q8
 from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.formats import weight_format
 
@@ -50,7 +51,10 @@ def make_bank(hidden: int, inter: int, fmt_name: str) -> ExpertBank:
         gate_up=torch.randn(ROUTES, 2 * inter, hidden, generator=g) * 0.02,
         down=torch.randn(ROUTES, hidden, inter, generator=g) * 0.02,
     )
-    return bank if bank.fmt.name == fmt_name else bank.converted(weight_format(fmt_name))
+    if bank.fmt.name != fmt_name:
+        bank = bank.converted(weight_format(fmt_name))
+    # as the engine's default computes that format (OffloadConfig.activation_quant "auto")
+    return bank.with_activation_quant(activation_q8.resolve("auto", bank.formats))
 
 
 def expert_time(

@@ -41,6 +41,8 @@ VARIANTS = {  # name -> the environment of its process
     "passive": {"OMP_WAIT_POLICY": "PASSIVE", "HYBRIDMOE_CPU_INLINE": "0"},
     "inline_passive": {"OMP_WAIT_POLICY": "PASSIVE", "HYBRIDMOE_CPU_INLINE": "1"},
     "worker": {"HYBRIDMOE_CPU_INLINE": "0"},  # serial torch, the worker thread
+    # the attention's parts one call each instead of the attention block's one call
+    "parts": {"HYBRIDMOE_ATTENTION_BLOCK": "0"},
 }
 COUNTERS = (  # key, label, format
     ("cpu_ms", "CPU time ms/token (user+sys)", "{:.2f}"),
@@ -147,10 +149,12 @@ def _around_decode_steps(enter, leave):
 def _kernel_clock(total: dict):
     """Adds the calling thread's CPU ns inside each dense / expert kernel launch to
     total["dense_ns"] / total["moe_ns"] (thread CPU time: a preempted thread's wait is not
-    counted, so at 1 thread it barely depends on the load)."""
+    counted, so at 1 thread it barely depends on the load). The attention block's launches
+    (its q/k/v and o projections, norms and attention: kernels/attention_block.py) count as
+    dense."""
     import time
 
-    from hybridmoe.kernels import numba_dense, numba_moe
+    from hybridmoe.kernels import numba_attention_block, numba_dense, numba_moe
 
     real_launch = numba_moe.launch
     dense = {id(kernel) for kernel in numba_dense.DENSE.values()}
@@ -160,7 +164,9 @@ def _kernel_clock(total: dict):
         try:
             return real_launch(kernel, threads, *args)
         finally:
-            key = "dense_ns" if id(kernel) in dense else "moe_ns"
+            blocks = numba_attention_block._BLOCKS.values()  # made on first use
+            is_dense = id(kernel) in dense or any(kernel is block for block in blocks)
+            key = "dense_ns" if is_dense else "moe_ns"
             total[key] = total.get(key, 0) + time.thread_time_ns() - start
 
     numba_moe.launch = numba_dense.launch = timed_launch

@@ -122,15 +122,21 @@ def demo_variant(demo_checkpoint: Path, tmp_path: Path) -> Callable[..., Path]:
 
 @pytest.fixture
 def attention_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sequences each call of the CPU decode-attention kernel (kernels/numba_attention.py)
-    took, appended as the test's steps call it (to see that they do)."""
-    from hybridmoe.kernels import numba_attention
+    """The sequences each call of the CPU decode-attention kernel (kernels/numba_attention.py,
+    alone or inside the attention block: kernels/attention_block.py) took, appended as the
+    test's steps call it (to see that they do)."""
+    from hybridmoe.kernels import attention_block, numba_attention
 
-    calls, kernel = [], numba_attention.decode_attention
+    calls, kernel, block = [], numba_attention.decode_attention, attention_block._run
 
     def counting(q, *args, **kwargs):
         calls.append(q.shape[0])
         return kernel(q, *args, **kwargs)
 
+    def counting_block(qkv, o, q_norm, k_norm, eps, x, *args):  # the kernel inside the block
+        calls.append(x.shape[0])
+        return block(qkv, o, q_norm, k_norm, eps, x, *args)
+
     monkeypatch.setattr(numba_attention, "decode_attention", counting)
+    monkeypatch.setattr(attention_block, "_run", counting_block)
     return calls

@@ -74,6 +74,32 @@ def _attention(dtype: torch.dtype, threads: int) -> None:
     numba_attention.decode_attention(q, k, v, host, 16, rows, positions, 4, None, None, threads)
 
 
+def _block(dtype: torch.dtype) -> None:
+    """The attention block (kernels/attention_block.py) of bfloat16 or float32 weights, as a
+    decode step of one sequence calls it."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from hybridmoe.kernels import attention_block, glue, numba_attention
+    from hybridmoe.kernels.projection import DenseProjection
+
+    heads, kv_heads, dim, hidden, slots = 4, 2, 8, 16, 16
+    qkv = DenseProjection(torch.ones((heads + 2 * kv_heads) * dim, hidden, dtype=dtype))
+    o = DenseProjection(torch.ones(hidden, heads * dim, dtype=dtype))
+    norm, rope = torch.ones(dim, dtype=dtype), torch.ones(1, 1, dim, dtype=dtype)
+    caches = [torch.zeros(2, kv_heads, slots, dim, dtype=dtype) for _ in "kv"]
+    host = tuple(numba_attention.cache_array(c) for c in caches)
+    rows, positions = np.zeros(1, np.int64), np.full(1, 3, np.int64)
+    batch = SimpleNamespace(kv_len=4, cos=rope, sin=rope)
+    step = (host, slots, rows, positions, None, None)
+    x = torch.ones(1, 1, hidden, dtype=dtype)
+    lanes = glue.softmax_lanes()
+    if lanes is not None:
+        shape = (heads, kv_heads, dim)
+        attention_block._run(qkv, o, norm, norm, 1e-6, x, batch, step, shape, lanes)
+
+
 def jobs() -> list[tuple]:
     """(function, format name, ...) for every kernel warmed, in a fixed order."""
     out: list[tuple] = [(_fused, name) for name in WEIGHT_FORMATS]
@@ -87,6 +113,7 @@ def jobs() -> list[tuple]:
         for dtype in (torch.bfloat16, torch.float32)
         for threads in (1, 2)
     ]
+    out += [(_block, dtype) for dtype in (torch.bfloat16, torch.float32)]
     return out
 
 

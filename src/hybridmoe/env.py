@@ -90,6 +90,13 @@ def default_set(name: str, value: str) -> Iterator[None]:
         os.environ.pop(name, None)
 
 
+def attention_block() -> bool:
+    """HYBRIDMOE_ATTENTION_BLOCK=0 runs a CPU decode step's attention part by part (the q/k/v
+    projection, norms and rotary, attention, o projection: one kernel call each) instead of
+    in one call (kernels/attention_block.py; a measurement switch: the same bits)."""
+    return os.environ.get("HYBRIDMOE_ATTENTION_BLOCK", "1") != "0"
+
+
 @functools.cache
 def glue_kernels() -> bool:
     """HYBRIDMOE_GLUE_KERNELS=0 computes the decode step's norms, residual adds, router top-k,

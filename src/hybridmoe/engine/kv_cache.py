@@ -28,15 +28,6 @@ class KVFootprint:
         return max_len * self.bytes_per_token + self.fixed_bytes
 
 
-def _gives_sdpa_bits(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether the attention kernel computes SDPA's bits for this step's q [B, 1, heads, D]
-    and k [B, 1, kv_heads, D]: bfloat16, on a machine where it does (checked once per shape)."""
-    heads, kv_heads = q.shape[2], k.shape[2]
-    return q.dtype is torch.bfloat16 and numba_attention.gives_sdpa_bits(
-        heads, kv_heads, q.shape[3]
-    )
-
-
 def ring_window(cfg: ModelConfig, layer_idx: int, max_len: int) -> int | None:
     """The window layer `layer_idx` keeps as a ring in a cache of `max_len` positions: its
     sliding window when shorter than max_len; None: the layer keeps every position (or, a
@@ -205,29 +196,54 @@ class KVCache:
         test_prefix_cache.py). Which steps take the kernel depends on nothing else (not the
         batch, nor the row's length); its bits are SDPA's for the same batch, whose key rows
         are the batch's kv_len long (a row's last keys masked), as SDPA's are."""
+        if k.dtype is not q.dtype or v.dtype is not q.dtype or not (k.is_cpu and v.is_cpu):
+            return None
+        B, T, heads, D = q.shape
+        step = self.kernel_step(
+            layer_idx, batch, q.dtype, heads, k.shape[2], D, T, q.is_cpu, window
+        )
+        if step is None:
+            return None
+        caches, slots, rows, positions, ring, window = step
+        return numba_attention.decode_attention(
+            q, k, v, caches, slots, rows, positions, batch.kv_len, ring, window
+        )
+
+    def kernel_step(
+        self,
+        layer_idx: int,
+        batch: ForwardBatch,
+        dtype: torch.dtype,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        queries: int = 1,
+        host: bool = True,
+        window: int | None = None,
+    ) -> tuple | None:
+        """Whether fused_attention takes a step of `queries` queries a row of this dtype and
+        head shape (on the host when `host`), as it decides: (the cache arrays, slots, the
+        step's cache rows and positions, the ring size or None, the window or None); None
+        where the step stays on SDPA."""
         k_cache = self.k[layer_idx]
         if (
             self.attention_kernel == "off"
             or not batch.is_decode
-            or q.shape[1] != 1
+            or queries != 1
+            or not host
             or not k_cache.is_cpu
-            or not q.is_cpu
-            or q.dtype is not k_cache.dtype
-            or k.dtype is not k_cache.dtype
-            or v.dtype is not k_cache.dtype
-            or q.dtype not in numba_attention.KERNEL_DTYPES
+            or dtype is not k_cache.dtype
+            or dtype not in numba_attention.KERNEL_DTYPES
         ):
             return None
-        if self.attention_kernel == "auto" and not _gives_sdpa_bits(q, k):
+        if self.attention_kernel == "auto" and not (
+            dtype is torch.bfloat16 and numba_attention.gives_sdpa_bits(heads, kv_heads, head_dim)
+        ):
             return None
-        caches = self._host_caches(layer_idx)
         ring = self.ring_sizes.get(layer_idx)
         rows, positions = batch.host_index()
         window = None if ring is not None else window
-        slots = k_cache.shape[2]
-        return numba_attention.decode_attention(
-            q, k, v, caches, slots, rows, positions, batch.kv_len, ring, window
-        )
+        return self._host_caches(layer_idx), k_cache.shape[2], rows, positions, ring, window
 
     def _rows(
         self, layer_idx: int, batch: ForwardBatch, length: int

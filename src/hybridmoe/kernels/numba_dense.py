@@ -133,16 +133,37 @@ def _dense(fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item
         _finish(fmt, w, row_bytes, n, nrows, r0, rows, x, tokens, bias, y, y_bf16)
 
 
+# _dense compiled once per format (`fmt`, a compile-time constant: numba_simd.KernelFormatType)
+# in a parallel and a serial form, for the entry points below and other kernels' calls (a
+# decode step's attention block: kernels/numba_attention_block.py)
+@cached_njit(parallel=True, **_FLAGS)
+def dense_parallel(fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows):
+    _dense(fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows)
+
+
+@cached_njit(**_FLAGS)
+def dense_serial(fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows):
+    _dense(fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows)
+
+
 def _dense_entry(kernel: KernelFormat, parallel: bool):
     """An entry point of _dense for one format (same arguments, less `fmt`): parallel, or a
     serial one for the calling thread."""
 
     def dense(w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows):
-        _dense(kernel, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows)
+        if parallel:  # a constant: numba compiles one branch (dispatchers are globals here,
+            # not closure variables, which numba's disk cache does not keep)
+            dense_parallel(
+                kernel, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows
+            )
+        else:
+            dense_serial(
+                kernel, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows
+            )
 
     kind = "" if parallel else "serial_"
     dense.__name__ = dense.__qualname__ = f"dense_{kind}{kernel.name}"  # own cache files
-    return cached_njit(parallel=parallel, **_FLAGS)(dense)
+    return cached_njit(**_FLAGS)(dense)
 
 
 def _route_entry(kernel: KernelFormat):
@@ -252,6 +273,27 @@ class DenseCall:
         self._serial, self._parallel = DENSE_SERIAL[fmt.name], DENSE[fmt.name]
         small = w_bytes.shape[0] < MIN_PARALLEL_BYTES
         self._threads = 1 if threads is None and small else threads  # None: per call
+
+    # what a kernel calling _dense itself passes (kernels/numba_attention_block.py)
+    @property
+    def weight(self) -> np.ndarray:
+        return self._w
+
+    @property
+    def bias(self) -> np.ndarray:
+        return self._bias
+
+    @property
+    def row_bytes(self) -> int:
+        return self._row_bytes
+
+    @property
+    def rows_per_item(self) -> int:
+        return self._item_rows
+
+    def threads(self, default: int) -> int:
+        """The threads a call runs on where kernel_threads() would give `default`."""
+        return default if self._threads is None else self._threads
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] float32 or bfloat16, host -> new [..., out_features]."""

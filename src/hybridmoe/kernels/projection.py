@@ -53,6 +53,11 @@ class DenseProjection:
         StackedQKV, where attention did)."""
         return (self._host or self._prepare())(x)
 
+    def host_call(self):
+        """The CPU kernel's numba_dense.DenseCall of this weight (for a kernel that calls the
+        dense kernel itself: kernels/attention_block.py)."""
+        return self._host or self._prepare()
+
     def route(
         self, x: torch.Tensor, top_k: int, renorm: bool, weights_dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.kernels import glue
+from hybridmoe.kernels import attention_block, glue
 from hybridmoe.layers.batch import ForwardBatch
 from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.norm import rms_norm
@@ -137,12 +137,30 @@ class GroupedQueryAttention:
         """x [B, T, H] -> [B, T, H]."""
         cfg = self.cfg
         B, T, _ = x.shape
+        if self._attend is sdpa and cfg.qk_norm == "per_head" and cfg.clip_qkv is None:
+            out = self._decode_block(x, batch)  # one kernel call on the host, else None
+            if out is not None:
+                return out
         q, k, v = self._project_heads(x)  # [B, T, heads, D] each
         rotated = cfg.qk_norm == "per_head"
         if rotated:
             q, k = self._norm_rotary(q, k, batch)
         out = attend(q, k, v, batch, self.layer_idx, self.window, self._attend, rotated)
         return self.o_proj(out.reshape(B, T, cfg.q_size))  # out [B, T, heads, D]
+
+    def _decode_block(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """The whole call in one numba kernel (kernels/attention_block.py) where the parts
+        below would each run theirs: a host decode step with the KV cache's kernel; the same
+        bits. None otherwise."""
+        if not self.q_proj.uses_kernel(x) or batch.kv is None or not batch.is_decode:
+            return None
+        cfg = self.cfg
+        shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        qkv, o = self._stacked_qkv().stacked, self.o_proj
+        return attention_block.decode_block(
+            qkv, o, self.q_norm, self.k_norm, cfg.rms_norm_eps, x, batch, self.layer_idx,
+            self.window, shape,
+        )  # fmt: skip
 
     def _norm_rotary(
         self, q: torch.Tensor, k: torch.Tensor, batch: ForwardBatch

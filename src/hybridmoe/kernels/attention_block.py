@@ -1,0 +1,132 @@
+"""GroupedQueryAttention's decode step on the host in one numba call: the arguments of
+kernels/numba_attention_block.py's entry, made from the layer's projections, norms and KV
+cache; None where the step is not one the block computes (the caller then runs the parts one
+by one, with the same bits)."""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import torch
+
+from hybridmoe import env
+from hybridmoe.kernels import glue
+from hybridmoe.kernels.host_arrays import host_array
+from hybridmoe.kernels.projection import DECODE_MAX_TOKENS, DenseProjection
+from hybridmoe.kernels.threads import kernel_threads
+
+_DTYPES = {torch.bfloat16: np.uint16, torch.float32: np.float32}
+_NO_F32 = np.empty(0, np.float32)
+_NO_BF16 = np.empty(0, np.uint16)
+
+
+def decode_block(
+    qkv: DenseProjection,
+    o: DenseProjection,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    x: torch.Tensor,
+    batch,  # layers.batch.ForwardBatch (kernels sit below layers: not imported)
+    layer_idx: int,
+    window: int | None,
+    shape: tuple[int, int, int],
+) -> torch.Tensor | None:
+    """o(attention(norm_rotary(q, k), v)) for the normed input x [B, 1, H] of a decode step,
+    with q/k/v = qkv(x) (heads, kv_heads, D = `shape`; the KV cache `batch.kv` written at the
+    step's positions): what GroupedQueryAttention computes part by part for a layer with
+    per-head q/k norms (`q_norm`, `k_norm` [D]) and full rotary, in one call; -> [B, 1, H] in
+    x's dtype. None unless x is a contiguous host bfloat16 or float32 tensor of at most
+    DECODE_MAX_TOKENS rows, the cache's decode kernel takes the step (KVCache.kernel_step) and
+    the parts' kernels would (the glue, dense and block switches of hybridmoe/env.py on)."""
+    heads, kv_heads, dim = shape
+    dtype = x.dtype
+    B, T, hidden = x.shape
+    if (
+        dtype not in _DTYPES
+        or T != 1
+        or B > DECODE_MAX_TOKENS
+        or q_norm is None
+        or k_norm is None
+        or not (env.attention_block() and env.glue_kernels() and env.dense_kernel())
+        or not (x.is_cpu and x.is_contiguous())
+        or not (qkv.uses_kernel(x) and o.weight.is_cpu)
+    ):
+        return None
+    cos, sin = batch.cos, batch.sin
+    for t in (q_norm, k_norm, cos, sin):
+        if t.dtype is not dtype or not t.is_cpu or not t.is_contiguous():
+            return None
+    if q_norm.shape != (dim,) or k_norm.shape != (dim,) or cos.shape != (B, 1, dim):
+        return None
+    if sin.shape != cos.shape or qkv.out_features != (heads + 2 * kv_heads) * dim:
+        return None
+    if o.in_features != heads * dim or o.out_features != hidden or qkv.in_features != hidden:
+        return None
+    kernel_step = getattr(batch.kv, "kernel_step", None)
+    lanes = glue.softmax_lanes()
+    if kernel_step is None or lanes is None:
+        return None
+    step = kernel_step(layer_idx, batch, dtype, heads, kv_heads, dim, 1, True, window)
+    if step is None:
+        return None
+    caches, slots, rows, positions, ring, window = step
+    kv_len = batch.kv_len
+    if not _fits(caches, slots, rows, positions, kv_len, ring, B, kv_heads, dim):
+        return None  # the parts' path raises what does not fit
+    return _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes)
+
+
+def _fits(caches, slots, rows, positions, kv_len, ring, B, kv_heads, dim) -> bool:
+    """numba_attention.decode_attention's checks of the cache and the step's rows."""
+    return (
+        caches[0].shape[0] == caches[1].shape[0]
+        and caches[0].shape[0] % (kv_heads * slots * dim) == 0
+        and positions.shape[0] == B
+        and rows.shape[0] == B
+        and (ring is not None or kv_len <= slots)
+    )
+
+
+def _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes) -> torch.Tensor:
+    from hybridmoe.kernels import numba_moe
+    from hybridmoe.kernels.numba_attention import MIN_PARALLEL_BYTES
+    from hybridmoe.kernels.numba_attention_block import block_kernel
+
+    heads, kv_heads, dim = shape
+    caches, slots, rows, positions, ring, window = step
+    dtype, (B, _, hidden) = x.dtype, x.shape
+    np_dtype, bf16 = _DTYPES[dtype], dtype is torch.bfloat16
+    qkv_call, o_call = qkv.host_call(), o.host_call()
+    threads = min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
+    keys = min(batch.kv_len, ring or window or batch.kv_len)
+    kv_bytes = B * keys * kv_heads * dim * 2 * x.element_size()
+    flags = (
+        qkv_call.threads(threads) > 1,
+        o_call.threads(threads) > 1,
+        threads > 1 and kv_bytes >= MIN_PARALLEL_BYTES,
+        bf16,
+    )
+    width = (heads + 2 * kv_heads) * dim
+    out = glue.empty((B, 1, hidden), dtype)
+    y = host_array(out, np_dtype)
+    qkv_out, att = np.empty(B * width, np_dtype), np.empty(B * heads * dim, np_dtype)
+    scratch = np.empty(3 * B * heads * dim * x.element_size(), np.uint8)
+    x_arr = host_array(x, np_dtype)
+    if bf16:
+        arrays = (_NO_F32, x_arr, _NO_F32, qkv_out, _NO_F32, att, _NO_F32, y)
+    else:
+        arrays = (x_arr, _NO_BF16, qkv_out, _NO_BF16, att, _NO_BF16, y, _NO_BF16)
+    sizes = (hidden, heads, kv_heads, dim, slots, batch.kv_len, lanes, B)
+    sizes += (qkv_call.row_bytes, qkv_call.rows_per_item, o_call.row_bytes, o_call.rows_per_item)
+    sizes += (ring or 0, window or 0)
+    norms = (q_norm.data_ptr(), k_norm.data_ptr(), batch.cos.data_ptr(), batch.sin.data_ptr())
+    kernel = block_kernel(qkv_call.fmt.name, o_call.fmt.name)
+    numba_moe.launch(
+        kernel, threads, *arrays, scratch, qkv_call.weight, qkv_call.bias, o_call.weight,
+        o_call.bias, sizes, flags, norms, *caches, rows, positions, float(eps),
+        np.float32(1.0 / math.sqrt(dim)),
+    )  # fmt: skip
+    return out

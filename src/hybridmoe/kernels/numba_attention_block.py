@@ -1,0 +1,148 @@
+"""A decode step's attention block in one numba call (docs/proposals/0007): the stacked q/k/v
+projection, the per-head q/k norms and rotary, the KV write and attention, the o projection.
+
+Each part is the kernel the step runs without the block (numba_dense's `_dense`, numba_glue.
+norm_rotary_rows, numba_attention's decode kernel), called with the arguments its Python
+wrapper would make, in the same order, so the block's output has the same bits
+(tests/layers/test_attention_block.py). What the block saves is the wrappers: ~10 Python
+calls and their objects a layer, each 10-40 µs on a decode step's cold caches (proposal 0007's
+measurements), for one call.
+
+`block_kernel(qkv_fmt, o_fmt)` makes the entry for a pair of dense formats on first use (the
+formats are compile-time constants, as numba_moe's entries), cached on disk under a hash of
+the sources it calls.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+from numba.core.dispatcher import Dispatcher
+
+from hybridmoe import env
+from hybridmoe.kernels import (
+    attention_ir,
+    dense_ir,
+    llvm_ir,
+    numba_attention,
+    numba_dense,
+    numba_glue,
+    softmax_ir,
+)
+from hybridmoe.kernels.numba_attention import DECODE_ATTENTION, DECODE_ATTENTION_SERIAL
+from hybridmoe.kernels.numba_cache import cached_njit
+from hybridmoe.kernels.numba_dense import dense_parallel, dense_serial
+from hybridmoe.kernels.numba_glue import norm_rotary_rows
+from hybridmoe.kernels.numba_moe import kernel_sources
+from hybridmoe.quant.formats import WEIGHT_FORMATS
+
+# sizes: hidden, heads, kv_heads, head dim, slots, kv_len, softmax lanes, tokens, then the q/k/v
+# weight's row bytes and work-item rows, the o weight's, the ring and window (0: none)
+SIZES = 15
+# flags: q/k/v parallel, o parallel, attention parallel, bfloat16 activations
+FLAGS = 4
+
+_SOURCES = (
+    __file__,
+    numba_dense.__file__,
+    dense_ir.__file__,
+    numba_glue.__file__,
+    numba_attention.__file__,
+    attention_ir.__file__,
+    softmax_ir.__file__,
+    llvm_ir.__file__,
+    *kernel_sources(),
+)
+_CACHE_DIR = str(env.kernel_cache_dir(*_SOURCES))
+_LOCK = threading.Lock()
+_BLOCKS: dict[tuple[str, str], Dispatcher] = {}
+
+
+def block_kernel(qkv_fmt: str, o_fmt: str) -> Dispatcher:
+    """The attention block's entry for q/k/v weights in format `qkv_fmt` and o's in `o_fmt`
+    (names), made on first use."""
+    key = (qkv_fmt, o_fmt)
+    with _LOCK:
+        if key not in _BLOCKS:
+            previous, numba.config.CACHE_DIR = numba.config.CACHE_DIR, _CACHE_DIR
+            try:  # numba picks the cache directory when a function is decorated
+                kernels = (WEIGHT_FORMATS[qkv_fmt].kernel, WEIGHT_FORMATS[o_fmt].kernel)
+                _BLOCKS[key] = _block_entry(*kernels)
+            finally:
+                numba.config.CACHE_DIR = previous
+        return _BLOCKS[key]
+
+
+def _block_entry(qkv_kernel, o_kernel):
+    """The block for these two KernelFormats. Arguments:
+    x, x_bf16: the normed input [tokens * hidden] (float32, or bfloat16 bits; the other empty),
+    qkv, qkv_bf16: the q/k/v projection's output [tokens * (heads + 2 kv_heads) * D], written,
+    att, att_bf16: the attention's output [tokens * heads * D], written,
+    y, y_bf16: the o projection's output [tokens * hidden], written (the block's result),
+    scratch: uint8 workspace of 3 * tokens * heads * D values (the normed, rotated q and k and
+    the step's values when tokens > 1),
+    qkv_w, qkv_bias, o_w, o_bias: the weights' bytes and float32 biases (empty: none),
+    sizes (SIZES ints), flags (FLAGS bools), norms (q norm, k norm, cos, sin addresses; the
+    norms 0: none), kc, vc: the layer's cache arrays, rows, pos: the step's cache rows and
+    positions, eps, scale: the norm's epsilon and the attention's scale (float32)."""
+
+    def attention_block(
+        x, x_bf16, qkv, qkv_bf16, att, att_bf16, y, y_bf16, scratch, qkv_w, qkv_bias, o_w,
+        o_bias, sizes, flags, norms, kc, vc, rows, pos, eps, scale,
+    ):  # fmt: skip
+        hidden, heads, kv_heads, dim, slots, kv_len, lanes, tokens = sizes[:8]
+        qkv_row_bytes, qkv_items, o_row_bytes, o_items, ring, window = sizes[8:]
+        qkv_par, o_par, attn_par, bf16 = flags
+        width = (heads + 2 * kv_heads) * dim
+        if qkv_par:
+            dense_parallel(
+                qkv_kernel, qkv_w, qkv_row_bytes, hidden, width, x, x_bf16, tokens, qkv_bias,
+                qkv, qkv_bf16, qkv_items,
+            )  # fmt: skip
+        else:
+            dense_serial(
+                qkv_kernel, qkv_w, qkv_row_bytes, hidden, width, x, x_bf16, tokens, qkv_bias,
+                qkv, qkv_bf16, qkv_items,
+            )  # fmt: skip
+        size = 2 if bf16 else 4
+        base = np.int64(qkv_bf16.ctypes.data if bf16 else qkv.ctypes.data)
+        q_rot = np.int64(scratch.ctypes.data)
+        k_rot = q_rot + tokens * heads * dim * size
+        norm_rotary_rows(
+            base, base + heads * dim * size, width, width, heads, kv_heads, dim, norms[0],
+            norms[1], norms[2], norms[3], q_rot, k_rot, tokens, eps, bf16,
+        )  # fmt: skip
+        v = base + (heads + kv_heads) * dim * size
+        if tokens > 1:  # the values contiguous, as the attention kernel reads k and v alike
+            row = kv_heads * dim * size
+            at = k_rot + tokens * heads * dim * size
+            source = qkv_bf16.view(np.uint8) if bf16 else qkv.view(np.uint8)
+            for t in range(tokens):
+                first = (t * width + (heads + kv_heads) * dim) * size
+                for i in range(row):
+                    scratch[at - q_rot + t * row + i] = source[first + i]
+            v = at
+        out = np.int64(att_bf16.ctypes.data if bf16 else att.ctypes.data)
+        step = (q_rot, k_rot, v, out)
+        dims = (heads, kv_heads, dim, slots, heads * dim, kv_heads * dim, kv_len, lanes)
+        if attn_par:
+            DECODE_ATTENTION(step, kc, vc, dims, rows, pos, ring, window, scale)
+        else:
+            DECODE_ATTENTION_SERIAL(step, kc, vc, dims, rows, pos, ring, window, scale)
+        if o_par:
+            dense_parallel(
+                o_kernel, o_w, o_row_bytes, heads * dim, hidden, att, att_bf16, tokens, o_bias,
+                y, y_bf16, o_items,
+            )  # fmt: skip
+        else:
+            dense_serial(
+                o_kernel, o_w, o_row_bytes, heads * dim, hidden, att, att_bf16, tokens, o_bias,
+                y, y_bf16, o_items,
+            )  # fmt: skip
+
+    name = f"attention_block_{qkv_kernel.name}_{o_kernel.name}"
+    attention_block.__name__ = attention_block.__qualname__ = name  # own cache files
+    # no fastmath: the block's own work is addresses and copies; its kernels keep their flags
+    return cached_njit(nogil=True)(attention_block)

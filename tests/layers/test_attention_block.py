@@ -1,9 +1,10 @@
 """The attention block (kernels/attention_block.py: a host decode step's q/k/v projection, q/k
-norms and rotary, KV write and attention, o projection in one numba call) against the same
-parts called one by one (HYBRIDMOE_ATTENTION_BLOCK=0): every decode step's logits equal bit
-for bit, in bfloat16 and float32, one sequence and three batched, the block's kernels serial
-and parallel; the block really runs (counted), and a block that computes otherwise fails the
-comparison."""
+norms and rotary, KV write and attention, o projection in one numba call; in a decoder layer
+also the input and post-attention RMSNorms with their residual adds) against the same parts
+called one by one (HYBRIDMOE_ATTENTION_BLOCK=0): every decode step's logits equal bit for bit,
+in bfloat16 and float32, one sequence and three batched, the block's kernels serial and
+parallel, with and without the norms; the block really runs (counted), and a block that
+computes otherwise fails the comparison."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.kernels import attention_block, numba_attention, numba_dense
+from hybridmoe.models.transformer import DecoderLayer
 from hybridmoe.moe.config import OffloadConfig
 
 PROMPTS = [[5, 17, 300, 42, 7, 8, 9], [9, 1000], [3, 4, 5, 6]]
@@ -59,12 +61,20 @@ def assert_same_logits(got: list[torch.Tensor], expected: list[torch.Tensor]) ->
         assert torch.equal(a, b), f"decode step {step}: {(a - b).abs().max().item()}"
 
 
+@pytest.mark.parametrize("norms", [True, False], ids=["with-norms", "attention-only"])
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_block_gives_the_parts_bits(
-    demo_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, dtype: str, rows: int, parallel: bool
+    demo_checkpoint: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: str,
+    rows: int,
+    parallel: bool,
+    norms: bool,
 ) -> None:
+    if not norms:  # the decoder layer's norms stay its own: the block is the attention alone
+        monkeypatch.setattr(DecoderLayer, "_residual_block", lambda *args: None)
     if parallel:  # every weight and step over the parallel threshold: the parallel kernels
         monkeypatch.setattr(numba_dense, "MIN_PARALLEL_BYTES", 0)
         monkeypatch.setattr(numba_attention, "MIN_PARALLEL_BYTES", 0)

@@ -33,14 +33,20 @@ def decode_block(
     layer_idx: int,
     window: int | None,
     shape: tuple[int, int, int],
-) -> torch.Tensor | None:
+    residual: tuple | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """o(attention(norm_rotary(q, k), v)) for the normed input x [B, 1, H] of a decode step,
     with q/k/v = qkv(x) (heads, kv_heads, D = `shape`; the KV cache `batch.kv` written at the
     step's positions): what GroupedQueryAttention computes part by part for a layer with
     per-head q/k norms (`q_norm`, `k_norm` [D]) and full rotary, in one call; -> [B, 1, H] in
     x's dtype. None unless x is a contiguous host bfloat16 or float32 tensor of at most
     DECODE_MAX_TOKENS rows, the cache's decode kernel takes the step (KVCache.kernel_step) and
-    the parts' kernels would (the glue, dense and block switches of hybridmoe/env.py on)."""
+    the parts' kernels would (the glue, dense and block switches of hybridmoe/env.py on).
+    With `residual` = (delta, input norm scale, post-attention norm scale), x is the residual
+    stream instead: s = x + delta (delta None: s = x) and its input norm, the attention of
+    that, then (s + the attention's output, its post-attention norm) is returned, as
+    layers/norm.add_rms_norm computes them (bfloat16 x: the norms' scale rounded; a float32
+    delta rounded first); None also where add_rms_norm would not take the kernel."""
     heads, kv_heads, dim = shape
     dtype = x.dtype
     B, T, hidden = x.shape
@@ -65,6 +71,8 @@ def decode_block(
         return None
     if o.in_features != heads * dim or o.out_features != hidden or qkv.in_features != hidden:
         return None
+    if residual is not None and not _residual_fits(x, *residual):
+        return None
     kernel_step = getattr(batch.kv, "kernel_step", None)
     lanes = glue.softmax_lanes()
     if kernel_step is None or lanes is None:
@@ -76,7 +84,26 @@ def decode_block(
     kv_len = batch.kv_len
     if not _fits(caches, slots, rows, positions, kv_len, ring, B, kv_heads, dim):
         return None  # the parts' path raises what does not fit
-    return _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes)
+    return _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual)
+
+
+def _residual_fits(x, delta, in_scale, post_scale) -> bool:
+    """Whether add_rms_norm takes glue.norm's kernel for both of the layer's norms."""
+    if x.numel() > glue.MAX_NUMEL or x.shape[-1] > glue.MAX_ROW:
+        return False
+    for scale in (in_scale, post_scale):
+        if scale.dtype is not x.dtype or scale.shape != x.shape[-1:]:
+            return False
+        if not (scale.is_cpu and scale.is_contiguous()):
+            return False
+    if delta is None:
+        return True
+    return (
+        delta.dtype in (x.dtype, torch.float32)
+        and delta.shape == x.shape
+        and delta.is_cpu
+        and delta.is_contiguous()
+    )
 
 
 def _fits(caches, slots, rows, positions, kv_len, ring, B, kv_heads, dim) -> bool:
@@ -90,7 +117,7 @@ def _fits(caches, slots, rows, positions, kv_len, ring, B, kv_heads, dim) -> boo
     )
 
 
-def _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes) -> torch.Tensor:
+def _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual=None):
     from hybridmoe.kernels import numba_moe
     from hybridmoe.kernels.numba_attention import MIN_PARALLEL_BYTES
     from hybridmoe.kernels.numba_attention_block import block_kernel
@@ -114,7 +141,22 @@ def _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes) -> torch.Ten
     y = host_array(out, np_dtype)
     qkv_out, att = np.empty(B * width, np_dtype), np.empty(B * heads * dim, np_dtype)
     scratch = np.empty(3 * B * heads * dim * x.element_size(), np.uint8)
-    x_arr = host_array(x, np_dtype)
+    if residual is None:
+        x_arr, reply = host_array(x, np_dtype), out
+        addresses, flags_of_norms = (0,) * 7, (0, 0, False, False)
+    else:  # x is the stream: the input norm writes x_arr, the block ends with the post norm
+        delta, in_scale, post_scale = residual
+        x_arr = np.empty(B * hidden, np_dtype)
+        summed = x if delta is None else glue.empty(x.shape, dtype)
+        after, post_normed = glue.empty(x.shape, dtype), glue.empty(x.shape, dtype)
+        stream = x.data_ptr()
+        addresses = (
+            stream, stream if delta is None else delta.data_ptr(), summed.data_ptr(),
+            in_scale.data_ptr(), after.data_ptr(), post_normed.data_ptr(), post_scale.data_ptr(),
+        )  # fmt: skip
+        in_flags = glue.norm_flags(dtype, dtype, bf16, None if delta is None else delta.dtype)
+        flags_of_norms = (in_flags, glue.norm_flags(dtype, dtype, bf16, dtype), True, True)
+        reply = after, post_normed
     if bf16:
         arrays = (_NO_F32, x_arr, _NO_F32, qkv_out, _NO_F32, att, _NO_F32, y)
     else:
@@ -127,6 +169,6 @@ def _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes) -> torch.Ten
     numba_moe.launch(
         kernel, threads, *arrays, scratch, qkv_call.weight, qkv_call.bias, o_call.weight,
         o_call.bias, sizes, flags, norms, *caches, rows, positions, float(eps),
-        np.float32(1.0 / math.sqrt(dim)),
+        np.float32(1.0 / math.sqrt(dim)), addresses, flags_of_norms,
     )  # fmt: skip
-    return out
+    return reply

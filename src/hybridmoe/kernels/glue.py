@@ -93,17 +93,31 @@ def norm(
     if y is not None and not (_host(y) and y.shape == x.shape):
         return None
     k = _numba_glue()
-    flags = (x.dtype is _BF16) * k.X_BF16 + (scale.dtype is _BF16) * k.SCALE_BF16
-    flags += scale_rounded * k.SCALE_ROUNDED
+    flags = norm_flags(x.dtype, scale.dtype, scale_rounded, None if y is None else y.dtype)
     out, x_at = torch.empty_like(x), x.data_ptr()
     if y is None:
         total, y_at = x, x_at
     else:
         total, y_at = torch.empty_like(x), y.data_ptr()
-        flags += k.ADD + (y.dtype is _BF16) * k.Y_BF16
     rows = x.numel() // n
     k.norm_rows(x_at, y_at, scale.data_ptr(), total.data_ptr(), out.data_ptr(), rows, n, eps, flags)
     return total, out
+
+
+def norm_flags(
+    x_dtype: torch.dtype,
+    scale_dtype: torch.dtype,
+    scale_rounded: bool,
+    y_dtype: torch.dtype | None = None,
+) -> int:
+    """numba_glue.norm_rows' flags for x, scale and (with the residual add) y of these
+    dtypes, as norm() calls it."""
+    k = _numba_glue()
+    flags = (x_dtype is _BF16) * k.X_BF16 + (scale_dtype is _BF16) * k.SCALE_BF16
+    flags += scale_rounded * k.SCALE_ROUNDED
+    if y_dtype is not None:
+        flags += k.ADD + (y_dtype is _BF16) * k.Y_BF16
+    return flags
 
 
 def _token_stride(shape: torch.Size, strides: tuple[int, ...]) -> int | None:

@@ -34,7 +34,7 @@ from hybridmoe.kernels import (
 from hybridmoe.kernels.numba_attention import DECODE_ATTENTION, DECODE_ATTENTION_SERIAL
 from hybridmoe.kernels.numba_cache import cached_njit
 from hybridmoe.kernels.numba_dense import dense_parallel, dense_serial
-from hybridmoe.kernels.numba_glue import norm_rotary_rows
+from hybridmoe.kernels.numba_glue import norm_rotary_rows, norm_rows
 from hybridmoe.kernels.numba_moe import kernel_sources
 from hybridmoe.quant.formats import WEIGHT_FORMATS
 
@@ -86,16 +86,26 @@ def _block_entry(qkv_kernel, o_kernel):
     qkv_w, qkv_bias, o_w, o_bias: the weights' bytes and float32 biases (empty: none),
     sizes (SIZES ints), flags (FLAGS bools), norms (q norm, k norm, cos, sin addresses; the
     norms 0: none), kc, vc: the layer's cache arrays, rows, pos: the step's cache rows and
-    positions, eps, scale: the norm's epsilon and the attention's scale (float32)."""
+    positions, eps, scale: the norm's epsilon and the attention's scale (float32);
+    residual: the layer's residual adds and norms around the attention (numba_glue.norm_rows'
+    addresses: the stream, the previous layer's MLP output, their sum, the input norm's scale,
+    the sum after the attention, its norm, the post-attention norm's scale), residual_flags:
+    norm_rows' flags of the input norm and of the post-attention one, whether each runs (else
+    x holds the normed input and the block ends with the o projection)."""
 
     def attention_block(
         x, x_bf16, qkv, qkv_bf16, att, att_bf16, y, y_bf16, scratch, qkv_w, qkv_bias, o_w,
-        o_bias, sizes, flags, norms, kc, vc, rows, pos, eps, scale,
+        o_bias, sizes, flags, norms, kc, vc, rows, pos, eps, scale, residual, residual_flags,
     ):  # fmt: skip
         hidden, heads, kv_heads, dim, slots, kv_len, lanes, tokens = sizes[:8]
         qkv_row_bytes, qkv_items, o_row_bytes, o_items, ring, window = sizes[8:]
         qkv_par, o_par, attn_par, bf16 = flags
         width = (heads + 2 * kv_heads) * dim
+        stream, previous, summed, in_scale, after, post_normed, post_scale = residual
+        in_flags, post_flags, pre, post = residual_flags
+        if pre:  # the input norm (with the residual add before it) writes x
+            h = np.int64(x_bf16.ctypes.data if bf16 else x.ctypes.data)
+            norm_rows(stream, previous, in_scale, summed, h, tokens, hidden, eps, in_flags)
         if qkv_par:
             dense_parallel(
                 qkv_kernel, qkv_w, qkv_row_bytes, hidden, width, x, x_bf16, tokens, qkv_bias,
@@ -141,6 +151,9 @@ def _block_entry(qkv_kernel, o_kernel):
                 o_kernel, o_w, o_row_bytes, heads * dim, hidden, att, att_bf16, tokens, o_bias,
                 y, y_bf16, o_items,
             )  # fmt: skip
+        if post:  # the residual add of the attention's output and the post-attention norm
+            out = np.int64(y_bf16.ctypes.data if bf16 else y.ctypes.data)
+            norm_rows(summed, out, post_scale, after, post_normed, tokens, hidden, eps, post_flags)
 
     name = f"attention_block_{qkv_kernel.name}_{o_kernel.name}"
     attention_block.__name__ = attention_block.__qualname__ = name  # own cache files

@@ -148,10 +148,14 @@ class GroupedQueryAttention:
         out = attend(q, k, v, batch, self.layer_idx, self.window, self._attend, rotated)
         return self.o_proj(out.reshape(B, T, cfg.q_size))  # out [B, T, heads, D]
 
-    def _decode_block(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+    def _decode_block(
+        self, x: torch.Tensor, batch: ForwardBatch, residual: tuple | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """The whole call in one numba kernel (kernels/attention_block.py) where the parts
         below would each run theirs: a host decode step with the KV cache's kernel; the same
-        bits. None otherwise."""
+        bits. None otherwise. With `residual` (delta, input norm, post-attention norm) x is
+        the residual stream and the block also runs the layer's two RMSNorms and residual
+        adds around the attention (decode_residual_block)."""
         if not self.q_proj.uses_kernel(x) or batch.kv is None or not batch.is_decode:
             return None
         cfg = self.cfg
@@ -159,8 +163,25 @@ class GroupedQueryAttention:
         qkv, o = self._stacked_qkv().stacked, self.o_proj
         return attention_block.decode_block(
             qkv, o, self.q_norm, self.k_norm, cfg.rms_norm_eps, x, batch, self.layer_idx,
-            self.window, shape,
+            self.window, shape, residual,
         )  # fmt: skip
+
+    def decode_residual_block(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        input_norm: torch.Tensor,
+        post_norm: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(s + attention(rms_norm(s)), rms_norm(that) with post_norm) for s = x + delta (a
+        decoder layer's input norm, this attention and its post-attention norm, with their
+        residual adds, as layers/norm.add_rms_norm and this call compute them) in one numba
+        call on a host decode step; None where the block does not take the step."""
+        cfg = self.cfg
+        if self._attend is not sdpa or cfg.qk_norm != "per_head" or cfg.clip_qkv is not None:
+            return None
+        return self._decode_block(x, batch, (delta, input_norm, post_norm))
 
     def _norm_rotary(
         self, q: torch.Tensor, k: torch.Tensor, batch: ForwardBatch

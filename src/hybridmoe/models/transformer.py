@@ -65,6 +65,19 @@ class DecoderLayer:
         expert's (not the router)."""
         return self.attn.projections() + self.mlp.projections()
 
+    def _residual_block(
+        self, x: torch.Tensor, batch: ForwardBatch, delta: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The norms, attention and residual adds below in one kernel call where the attention
+        offers it (GroupedQueryAttention.decode_residual_block: a host decode step) and the
+        norms are plain RMSNorms with the attention's epsilon; None otherwise."""
+        block = getattr(self.attn, "decode_residual_block", None)
+        if block is None or self.norm_kind is not NORMS["rms"] or not batch.is_decode:
+            return None
+        if self.eps != self.attn.cfg.rms_norm_eps:
+            return None
+        return block(x, delta, self.input_norm, self.post_attention_norm, batch)
+
     def __call__(
         self, x: torch.Tensor, batch: ForwardBatch, delta: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,12 +86,16 @@ class DecoderLayer:
         MLP output), whose sum is the layer's output: each residual add is fused with the
         norm after it (`norm_kind.add_apply`), the last one with the next layer's. An MoE
         layer's output may be its float32 partial: add_apply rounds it to x's dtype first."""
-        if delta is None:
-            h = self.norm_kind.apply(x, self.input_norm, self.eps)
+        fused = self._residual_block(x, batch, delta)
+        if fused is not None:
+            x, h = fused
         else:
-            x, h = self.norm_kind.add_apply(x, delta, self.input_norm, self.eps)
-        attn_out = self.attn(h, batch)
-        x, h = self.norm_kind.add_apply(x, attn_out, self.post_attention_norm, self.eps)
+            if delta is None:
+                h = self.norm_kind.apply(x, self.input_norm, self.eps)
+            else:
+                x, h = self.norm_kind.add_apply(x, delta, self.input_norm, self.eps)
+            attn_out = self.attn(h, batch)
+            x, h = self.norm_kind.add_apply(x, attn_out, self.post_attention_norm, self.eps)
         if isinstance(self.mlp, OffloadMoELayer):
             return x, self.mlp(h, batch.is_decode, rounded=False)
         return x, self.mlp(h)

@@ -81,45 +81,27 @@ def decode_block(
     if step is None:
         return None
     caches, slots, rows, positions, ring, window = step
-    kv_len = batch.kv_len
-    if not _fits(caches, slots, rows, positions, kv_len, ring, B, kv_heads, dim):
+    from hybridmoe.kernels.numba_attention import cache_fits  # the cache's kernel: loaded
+
+    if not cache_fits(caches, slots, rows, positions, batch.kv_len, ring, B, kv_heads, dim):
         return None  # the parts' path raises what does not fit
     return _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual)
 
 
 def _residual_fits(x, delta, in_scale, post_scale) -> bool:
-    """Whether add_rms_norm takes glue.norm's kernel for both of the layer's norms."""
-    if x.numel() > glue.MAX_NUMEL or x.shape[-1] > glue.MAX_ROW:
+    """Whether layers/norm.add_rms_norm (rms_norm without delta) takes glue.norm's kernel for
+    the input norm, and add_rms_norm for the post-attention one (its y: the attention's output,
+    of x's dtype and shape)."""
+    if in_scale.dtype is not x.dtype or post_scale.dtype is not x.dtype:
         return False
-    for scale in (in_scale, post_scale):
-        if scale.dtype is not x.dtype or scale.shape != x.shape[-1:]:
-            return False
-        if not (scale.is_cpu and scale.is_contiguous()):
-            return False
-    if delta is None:
-        return True
-    return (
-        delta.dtype in (x.dtype, torch.float32)
-        and delta.shape == x.shape
-        and delta.is_cpu
-        and delta.is_contiguous()
-    )
-
-
-def _fits(caches, slots, rows, positions, kv_len, ring, B, kv_heads, dim) -> bool:
-    """numba_attention.decode_attention's checks of the cache and the step's rows."""
-    return (
-        caches[0].shape[0] == caches[1].shape[0]
-        and caches[0].shape[0] % (kv_heads * slots * dim) == 0
-        and positions.shape[0] == B
-        and rows.shape[0] == B
-        and (ring is not None or kv_len <= slots)
-    )
+    if delta is not None and delta.dtype not in (x.dtype, torch.float32):
+        return False
+    return glue.norm_fits(x, in_scale, delta) and glue.norm_fits(x, post_scale)
 
 
 def _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual=None):
     from hybridmoe.kernels import numba_moe
-    from hybridmoe.kernels.numba_attention import MIN_PARALLEL_BYTES
+    from hybridmoe.kernels.numba_attention import step_threads
     from hybridmoe.kernels.numba_attention_block import block_kernel
 
     heads, kv_heads, dim = shape
@@ -128,12 +110,11 @@ def _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual=Non
     np_dtype, bf16 = _DTYPES[dtype], dtype is torch.bfloat16
     qkv_call, o_call = qkv.host_call(), o.host_call()
     threads = min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
-    keys = min(batch.kv_len, ring or window or batch.kv_len)
-    kv_bytes = B * keys * kv_heads * dim * 2 * x.element_size()
+    attention_threads = step_threads(B, batch.kv_len, ring, window, kv_heads, dim, x.element_size())
     flags = (
         qkv_call.threads(threads) > 1,
         o_call.threads(threads) > 1,
-        threads > 1 and kv_bytes >= MIN_PARALLEL_BYTES,
+        attention_threads > 1,
         bf16,
     )
     width = (heads + 2 * kv_heads) * dim

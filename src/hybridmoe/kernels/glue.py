@@ -87,12 +87,9 @@ def norm(
     to x's dtype first), scale [N]; both results in x's dtype (numba_glue.norm_rows;
     `scale_rounded`: x * rsqrt is rounded to bfloat16 before scale multiplies). None: see
     the module's docstring."""
-    n = x.shape[-1]
-    if not (_decode_sized(x) and _host(scale) and scale.shape == (n,) and env.glue_kernels()):
+    if not norm_fits(x, scale, y):
         return None
-    if y is not None and not (_host(y) and y.shape == x.shape):
-        return None
-    k = _numba_glue()
+    n, k = x.shape[-1], _numba_glue()
     flags = norm_flags(x.dtype, scale.dtype, scale_rounded, None if y is None else y.dtype)
     out, x_at = torch.empty_like(x), x.data_ptr()
     if y is None:
@@ -102,6 +99,15 @@ def norm(
     rows = x.numel() // n
     k.norm_rows(x_at, y_at, scale.data_ptr(), total.data_ptr(), out.data_ptr(), rows, n, eps, flags)
     return total, out
+
+
+def norm_fits(x: torch.Tensor, scale: torch.Tensor, y: torch.Tensor | None = None) -> bool:
+    """Whether norm(x, scale, ..., y) computes (else it returns None)."""
+    if not (_decode_sized(x) and _host(scale) and scale.shape == x.shape[-1:]):
+        return False
+    if y is not None and not (_host(y) and y.shape == x.shape):
+        return False
+    return env.glue_kernels()
 
 
 def norm_flags(

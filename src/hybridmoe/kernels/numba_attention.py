@@ -426,14 +426,36 @@ def _attend(q, k, v, caches, slots, rows, positions, kv_len, ring, window, threa
     dims = (heads, kv_heads, D, slots, q_stride, k_stride, kv_len, softmax_lanes())
     args = (step, *caches, dims, rows, positions, ring or 0, window or 0, scale)
     if threads is None:
-        keys = min(kv_len, ring or window or kv_len)
-        small = B * keys * kv_heads * D * 2 * q.element_size() < MIN_PARALLEL_BYTES
-        threads = 1 if small else min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
+        threads = step_threads(B, kv_len, ring, window, kv_heads, D, q.element_size())
     if threads == 1:
         DECODE_ATTENTION_SERIAL(*args)
     else:
         launch(DECODE_ATTENTION, threads, *args)
     return out
+
+
+def step_threads(
+    B: int, kv_len: int, ring: int | None, window: int | None, kv_heads: int, D: int, size: int
+) -> int:
+    """The threads a step of B rows attending to kv_len positions (within `ring` or `window`)
+    runs on by default: torch's intra-op count, the calling thread alone where the keys and
+    values it reads (`size` bytes a value) are under MIN_PARALLEL_BYTES."""
+    keys = min(kv_len, ring or window or kv_len)
+    small = B * keys * kv_heads * D * 2 * size < MIN_PARALLEL_BYTES
+    return 1 if small else min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
+
+
+def cache_fits(caches, slots, rows, positions, kv_len, ring, B, kv_heads, D) -> bool:
+    """decode_attention's checks of the caches (cache_array's, one dtype) and the step's B
+    cache rows and positions, for kv_heads heads of D values."""
+    return (
+        caches[0].dtype is caches[1].dtype
+        and caches[0].shape[0] == caches[1].shape[0]
+        and caches[0].shape[0] % (kv_heads * slots * D) == 0
+        and positions.shape[0] == B
+        and rows.shape[0] == B
+        and (ring is not None or kv_len <= slots)
+    )
 
 
 def write_step(
@@ -475,12 +497,7 @@ def _fits(q, k, v, caches, slots, rows, positions, kv_len, ring) -> bool:
         and kv_shape[3] == D
         and heads % kv_shape[2] == 0
         and caches[0].dtype is _NP_DTYPES[dtype]
-        and caches[1].dtype is _NP_DTYPES[dtype]
-        and caches[0].shape[0] == caches[1].shape[0]
-        and caches[0].shape[0] % (kv_shape[2] * slots * D) == 0
-        and positions.shape[0] == B
-        and rows.shape[0] == B
-        and (ring is not None or kv_len <= slots)
+        and cache_fits(caches, slots, rows, positions, kv_len, ring, B, kv_shape[2], D)
         and q.is_cpu
         and k.is_cpu
         and v.is_cpu

@@ -362,9 +362,7 @@ class DenseCall:
             return
         args = (self._w, self._row_bytes, self.in_features, self.out_features, x, x_bf16)
         args += (tokens, self._bias, y, y_bf16, self._item_rows)
-        threads = self._threads
-        if threads is None:
-            threads = min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
+        threads = self.threads(min(kernel_threads(), numba.config.NUMBA_NUM_THREADS))
         if threads == 1:
             self._serial(*args)
         else:  # the module's name, looked up per call (the counting benchmarks replace it)

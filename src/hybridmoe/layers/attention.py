@@ -137,7 +137,7 @@ class GroupedQueryAttention:
         """x [B, T, H] -> [B, T, H]."""
         cfg = self.cfg
         B, T, _ = x.shape
-        if self._attend is sdpa and cfg.qk_norm == "per_head" and cfg.clip_qkv is None:
+        if self._blockable():
             out = self._decode_block(x, batch)  # one kernel call on the host, else None
             if out is not None:
                 return out
@@ -178,10 +178,15 @@ class GroupedQueryAttention:
         decoder layer's input norm, this attention and its post-attention norm, with their
         residual adds, as layers/norm.add_rms_norm and this call compute them) in one numba
         call on a host decode step; None where the block does not take the step."""
-        cfg = self.cfg
-        if self._attend is not sdpa or cfg.qk_norm != "per_head" or cfg.clip_qkv is not None:
+        if not self._blockable():
             return None
         return self._decode_block(x, batch, (delta, input_norm, post_norm))
+
+    def _blockable(self) -> bool:
+        """Whether this layer's attention is one the block computes: plain softmax attention
+        (sdpa's, no sink column), per-head q/k norms, no qkv clipping."""
+        cfg = self.cfg
+        return self._attend is sdpa and cfg.qk_norm == "per_head" and cfg.clip_qkv is None
 
     def _norm_rotary(
         self, q: torch.Tensor, k: torch.Tensor, batch: ForwardBatch

@@ -5,11 +5,12 @@ bytes it reads and the floats it writes do not alias), so the block loop is writ
 directly in LLVM IR: each 32-weight block is dequantised once into a <32 x float> register
 and multiplied into one register accumulator per (weight row, activation row) pair; each
 activation block is loaded once for all weight rows. Nothing is written to memory until the
-end of the rows. While a tile's rows are read, the same place `wrows` rows on is prefetched
-into L2 (every cache line): the next tile of a contiguous run of rows, so that a row's first
-lines are not demand misses and one thread keeps enough reads in flight to stream (as
-kernels/dense_ir.py does; a prefetch into L1 holds one of the core's few line-fill buffers
-until the line arrives). `prefetch_rows` starts the first tile of a run the caller reads next.
+end of the rows. While a tile's rows are read, the same place whole tiles on (at least
+PREFETCH_AHEAD_BYTES) is prefetched into L2 (every cache line): a later tile of a contiguous
+run of rows, so that a row's first lines are not demand misses and one thread keeps enough
+reads in flight to stream (as kernels/dense_ir.py does; a prefetch into L1 holds one of the
+core's few line-fill buffers until the line arrives). `prefetch_rows` starts the first tile of
+a run the caller reads next.
 
 Every format is read from a flat uint8 array at a byte offset; the activations are a flat
 float32 array. What a format's bytes are is its `KernelFormat` (quant/formats.py), which the
@@ -36,7 +37,21 @@ from hybridmoe.quant.formats import KERNEL_BLOCK, KernelFormat
 # which with the dequantised blocks and activations fit AVX-512's 32 vector registers
 TILES = ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2), (1, 3), (2, 3), (1, 4), (2, 4))
 PREFETCH_LOCALITY = 2  # llvm.prefetch locality: 2 = into L2 (prefetcht1)
+# a tile prefetches the blocks it reads this far on, in whole tiles: one tile of short rows
+# (a Qwen3-30B-A3B down row of q4_k is 432 B, its 4-row tile 1.7 KB) is read back in about a
+# DRAM latency, too late. Measured (AMD EPYC, one thread streaming 768-weight q4_k rows by the
+# q8 tile): 1 tile ahead 10.0-13.9 GB/s, >= 4 KB ahead 10.9-16.7, >= 8 KB 8.9-16.6 (64 to
+# 1536-row regions); rows of 2048 weights (a 4.6 KB tile) gain nothing from 2 tiles ahead
+PREFETCH_AHEAD_BYTES = 4096
 LINE_BYTES = 64
+
+
+def prefetch_distance(builder: ir.IRBuilder, row_bytes: ir.Value, wrows: int) -> ir.Value:
+    """Bytes from a tile's block to the block it prefetches: the fewest whole tiles of
+    `wrows` rows of `row_bytes` (an i64) that reach PREFETCH_AHEAD_BYTES."""
+    tile_bytes = builder.mul(row_bytes, i64(wrows))
+    tiles = builder.udiv(builder.add(tile_bytes, i64(PREFETCH_AHEAD_BYTES - 1)), tile_bytes)
+    return builder.mul(tile_bytes, tiles)
 
 
 class KernelFormatType(types.Type):
@@ -122,7 +137,7 @@ def _tile_dot_codegen(kernel: KernelFormat, wrows: int, xrows: int):
             )
             for c in range(xrows)
         ]
-        tile_bytes = builder.mul(row_bytes, i64(wrows))  # the next tile: `wrows` rows on
+        tile_bytes = prefetch_distance(builder, row_bytes, wrows)  # a later tile's block
         zero = ir.Constant(V32F, None)
         accs = [
             [[cgutils.alloca_once_value(builder, zero) for _ in x_rows] for _ in w_rows]
@@ -196,8 +211,9 @@ def _block_step(
     tile_bytes: ir.Value,
 ):
     """step(block_index, accs[wrow][xrow]): per weight row, prefetch the block `tile_bytes`
-    on (the next tile's; each line the block touches) and dequantise it once (the format's
-    own IR); FMA it with each activation row's 32 values (each loaded once per block)."""
+    on (a later tile's: prefetch_distance; each line the block touches) and dequantise it once
+    (the format's own IR); FMA it with each activation row's 32 values (each loaded once per
+    block)."""
     fma = _declare(builder, "llvm.fma.v32f32", V32F, [V32F] * 3)
     prefetch = _declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
     hints = [ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1)]
@@ -226,9 +242,10 @@ def _superblock_step(
     tile_bytes: ir.Value,
 ):
     """step(superblock_index, accs[set][wrow][xrow]): per weight row, prefetch the super-block
-    `tile_bytes` on (the next tile's; each of its cache lines) and decode its scales once (the
-    format's DequantizeSuperBlockIR); then piece by piece, the activations' 32 values loaded
-    once and each row's piece dequantised and FMAed into accumulator set `piece % sets`."""
+    `tile_bytes` on (a later tile's: prefetch_distance; each of its cache lines) and decode its
+    scales once (the format's DequantizeSuperBlockIR); then piece by piece, the activations' 32
+    values loaded once and each row's piece dequantised and FMAed into accumulator set
+    `piece % sets`."""
     fma = _declare(builder, "llvm.fma.v32f32", V32F, [V32F] * 3)
     prefetch = _declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
     hints = [ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1)]

@@ -45,7 +45,7 @@ from hybridmoe.kernels.llvm_ir import (
     pairwise_sum,
     target_has,
 )
-from hybridmoe.kernels.numba_simd import LINE_BYTES, PREFETCH_LOCALITY, TILES
+from hybridmoe.kernels.numba_simd import LINE_BYTES, PREFETCH_LOCALITY, TILES, prefetch_distance
 from hybridmoe.quant.activation_q8 import LANES
 from hybridmoe.quant.formats import KERNEL_BLOCK, KernelFormat
 
@@ -204,10 +204,10 @@ def _pair_chunks(wrows: int, xrows: int) -> list[list[tuple[int, int]]]:
 def _superblock_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tuple):
     """step(block, lane): super-block `block` of every (weight row, activation row) pair into
     lane `lane` of its accumulator by the contract's super-block steps; the same super-block
-    of the next tile (`tile_bytes` on) prefetched into L2. A chunk's (_pair_chunks) S and M
-    partial vectors are summed together (_transpose_sum), converted and scaled in one vector,
-    and added into lane `lane` of its lane accumulators (lanes[lane]: one <n x float> for the
-    chunk's n pairs)."""
+    of a later tile (`tile_bytes` on: prefetch_distance) prefetched into L2. A chunk's
+    (_pair_chunks) S and M partial vectors are summed together (_transpose_sum), converted and
+    scaled in one vector, and added into lane `lane` of its lane accumulators (lanes[lane]: one
+    <n x float> for the chunk's n pairs)."""
     w_rows, q_rows, d_rows, s_rows, chunks, tile_bytes = rows
     pairs, scaled_add, madd = _pair_ops(builder, path)
     prefetch = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
@@ -329,7 +329,7 @@ def _tile_codegen(kernel: KernelFormat, wrows: int, xrows: int):
         q_rows = [builder.gep(q_data, [s]) for s in x_starts]
         shift = i64(weights_per_block.bit_length() - 1)  # a block's scale: one per block
         d_rows = [builder.gep(d_data, [builder.lshr(s, shift)]) for s in x_starts]
-        tile_bytes = builder.mul(row_bytes, i64(wrows))  # the next tile: `wrows` rows on
+        tile_bytes = prefetch_distance(builder, row_bytes, wrows)  # a later tile's block
         s_data = context.make_array(s_ty)(context, builder, xs).data
         s_rows = [builder.gep(s_data, [builder.lshr(s, i64(4))]) for s in x_starts]
         out_data = context.make_array(out_ty)(context, builder, out).data
@@ -365,7 +365,7 @@ def _tile_codegen(kernel: KernelFormat, wrows: int, xrows: int):
 
 def _group_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tuple):
     """step(first_block): blocks first_block .. + 7 of every (weight row, activation row)
-    pair into its lane accumulator; the same blocks of the next tile (`tile_bytes` on)
+    pair into its lane accumulator; the same blocks of a later tile (`tile_bytes` on)
     prefetched into L2, as numba_simd.tile_dot does."""
     w_rows, q_rows, d_rows, s_rows, accs, tile_bytes = rows
     prepare, dot, bias = _block_dot(builder, path)

@@ -241,10 +241,12 @@ def rss_anon_bytes():
 
 # numba and the float32 CPU kernels load (or compile) on a first CPU decode-sized call: their
 # memory is not the weights', so it is spent before measuring: the serial entry (a small
-# weight) and the parallel one (>= 1 MiB), for 3 tokens as logits() below calls them
+# weight) and the parallel one (>= 1 MiB), for 3 tokens as logits() below calls them, and a
+# router's step (numba_dense.dense_route and its entry)
 from hybridmoe.kernels.projection import DenseProjection
 DenseProjection(torch.zeros(4, 8))(torch.zeros(1, 3, 8))
 DenseProjection(torch.zeros(1024, 1024))(torch.zeros(1, 3, 1024))
+DenseProjection(torch.randn(4, 8)).route(torch.randn(3, 8), 2, True, torch.float32)
 before = rss_anon_bytes()
 model = load_model(sys.argv[1], torch.float32)
 model.logits([1, 2, 3])  # reads every layer's weights

@@ -20,6 +20,17 @@ from hybridmoe.kernels.threads import kernel_threads
 _DTYPES = {torch.bfloat16: np.uint16, torch.float32: np.float32}
 _NO_F32 = np.empty(0, np.float32)
 _NO_BF16 = np.empty(0, np.uint16)
+_NO_U8 = np.empty(0, np.uint8)
+# the block's router arguments where it routes nothing (numba_attention_block's h ... route)
+_NO_ROUTE = (
+    _NO_F32,
+    _NO_BF16,
+    _NO_F32,
+    _NO_BF16,
+    _NO_U8,
+    _NO_F32,
+    (0, 0, 0, 0, 0, 0, False, False),
+)
 
 
 def decode_block(
@@ -34,7 +45,8 @@ def decode_block(
     window: int | None,
     shape: tuple[int, int, int],
     residual: tuple | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    route: tuple | None = None,
+) -> torch.Tensor | tuple | None:
     """o(attention(norm_rotary(q, k), v)) for the normed input x [B, 1, H] of a decode step,
     with q/k/v = qkv(x) (heads, kv_heads, D = `shape`; the KV cache `batch.kv` written at the
     step's positions): what GroupedQueryAttention computes part by part for a layer with
@@ -46,7 +58,12 @@ def decode_block(
     stream instead: s = x + delta (delta None: s = x) and its input norm, the attention of
     that, then (s + the attention's output, its post-attention norm) is returned, as
     layers/norm.add_rms_norm computes them (bfloat16 x: the norms' scale rounded; a float32
-    delta rounded first); None also where add_rms_norm would not take the kernel."""
+    delta rounded first); None also where add_rms_norm would not take the kernel. With
+    `residual` and `route` = (gate, k, renormalise, weights dtype) of a softmax router (its
+    gate a DenseProjection) the block also routes the post-attention norm's output as
+    gate.route does, and returns (stream, normed, routes): gate.route's answer, (ids,
+    weights) or the logits [B, E] where it leaves the routing to torch (a tie); None where
+    gate.route would not take the step (the caller then routes)."""
     heads, kv_heads, dim = shape
     dtype = x.dtype
     B, T, hidden = x.shape
@@ -85,7 +102,17 @@ def decode_block(
 
     if not cache_fits(caches, slots, rows, positions, batch.kv_len, ring, B, kv_heads, dim):
         return None  # the parts' path raises what does not fit
-    return _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual)
+    if route is not None and (residual is None or not _routes(x, *route)):
+        route = None
+    return _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual, route)
+
+
+def _routes(x: torch.Tensor, gate: DenseProjection, top_k: int, _, weights_dtype) -> bool:
+    """Whether gate.route(h, top_k, ...) takes the kernel for the post-attention norm's output
+    h (x's dtype and shape, [B, 1, H])."""
+    if gate.bias is not None or not gate.uses_kernel(x):
+        return False
+    return gate.host_call().routes(x, top_k, weights_dtype)
 
 
 def _residual_fits(x, delta, in_scale, post_scale) -> bool:
@@ -99,7 +126,7 @@ def _residual_fits(x, delta, in_scale, post_scale) -> bool:
     return glue.norm_fits(x, in_scale, delta) and glue.norm_fits(x, post_scale)
 
 
-def _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual=None):
+def _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual=None, route=None):
     from hybridmoe.kernels import numba_moe
     from hybridmoe.kernels.numba_attention import step_threads
     from hybridmoe.kernels.numba_attention_block import block_kernel
@@ -146,10 +173,32 @@ def _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual=Non
     sizes += (qkv_call.row_bytes, qkv_call.rows_per_item, o_call.row_bytes, o_call.rows_per_item)
     sizes += (ring or 0, window or 0)
     norms = (q_norm.data_ptr(), k_norm.data_ptr(), batch.cos.data_ptr(), batch.sin.data_ptr())
-    kernel = block_kernel(qkv_call.fmt.name, o_call.fmt.name)
-    numba_moe.launch(
+    if route is None:
+        gate_call, routing, routes = None, _NO_ROUTE, None
+    else:  # the router's step, as numba_dense.DenseCall.route makes it
+        gate, top_k, renorm, weights_dtype = route
+        gate_call, experts = gate.host_call(), gate.out_features
+        routes = glue.empty((B, top_k), torch.int64), glue.empty((B, top_k), weights_dtype)
+        h = host_array(reply[1], np_dtype)
+        logits = np.empty(B * experts, np_dtype)  # [B, E] gate.route's, for a tie
+        routing = (
+            *((_NO_F32, h, _NO_F32, logits) if bf16 else (h, _NO_BF16, logits, _NO_BF16)),
+            gate_call.weight, gate_call.bias,
+            (
+                gate_call.row_bytes, experts, gate_call.rows_per_item, top_k,
+                routes[0].data_ptr(), routes[1].data_ptr(), weights_dtype is torch.bfloat16,
+                bool(renorm),
+            ),
+        )  # fmt: skip
+    kernel = block_kernel(qkv_call.fmt.name, o_call.fmt.name, gate_call and gate_call.fmt.name)
+    routed = numba_moe.launch(
         kernel, threads, *arrays, scratch, qkv_call.weight, qkv_call.bias, o_call.weight,
         o_call.bias, sizes, flags, norms, *caches, rows, positions, float(eps),
-        np.float32(1.0 / math.sqrt(dim)), addresses, flags_of_norms,
+        np.float32(1.0 / math.sqrt(dim)), addresses, flags_of_norms, *routing,
     )  # fmt: skip
-    return reply
+    if residual is None:
+        return reply
+    if route is not None and not routed:  # the logits, for torch to route (gate.route's)
+        view = torch.from_numpy(logits)
+        routes = (view.view(torch.bfloat16) if bf16 else view).view(B, experts)
+    return (*reply, routes)

@@ -33,7 +33,7 @@ from hybridmoe.kernels import (
 )
 from hybridmoe.kernels.numba_attention import DECODE_ATTENTION, DECODE_ATTENTION_SERIAL
 from hybridmoe.kernels.numba_cache import cached_njit
-from hybridmoe.kernels.numba_dense import dense_parallel, dense_serial
+from hybridmoe.kernels.numba_dense import dense_parallel, dense_route, dense_serial
 from hybridmoe.kernels.numba_glue import norm_rotary_rows, norm_rows
 from hybridmoe.kernels.numba_moe import kernel_sources
 from hybridmoe.quant.formats import WEIGHT_FORMATS
@@ -57,26 +57,29 @@ _SOURCES = (
 )
 _CACHE_DIR = str(env.kernel_cache_dir(*_SOURCES))
 _LOCK = threading.Lock()
-_BLOCKS: dict[tuple[str, str], Dispatcher] = {}
+_BLOCKS: dict[tuple[str, str, str | None], Dispatcher] = {}
 
 
-def block_kernel(qkv_fmt: str, o_fmt: str) -> Dispatcher:
+def block_kernel(qkv_fmt: str, o_fmt: str, route_fmt: str | None = None) -> Dispatcher:
     """The attention block's entry for q/k/v weights in format `qkv_fmt` and o's in `o_fmt`
-    (names), made on first use."""
-    key = (qkv_fmt, o_fmt)
+    (names), and with `route_fmt` a router's gate in that format routed after the
+    post-attention norm; made on first use."""
+    key = (qkv_fmt, o_fmt, route_fmt)
     with _LOCK:
         if key not in _BLOCKS:
             previous, numba.config.CACHE_DIR = numba.config.CACHE_DIR, _CACHE_DIR
             try:  # numba picks the cache directory when a function is decorated
                 kernels = (WEIGHT_FORMATS[qkv_fmt].kernel, WEIGHT_FORMATS[o_fmt].kernel)
-                _BLOCKS[key] = _block_entry(*kernels)
+                route = None if route_fmt is None else WEIGHT_FORMATS[route_fmt].kernel
+                _BLOCKS[key] = _block_entry(*kernels, route)
             finally:
                 numba.config.CACHE_DIR = previous
         return _BLOCKS[key]
 
 
-def _block_entry(qkv_kernel, o_kernel):
-    """The block for these two KernelFormats. Arguments:
+def _block_entry(qkv_kernel, o_kernel, route_kernel=None):
+    """The block for these two KernelFormats (and a router's gate in `route_kernel`, None:
+    none). Arguments:
     x, x_bf16: the normed input [tokens * hidden] (float32, or bfloat16 bits; the other empty),
     qkv, qkv_bf16: the q/k/v projection's output [tokens * (heads + 2 kv_heads) * D], written,
     att, att_bf16: the attention's output [tokens * heads * D], written,
@@ -91,11 +94,22 @@ def _block_entry(qkv_kernel, o_kernel):
     addresses: the stream, the previous layer's MLP output, their sum, the input norm's scale,
     the sum after the attention, its norm, the post-attention norm's scale), residual_flags:
     norm_rows' flags of the input norm and of the post-attention one, whether each runs (else
-    x holds the normed input and the block ends with the o projection)."""
+    x holds the normed input and the block ends with the o projection);
+    normed, normed_bf16, logits, logits_bf16: the post-attention norm's output [tokens *
+    hidden] (the array at its address) and the router's logits [tokens * experts], written;
+    route_w,
+    route_bias: the gate's bytes and float32 bias (empty); route: (row bytes, experts,
+    work-item rows, k, ids address, weights address, weights bfloat16, renormalise): what
+    numba_dense.dense_route takes after the post-attention norm (a route_kernel block runs
+    its norms).
+    Returns dense_route's answer (True without a router: nothing left to route)."""
+    routes = route_kernel is not None
+    gate_kernel = qkv_kernel if route_kernel is None else route_kernel  # compiled, not run
 
     def attention_block(
         x, x_bf16, qkv, qkv_bf16, att, att_bf16, y, y_bf16, scratch, qkv_w, qkv_bias, o_w,
         o_bias, sizes, flags, norms, kc, vc, rows, pos, eps, scale, residual, residual_flags,
+        normed, normed_bf16, logits, logits_bf16, route_w, route_bias, route,
     ):  # fmt: skip
         hidden, heads, kv_heads, dim, slots, kv_len, lanes, tokens = sizes[:8]
         qkv_row_bytes, qkv_items, o_row_bytes, o_items, ring, window = sizes[8:]
@@ -154,8 +168,17 @@ def _block_entry(qkv_kernel, o_kernel):
         if post:  # the residual add of the attention's output and the post-attention norm
             out = np.int64(y_bf16.ctypes.data if bf16 else y.ctypes.data)
             norm_rows(summed, out, post_scale, after, post_normed, tokens, hidden, eps, post_flags)
+            if routes:
+                return dense_route(
+                    gate_kernel, route_w, route[0], hidden, route[1], normed, normed_bf16, tokens,
+                    route_bias, logits, logits_bf16, route[2], route[4], route[5], route[6],
+                    route[3], route[7], lanes,
+                )  # fmt: skip
+        return True
 
     name = f"attention_block_{qkv_kernel.name}_{o_kernel.name}"
+    if routes:
+        name += f"_route_{route_kernel.name}"
     attention_block.__name__ = attention_block.__qualname__ = name  # own cache files
     # no fastmath: the block's own work is addresses and copies; its kernels keep their flags
     return cached_njit(nogil=True)(attention_block)

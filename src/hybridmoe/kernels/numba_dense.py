@@ -166,38 +166,53 @@ def _dense_entry(kernel: KernelFormat, parallel: bool):
     return cached_njit(**_FLAGS)(dense)
 
 
-def _route_entry(kernel: KernelFormat):
-    """A serial entry point for a softmax router's gate in `kernel`'s format: _dense's
-    logits, then numba_glue.softmax_topk_route of them, in one call (the router's gate is
-    small: the calling thread reads it). Arguments: _dense's (less `fmt`), then the route's
-    ids and weights addresses, weights_bf16, k, renorm, lanes; the logits stay in y or
-    y_bf16 (the caller's arrays, bfloat16 bits for bfloat16 activations). Returns
-    softmax_topk_route's answer."""
+# no fastmath here: numba compiles a jitted function first called from inside another's
+# compile with the caller's flags (and caches it so), and 'arcp' turned the top-k's
+# renormalising division into a multiply by the reciprocal (other bits, in every later
+# process). _dense's own arithmetic is explicit FMAs and bit operations: the same bits
+# (tests/kernel_tests/test_numba_glue.py compares the logits with DENSE's).
+@cached_njit(nogil=True)
+def dense_route(
+    fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows, ids, weights,
+    weights_bf16, k, renorm, lanes,
+):  # fmt: skip
+    """A softmax router's step on the calling thread (the router's gate is small): _dense's
+    logits of the gate in `fmt`, then numba_glue.softmax_topk_route of them. Arguments:
+    _dense's, then the route's ids and weights addresses, weights_bf16, k, renorm, lanes; the
+    logits stay in y or y_bf16 (the caller's arrays, bfloat16 bits for bfloat16
+    activations). Returns softmax_topk_route's answer. Called by the route entries and by
+    the attention block (numba_attention_block.py), which routes after its post-attention
+    norm."""
+    _dense(fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows)
+    bf16 = x_bf16.shape[0] > 0
+    logits = y_bf16.ctypes.data if bf16 else y.ctypes.data
+    return numba_glue.softmax_topk_route(
+        logits, bf16, ids, weights, weights_bf16, tokens, nrows, k, renorm, lanes
+    )
 
-    def dense_route(
+
+def _route_entry(kernel: KernelFormat):
+    """dense_route's entry point for a gate in `kernel`'s format (same arguments, less
+    `fmt`)."""
+
+    def route(
         w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows, ids, weights,
         weights_bf16, k, renorm, lanes,
     ):  # fmt: skip
-        _dense(kernel, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows)
-        bf16 = x_bf16.shape[0] > 0
-        logits = y_bf16.ctypes.data if bf16 else y.ctypes.data
-        return numba_glue.softmax_topk_route(
-            logits, bf16, ids, weights, weights_bf16, tokens, nrows, k, renorm, lanes
-        )
+        return dense_route(
+            kernel, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows, ids,
+            weights, weights_bf16, k, renorm, lanes,
+        )  # fmt: skip
 
-    dense_route.__name__ = dense_route.__qualname__ = f"dense_route_{kernel.name}"
-    # no fastmath here: numba compiles a jitted function first called from inside another's
-    # compile with the caller's flags (and caches it so), and 'arcp' turned the top-k's
-    # renormalising division into a multiply by the reciprocal (other bits, in every later
-    # process). _dense's own arithmetic is explicit FMAs and bit operations: the same bits
-    # (tests/kernel_tests/test_numba_glue.py compares the logits with DENSE's).
-    return cached_njit(nogil=True)(dense_route)
+    route.__name__ = route.__qualname__ = f"dense_route_{kernel.name}"  # own cache files
+    return cached_njit(nogil=True)(route)
 
 
 DENSE = {name: _dense_entry(fmt.kernel, True) for name, fmt in WEIGHT_FORMATS.items()}
 DENSE_SERIAL = {name: _dense_entry(fmt.kernel, False) for name, fmt in WEIGHT_FORMATS.items()}
 # the float formats a router's gate is kept in (a router is never quantised)
 DENSE_ROUTE = {name: _route_entry(WEIGHT_FORMATS[name].kernel) for name in ("f32", "bf16", "f16")}
+_ROUTE_DTYPES = (torch.float32, torch.bfloat16)  # of a route's activations and weights
 numba.config.CACHE_DIR = _previous_cache_dir  # every cached function above is decorated
 
 _NO_BIAS = _NO_F32 = np.empty(0, np.float32)
@@ -314,6 +329,18 @@ class DenseCall:
         self._run(x32.shape[0] // n, x32, _NO_BF16, y.reshape(-1), _NO_BF16)
         return torch.from_numpy(y)
 
+    def routes(self, x: torch.Tensor, top_k: int, weights_dtype: torch.dtype) -> bool:
+        """Whether dense_route takes this gate's step for x (route's conditions, less x's
+        shape being [T, n]: a contiguous host tensor of float32 or bfloat16 of rows of n,
+        weights of either dtype, a gate format with an entry, top_k in range, torch's
+        softmax reproduced here: glue.softmax_lanes)."""
+        if self.fmt.name not in DENSE_ROUTE or glue.softmax_lanes() is None:
+            return False
+        if not (x.is_contiguous() and x.dtype in _ROUTE_DTYPES and weights_dtype in _ROUTE_DTYPES):
+            return False
+        n = self.in_features
+        return x.shape[-1] == n and 0 < top_k <= self.out_features and x.numel() > 0
+
     def route(
         self, x: torch.Tensor, top_k: int, renorm: bool, weights_dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
@@ -325,17 +352,9 @@ class DenseCall:
         bfloat16, a weights dtype other, a gate format without the entry, torch's softmax
         not reproduced here: glue.softmax_lanes)."""
         lanes = glue.softmax_lanes()
-        entry = DENSE_ROUTE.get(self.fmt.name)
-        if entry is None or lanes is None or x.dim() != 2 or not x.is_contiguous():
+        if not self.routes(x, top_k, weights_dtype) or x.dim() != 2:
             return None
-        if x.dtype not in (torch.float32, torch.bfloat16) or weights_dtype not in (
-            torch.float32,
-            torch.bfloat16,
-        ):
-            return None
-        tokens, n = x.shape
-        if n != self.in_features or not 0 < top_k <= self.out_features or not tokens:
-            return None
+        entry, (tokens, n) = DENSE_ROUTE[self.fmt.name], x.shape
         ids, weights = (
             glue.empty((tokens, top_k), torch.int64),
             glue.empty((tokens, top_k), weights_dtype),

@@ -149,13 +149,18 @@ class GroupedQueryAttention:
         return self.o_proj(out.reshape(B, T, cfg.q_size))  # out [B, T, heads, D]
 
     def _decode_block(
-        self, x: torch.Tensor, batch: ForwardBatch, residual: tuple | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        residual: tuple | None = None,
+        route: tuple | None = None,
+    ) -> torch.Tensor | tuple | None:
         """The whole call in one numba kernel (kernels/attention_block.py) where the parts
         below would each run theirs: a host decode step with the KV cache's kernel; the same
         bits. None otherwise. With `residual` (delta, input norm, post-attention norm) x is
         the residual stream and the block also runs the layer's two RMSNorms and residual
-        adds around the attention (decode_residual_block)."""
+        adds around the attention, and the router's step after them with `route`
+        (decode_residual_block)."""
         if not self.q_proj.uses_kernel(x) or batch.kv is None or not batch.is_decode:
             return None
         cfg = self.cfg
@@ -163,7 +168,7 @@ class GroupedQueryAttention:
         qkv, o = self._stacked_qkv().stacked, self.o_proj
         return attention_block.decode_block(
             qkv, o, self.q_norm, self.k_norm, cfg.rms_norm_eps, x, batch, self.layer_idx,
-            self.window, shape, residual,
+            self.window, shape, residual, route,
         )  # fmt: skip
 
     def decode_residual_block(
@@ -173,14 +178,20 @@ class GroupedQueryAttention:
         input_norm: torch.Tensor,
         post_norm: torch.Tensor,
         batch: ForwardBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(s + attention(rms_norm(s)), rms_norm(that) with post_norm) for s = x + delta (a
-        decoder layer's input norm, this attention and its post-attention norm, with their
-        residual adds, as layers/norm.add_rms_norm and this call compute them) in one numba
-        call on a host decode step; None where the block does not take the step."""
+        route: tuple | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple | None] | None:
+        """(s + attention(rms_norm(s)), rms_norm(that) with post_norm, routes) for s = x +
+        delta (a decoder layer's input norm, this attention and its post-attention norm, with
+        their residual adds, as layers/norm.add_rms_norm and this call compute them) in one
+        numba call on a host decode step; None where the block does not take the step.
+        With `route` = (gate, k, renormalise, weights dtype) of the layer's softmax router
+        (SoftmaxTopKRouter.block_route), routes are its (ids, weights) of the normed output,
+        or the gate's logits where torch must route them (a tie), computed in the same call
+        (None where the block leaves the step to the router: kernels/attention_block.
+        decode_block)."""
         if not self._blockable():
             return None
-        return self._decode_block(x, batch, (delta, input_norm, post_norm))
+        return self._decode_block(x, batch, (delta, input_norm, post_norm), route)
 
     def _blockable(self) -> bool:
         """Whether this layer's attention is one the block computes: plain softmax attention

@@ -158,14 +158,25 @@ class OffloadMoELayer:
         return [] if self.shared_expert is None else self.shared_expert.projections()
 
     def __call__(
-        self, x: torch.Tensor, is_decode: bool = False, rounded: bool = True
+        self,
+        x: torch.Tensor,
+        is_decode: bool = False,
+        rounded: bool = True,
+        routes: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H] in x's dtype; with `rounded=False` the routed sum may come
         back as the float32 partial, for a caller that rounds it to x's dtype before anything
         else (the residual add: layers/norm.py's add_* take it, in one numba call on a decode
-        step instead of a cast op first). A shared expert's layer rounds here either way."""
+        step instead of a cast op first). A shared expert's layer rounds here either way.
+        `routes`: the router's (ids, weights) of x where the caller computed them already, or
+        the gate's logits [N, E] where its kernel left the routing to torch (a tie): the
+        attention block's, with the router's bits (DecoderLayer)."""
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
-        topk_ids, topk_weights = self.router(flat)  # [N, K] each
+        if routes is None:
+            routes = self.router(flat)
+        elif isinstance(routes, torch.Tensor):
+            routes = self.router.route_logits(routes)
+        topk_ids, topk_weights = routes  # [N, K] each
         run = self.experts.decode if is_decode else self.experts.prefill
         out = run(flat, topk_ids, topk_weights)  # the float32 partial
         if rounded or self.shared_expert is not None:

@@ -75,9 +75,22 @@ class SoftmaxTopKRouter:
         if isinstance(fast, tuple):
             return fast
         if fast is not None:  # the logits, for torch to route
-            return route_torch(fast, spec.top_k, spec.norm_topk_prob, spec.weights_fp32)
+            return self.route_logits(fast)
         logits = self.gate(x)  # [T, E] in x's dtype
         return route(logits, spec.top_k, spec.norm_topk_prob, spec.weights_fp32)
+
+    def route_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing of the gate's logits [T, E] that a kernel step left to torch (a tie)."""
+        spec = self.spec
+        return route_torch(logits, spec.top_k, spec.norm_topk_prob, spec.weights_fp32)
+
+    def block_route(self, dtype: torch.dtype) -> tuple:
+        """(gate, k, renormalise, weights dtype): what __call__'s kernel step takes, for a
+        caller that computes it in its own kernel call on activations of `dtype` (the
+        attention block: kernels/attention_block.decode_block, which checks the rest)."""
+        spec = self.spec
+        weights_dtype = torch.float32 if spec.weights_fp32 else dtype
+        return self.gate, spec.top_k, spec.norm_topk_prob, weights_dtype
 
     def to(self, device: torch.device) -> None:
         self.gate.to(device)

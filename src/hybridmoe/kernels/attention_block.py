@@ -13,7 +13,7 @@ import torch
 
 from hybridmoe import env
 from hybridmoe.kernels import glue
-from hybridmoe.kernels.host_arrays import host_array
+from hybridmoe.kernels.host_arrays import host_array, host_logits
 from hybridmoe.kernels.projection import DECODE_MAX_TOKENS, DenseProjection
 from hybridmoe.kernels.threads import kernel_threads
 
@@ -102,17 +102,11 @@ def decode_block(
 
     if not cache_fits(caches, slots, rows, positions, batch.kv_len, ring, B, kv_heads, dim):
         return None  # the parts' path raises what does not fit
-    if route is not None and (residual is None or not _routes(x, *route)):
-        route = None
+    if route is not None:  # gate.route of the post-attention norm's output: x's dtype, shape
+        gate, top_k, _, weights_dtype = route
+        if residual is None or not gate.routes(x, top_k, weights_dtype):
+            route = None
     return _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual, route)
-
-
-def _routes(x: torch.Tensor, gate: DenseProjection, top_k: int, _, weights_dtype) -> bool:
-    """Whether gate.route(h, top_k, ...) takes the kernel for the post-attention norm's output
-    h (x's dtype and shape, [B, 1, H])."""
-    if gate.bias is not None or not gate.uses_kernel(x):
-        return False
-    return gate.host_call().routes(x, top_k, weights_dtype)
 
 
 def _residual_fits(x, delta, in_scale, post_scale) -> bool:
@@ -199,6 +193,5 @@ def _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual=Non
     if residual is None:
         return reply
     if route is not None and not routed:  # the logits, for torch to route (gate.route's)
-        view = torch.from_numpy(logits)
-        routes = (view.view(torch.bfloat16) if bf16 else view).view(B, experts)
+        routes = host_logits(logits, B, experts)
     return (*reply, routes)

@@ -1,7 +1,8 @@
 """Numpy views of host tensors by address, for the numba kernels' arguments: a decode step
 hands each kernel its inputs and outputs once per layer, and under torch.inference_mode (the
 model's forward) `Tensor.numpy()` dispatches 4 aten ops (detach, to, resolve_conj,
-resolve_neg), a bf16 tensor's view as uint16 one more; this dispatches none."""
+resolve_neg), a bf16 tensor's view as uint16 one more; this dispatches none. And back: a
+kernel's numpy output as a torch view (host_logits)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,10 @@ def host_array(t: torch.Tensor, dtype: type[np.generic]) -> np.ndarray:
         )
     nbytes = t.numel() * t.element_size()
     return np.frombuffer((ctypes.c_char * nbytes).from_address(t.data_ptr()), dtype)
+
+
+def host_logits(values: np.ndarray, rows: int, cols: int) -> torch.Tensor:
+    """A kernel's output [rows * cols] (float32, or uint16 bfloat16 bits) as a torch tensor
+    [rows, cols] of its values, a view (a router's logits left for torch to route)."""
+    out = torch.from_numpy(values)
+    return (out.view(torch.bfloat16) if values.dtype == np.uint16 else out).view(rows, cols)

@@ -27,7 +27,7 @@ from numba import prange
 from hybridmoe import env
 from hybridmoe.kernels import dense_ir, glue, numba_glue
 from hybridmoe.kernels.dense_ir import dense_rows, fma32
-from hybridmoe.kernels.host_arrays import host_array
+from hybridmoe.kernels.host_arrays import host_array, host_logits
 from hybridmoe.kernels.numba_cache import cached_njit
 from hybridmoe.kernels.numba_moe import _round_bf16, kernel_sources, launch
 from hybridmoe.kernels.numba_simd import load_weight
@@ -373,8 +373,7 @@ class DenseCall:
         )  # fmt: skip
         if routed:
             return ids, weights
-        logits = torch.from_numpy(y_bits).view(torch.bfloat16) if bf16 else torch.from_numpy(y)
-        return logits.view(tokens, self.out_features)
+        return host_logits(y_bits if bf16 else y, tokens, self.out_features)
 
     def _run(self, tokens: int, x, x_bf16, y, y_bf16) -> None:
         if not tokens:

@@ -65,9 +65,17 @@ class DenseProjection:
         (numba_dense.DenseCall.route): (ids, weights), or the logits __call__(x) gives where
         torch must route them, or None where the kernel does not take x (no bias; the
         caller then runs __call__ and routes)."""
-        if self.bias is not None or not self.uses_kernel(x):
+        if not self._routable(x):
             return None
         return (self._host or self._prepare()).route(x, top_k, renorm, weights_dtype)
+
+    def routes(self, x: torch.Tensor, top_k: int, weights_dtype: torch.dtype) -> bool:
+        """Whether route(x, top_k, ...) takes the kernel step, for a kernel that computes it
+        itself (kernels/attention_block.py: x of the gate's input's dtype and shape)."""
+        return self._routable(x) and self.host_call().routes(x, top_k, weights_dtype)
+
+    def _routable(self, x: torch.Tensor) -> bool:
+        return self.bias is None and self.uses_kernel(x)
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
         """Whether __call__(x) runs the CPU kernel (else torch)."""

@@ -70,8 +70,8 @@ class SoftmaxTopKRouter:
         kernel call (DenseProjection.route), its logits routed by torch where it leaves a row
         to torch (a tie), else the gate's projection and route()."""
         spec = self.spec
-        dtype = torch.float32 if spec.weights_fp32 else x.dtype
-        fast = self.gate.route(x, spec.top_k, spec.norm_topk_prob, dtype)
+        _, top_k, renorm, weights_dtype = self.block_route(x.dtype)
+        fast = self.gate.route(x, top_k, renorm, weights_dtype)
         if isinstance(fast, tuple):
             return fast
         if fast is not None:  # the logits, for torch to route

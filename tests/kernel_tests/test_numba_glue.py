@@ -242,6 +242,35 @@ def test_route_refuses_ties() -> None:
     )
 
 
+def _softmax_topk(logits: torch.Tensor, k: int, any_order: bool):
+    """numba_glue.softmax_topk_route of float32 logits [T, E] with renormalised float32
+    weights: (ids, weights), or None where it refuses."""
+    T, E = logits.shape
+    ids, weights = torch.empty(T, k, dtype=torch.int64), torch.empty(T, k)
+    ok = numba_glue.softmax_topk_route(
+        logits.data_ptr(), False, ids.data_ptr(), weights.data_ptr(), False, T, E, k, True,
+        glue.softmax_lanes(), any_order,
+    )  # fmt: skip
+    return (ids, weights) if ok else None
+
+
+@pytest.mark.skipif(glue.softmax_lanes() is None, reason="torch's softmax is not reproduced here")
+def test_any_order_routes_ties_inside_the_k_only() -> None:
+    """With any_order (the attention block computing the experts) a tie among the k largest
+    routes: route_torch's experts and weights, the tied ids lowest first; a tie at the k-th
+    place is refused either way, and without any_order every tie is."""
+    inside = torch.tensor([[1.0, 3.0, 2.0, 3.0, 0.5, 2.5]])  # the two largest equal
+    assert _softmax_topk(inside, 3, any_order=False) is None
+    ids, weights = _softmax_topk(inside, 3, any_order=True)
+    want_ids, want_weights = routing.route_torch(inside, 3, True)
+    assert ids.tolist() == [[1, 3, 5]]
+    assert sorted(ids[0].tolist()) == sorted(want_ids[0].tolist())
+    assert torch.equal(weights, want_weights)  # equal values: the same sequence
+    at_k = torch.tensor([[1.0, 3.0, 2.0, 2.0, 0.5]])  # the 2nd and 3rd largest equal
+    assert _softmax_topk(at_k, 2, any_order=True) is None
+    assert _softmax_topk(at_k, 3, any_order=True) is not None  # their tie inside the k
+
+
 def _softmax(logits: torch.Tensor) -> torch.Tensor:
     """numba_glue's softmax (the one softmax_topk_route computes) of float32 logits [T, E]."""
     x = logits.float().numpy()

@@ -3,33 +3,49 @@ norms and rotary, KV write and attention, o projection in one numba call; in a d
 also the input and post-attention RMSNorms with their residual adds) against the same parts
 called one by one (HYBRIDMOE_ATTENTION_BLOCK=0): every decode step's logits equal bit for bit,
 in bfloat16 and float32, one sequence and three batched, the block's kernels serial and
-parallel, with and without the norms (with them, the MoE layer's routing in the same call);
-the block really runs (counted), a router's tie goes back to the router, and a block that
-computes otherwise fails the comparison."""
+parallel, with and without the norms (with them, the MoE layer's routing and its routed
+experts in the same call, float and quantised banks, float32 and q8 activations); the block
+really runs (counted), a router's tie goes back to the router, the executor counts the
+block's routes, and a block that computes otherwise fails the comparison."""
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
 
+from gguf_checkpoints import write_gguf
+from hf_checkpoints import PROMPT_IDS, write_custom_checkpoint
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.kernels import attention_block, numba_attention, numba_dense
 from hybridmoe.models.transformer import DecoderLayer
+from hybridmoe.moe.backends import CpuExperts
 from hybridmoe.moe.config import OffloadConfig
 from hybridmoe.moe.routing import SoftmaxTopKRouter
+from hybridmoe.quant.formats import weight_format
+from random_weights import random_stored
 
 PROMPTS = [[5, 17, 300, 42, 7, 8, 9], [9, 1000], [3, 4, 5, 6]]
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
 def decode_logits(
-    directory: Path, dtype: str, prompts: list[list[int]], kernel: str = "on", prepare=None
+    directory: Path,
+    dtype: str,
+    prompts: list[list[int]],
+    kernel: str = "on",
+    prepare=None,
+    routes: list | None = None,
+    **offload_args,
 ) -> list[torch.Tensor]:
     """The logits of every decode step of a greedy generation (the model's forward records
-    them), on the cpu target with 2 threads; prepare(model) first if given."""
-    offload = OffloadConfig(decode_target="cpu", cpu_threads=2)
+    them), on the cpu target with 2 threads (OffloadConfig's `offload_args` otherwise);
+    prepare(model) first if given; into `routes` the CPU executor's count of routes."""
+    offload = OffloadConfig(**{"decode_target": "cpu", "cpu_threads": 2, **offload_args})
     config = EngineConfig(dtype=dtype, threads=2, attention_kernel=kernel, offload=offload)
     logits = []
     with Engine.from_pretrained(directory, config) as engine:
@@ -45,13 +61,17 @@ def decode_logits(
 
         engine.model.forward = recording
         engine.generate_ids(prompts, GREEDY)
+        if routes is not None:
+            stats = engine.moe_runtime.cpu_executor.stats.values()
+            routes.append(sum(layer.routes for layer in stats))
     return logits
 
 
 def block_calls(monkeypatch: pytest.MonkeyPatch, routed: list | None = None) -> list[int]:
     """The rows of every block call; into `routed`, of each call with the norms, whether an
     MoE layer's router asked for its step in the block and what the block gave: "routes"
-    (ids and weights), "logits" (left to torch: a tie) or None (the router's step)."""
+    (ids and weights), "experts" (those and the experts' partial), "logits" (left to torch: a
+    tie) or None (the router's step)."""
     calls, run = [], attention_block._run
 
     def counting(qkv, o, q_norm, k_norm, eps, x, *args):
@@ -59,7 +79,9 @@ def block_calls(monkeypatch: pytest.MonkeyPatch, routed: list | None = None) -> 
         out = run(qkv, o, q_norm, k_norm, eps, x, *args)
         if routed is not None and isinstance(out, tuple):
             kind = {tuple: "routes", torch.Tensor: "logits"}.get(type(out[2]))
-            routed.append((args[-1] is not None, kind))
+            if out[3] is not None:
+                kind = "experts"
+            routed.append((args[-2] is not None, kind))
         return out
 
     monkeypatch.setattr(attention_block, "_run", counting)
@@ -97,11 +119,107 @@ def test_the_block_gives_the_parts_bits(
     calls = block_calls(monkeypatch, routed)
     assert_same_logits(decode_logits(demo_checkpoint, dtype, prompts), parts)
     assert calls and set(calls) == {rows}
-    if norms:  # every MoE layer's routing in the block (the demo's first layer is dense)
-        assert len(routed) == len(calls) and any(kind == "routes" for _, kind in routed)
+    if norms:  # every MoE layer's routing and experts in the block (the demo's first layer
+        # is dense)
+        assert len(routed) == len(calls) and any(kind == "experts" for _, kind in routed)
         assert all((kind is not None) == asked for asked, kind in routed)
+        assert "routes" not in {kind for _, kind in routed}  # routed: the experts computed
     else:
         assert routed == []
+
+
+# a Qwen3-MoE of k-quant widths (one super-block a row), its experts as a Q4_K_M file mixes
+# them: Q4_K gate/up, Q6_K down
+KQUANT_QWEN3 = dict(
+    hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+    intermediate_size=128, norm_topk_prob=True,
+)  # fmt: skip
+KQUANT_TYPES = {"gate_proj": "Q4_K", "up_proj": "Q4_K", "down_proj": "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("block-kquants")
+    hf_dir = write_custom_checkpoint("qwen3_moe", KQUANT_QWEN3, root / "hf", seed=0)
+
+    def encode(layer: str, proj: str, stacked: np.ndarray) -> tuple[np.ndarray, QType]:
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{layer}.{proj}".encode()))
+        fmt = weight_format(KQUANT_TYPES[proj].lower())
+        return random_stored(fmt, stacked.shape, gen, 0.08).numpy(), QType[KQUANT_TYPES[proj]]
+
+    return write_gguf(hf_dir, root / "model.gguf", experts=encode)
+
+
+@pytest.mark.parametrize(
+    "model, formats",
+    [
+        ("demo", dict(expert_format="q8_0", activation_quant="q8")),
+        ("kquants", dict(activation_quant="none")),
+        ("kquants", dict(activation_quant="q8")),
+    ],
+    ids=["q8_0-q8", "q4_k_m-none", "q4_k_m-q8"],
+)
+def test_quantised_experts_in_the_block_give_the_parts_bits(
+    demo_checkpoint: Path,
+    kquant_gguf: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    model: str,
+    formats: dict,
+) -> None:
+    """A quantised bank's experts computed in the block (numba_moe's and numba_moe_q8's
+    kernels, one format or a file's two) give the parts' logits, and the CPU executor counts
+    the same routes."""
+    path = demo_checkpoint if model == "demo" else kquant_gguf
+    prompts = PROMPTS[:2] if model == "demo" else [PROMPT_IDS, PROMPT_IDS[:3]]
+    monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+    parts_routes, routes = [], []
+    parts = decode_logits(path, "bfloat16", prompts, routes=parts_routes, **formats)
+    monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
+    routed = []
+    block_calls(monkeypatch, routed)
+    got = decode_logits(path, "bfloat16", prompts, routes=routes, **formats)
+    assert_same_logits(got, parts)
+    assert any(kind == "experts" for _, kind in routed)
+    assert routes == parts_routes and routes[0] > 0
+
+
+def test_experts_on_other_threads_stay_the_layers(
+    demo_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An expert kernel on another thread count than the block's (one launch has one): the
+    block routes and the MoE layer computes the experts, with the same bits."""
+    monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+    parts = decode_logits(demo_checkpoint, "bfloat16", PROMPTS[:1], cpu_threads=1)
+    monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
+    routed = []
+    block_calls(monkeypatch, routed)
+    got = decode_logits(demo_checkpoint, "bfloat16", PROMPTS[:1], cpu_threads=1)
+    assert_same_logits(got, parts)
+    kinds = {kind for asked, kind in routed if asked}
+    assert "routes" in kinds and "experts" not in kinds
+
+
+def test_experts_computed_otherwise_fail_the_comparison(
+    demo_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The experts' comparison can fail: a block whose experts round as float32 activations
+    where the bank's bf16 ones round each step."""
+    monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+    parts = decode_logits(demo_checkpoint, "bfloat16", PROMPTS[:1])
+    monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
+    offer = CpuExperts.block_experts
+
+    def unrounded(self, *args):
+        found = offer(self, *args)
+        if found is None:
+            return None
+        formats, bank, (_, *moe), threads = found
+        return formats, bank, (0, *moe), threads
+
+    monkeypatch.setattr(CpuExperts, "block_experts", unrounded)
+    with pytest.raises(AssertionError, match="decode step 0"):
+        assert_same_logits(decode_logits(demo_checkpoint, "bfloat16", PROMPTS[:1]), parts)
 
 
 def test_a_tie_in_the_router_goes_to_torch(

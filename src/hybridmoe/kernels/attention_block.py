@@ -31,6 +31,18 @@ _NO_ROUTE = (
     _NO_F32,
     (0, 0, 0, 0, 0, 0, False, False),
 )
+_NO_I64 = np.empty(0, np.int64)
+# the block's expert arguments where it computes no experts (numba_attention_block's moe_x ...
+# moe_y)
+_NO_EXPERTS = (
+    _NO_F32,
+    _NO_I64,
+    _NO_F32,
+    _NO_BF16,
+    (_NO_U8, _NO_U8, 0, _NO_U8, 0, 0, 0),
+    (0, (0, np.float32(0), np.float32(0)), _NO_F32, _NO_F32),
+    _NO_F32,
+)
 
 
 def decode_block(
@@ -46,6 +58,7 @@ def decode_block(
     shape: tuple[int, int, int],
     residual: tuple | None = None,
     route: tuple | None = None,
+    experts: tuple | None = None,
 ) -> torch.Tensor | tuple | None:
     """o(attention(norm_rotary(q, k), v)) for the normed input x [B, 1, H] of a decode step,
     with q/k/v = qkv(x) (heads, kv_heads, D = `shape`; the KV cache `batch.kv` written at the
@@ -63,7 +76,13 @@ def decode_block(
     gate a DenseProjection) the block also routes the post-attention norm's output as
     gate.route does, and returns (stream, normed, routes): gate.route's answer, (ids,
     weights) or the logits [B, E] where it leaves the routing to torch (a tie); None where
-    gate.route would not take the step (the caller then routes)."""
+    gate.route would not take the step (the caller then routes). With `route` and `experts`
+    = (formats, bank, moe, threads) of the MoE layer's bank (moe/cpu_experts.block_experts:
+    numba_attention_block's arguments and the thread count its kernel computes on) the block
+    also computes the routed experts of its routes and returns (stream, normed, routes,
+    partial): their float32 partial [B, H] as cpu_experts.fused_cpu_moe gives it, None where
+    the block did not compute it (a tie, no routes, or `threads` not the block's); without
+    `experts` the partial is always None."""
     heads, kv_heads, dim = shape
     dtype = x.dtype
     B, T, hidden = x.shape
@@ -106,7 +125,9 @@ def decode_block(
         gate, top_k, _, weights_dtype = route
         if residual is None or not gate.routes(x, top_k, weights_dtype):
             route = None
-    return _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual, route)
+    if route is None:
+        experts = None
+    return _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual, route, experts)
 
 
 def _residual_fits(x, delta, in_scale, post_scale) -> bool:
@@ -120,10 +141,13 @@ def _residual_fits(x, delta, in_scale, post_scale) -> bool:
     return glue.norm_fits(x, in_scale, delta) and glue.norm_fits(x, post_scale)
 
 
-def _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual=None, route=None):
+def _run(
+    qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual=None, route=None,
+    experts=None,
+):  # fmt: skip
     from hybridmoe.kernels import numba_moe
     from hybridmoe.kernels.numba_attention import step_threads
-    from hybridmoe.kernels.numba_attention_block import block_kernel
+    from hybridmoe.kernels.numba_attention_block import TIE, block_kernel
 
     heads, kv_heads, dim = shape
     caches, slots, rows, positions, ring, window = step
@@ -131,6 +155,8 @@ def _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual=Non
     np_dtype, bf16 = _DTYPES[dtype], dtype is torch.bfloat16
     qkv_call, o_call = qkv.host_call(), o.host_call()
     threads = min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
+    if experts is not None and experts[3] != threads:  # one launch: one thread count
+        experts = None
     attention_threads = step_threads(B, batch.kv_len, ring, window, kv_heads, dim, x.element_size())
     flags = (
         qkv_call.threads(threads) > 1,
@@ -171,27 +197,50 @@ def _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual=Non
         gate_call, routing, routes = None, _NO_ROUTE, None
     else:  # the router's step, as numba_dense.DenseCall.route makes it
         gate, top_k, renorm, weights_dtype = route
-        gate_call, experts = gate.host_call(), gate.out_features
+        gate_call, gate_rows = gate.host_call(), gate.out_features
         routes = glue.empty((B, top_k), torch.int64), glue.empty((B, top_k), weights_dtype)
         h = host_array(reply[1], np_dtype)
-        logits = np.empty(B * experts, np_dtype)  # [B, E] gate.route's, for a tie
+        logits = np.empty(B * gate_rows, np_dtype)  # [B, E] gate.route's, for a tie
         routing = (
             *((_NO_F32, h, _NO_F32, logits) if bf16 else (h, _NO_BF16, logits, _NO_BF16)),
             gate_call.weight, gate_call.bias,
             (
-                gate_call.row_bytes, experts, gate_call.rows_per_item, top_k,
+                gate_call.row_bytes, gate_rows, gate_call.rows_per_item, top_k,
                 routes[0].data_ptr(), routes[1].data_ptr(), weights_dtype is torch.bfloat16,
                 bool(renorm),
             ),
         )  # fmt: skip
-    kernel = block_kernel(qkv_call.fmt.name, o_call.fmt.name, gate_call and gate_call.fmt.name)
-    routed = numba_moe.launch(
+    if experts is None:
+        computing, partial, formats = _NO_EXPERTS, None, None
+    else:  # the experts' inputs as fused_cpu_moe hands them to its kernel: float32
+        formats, bank, moe, _ = experts
+        partial = np.zeros(B * hidden, np.float32)
+        moe_x = np.empty(B * hidden, np.float32) if bf16 else h
+        ids = host_array(routes[0], np.int64)
+        if weights_dtype is torch.bfloat16:  # widened by the block
+            weights, weights_bf16 = (
+                np.empty(B * top_k, np.float32),
+                host_array(routes[1], np.uint16),
+            )
+        else:
+            weights, weights_bf16 = host_array(routes[1], np.float32), _NO_BF16
+        computing = (moe_x, ids, weights, weights_bf16, bank, moe, partial)
+    kernel = block_kernel(
+        qkv_call.fmt.name, o_call.fmt.name, gate_call and gate_call.fmt.name, formats
+    )
+    status = numba_moe.launch(
         kernel, threads, *arrays, scratch, qkv_call.weight, qkv_call.bias, o_call.weight,
         o_call.bias, sizes, flags, norms, *caches, rows, positions, float(eps),
-        np.float32(1.0 / math.sqrt(dim)), addresses, flags_of_norms, *routing,
+        np.float32(1.0 / math.sqrt(dim)), addresses, flags_of_norms, *routing, *computing,
     )  # fmt: skip
     if residual is None:
         return reply
-    if route is not None and not routed:  # the logits, for torch to route (gate.route's)
-        routes = host_logits(logits, B, experts)
-    return (*reply, routes)
+    if status == TIE:  # the logits, for torch to route (gate.route's); no experts computed
+        return (*reply, host_logits(logits, B, gate_rows), None)
+    if status >= 0:  # fused_cpu_moe's error
+        raise IndexError(f"expert id {status} out of range: the bank has {bank[6]} experts")
+    return (
+        *reply,
+        routes,
+        partial if partial is None else torch.from_numpy(partial.reshape(B, hidden)),
+    )

@@ -34,8 +34,9 @@ from hybridmoe.kernels import (
 from hybridmoe.kernels.numba_attention import DECODE_ATTENTION, DECODE_ATTENTION_SERIAL
 from hybridmoe.kernels.numba_cache import cached_njit
 from hybridmoe.kernels.numba_dense import dense_parallel, dense_route, dense_serial
-from hybridmoe.kernels.numba_glue import norm_rotary_rows, norm_rows
-from hybridmoe.kernels.numba_moe import kernel_sources
+from hybridmoe.kernels.numba_glue import norm_rotary_rows, norm_rows, widen_bf16
+from hybridmoe.kernels.numba_moe import moe_parallel
+from hybridmoe.kernels.numba_moe_q8 import kernel_sources, moe_q8_parallel
 from hybridmoe.quant.formats import WEIGHT_FORMATS
 
 # sizes: hidden, heads, kv_heads, head dim, slots, kv_len, softmax lanes, tokens, then the q/k/v
@@ -43,6 +44,10 @@ from hybridmoe.quant.formats import WEIGHT_FORMATS
 SIZES = 15
 # flags: q/k/v parallel, o parallel, attention parallel, bfloat16 activations
 FLAGS = 4
+# what the block returns: done (with experts: computed), a router's tie (its logits left to
+# torch, the experts not computed); an expert id out of the bank's range is returned itself
+DONE = -1
+TIE = -2
 
 _SOURCES = (
     __file__,
@@ -57,29 +62,41 @@ _SOURCES = (
 )
 _CACHE_DIR = str(env.kernel_cache_dir(*_SOURCES))
 _LOCK = threading.Lock()
-_BLOCKS: dict[tuple[str, str, str | None], Dispatcher] = {}
+_BLOCKS: dict[tuple, Dispatcher] = {}
 
 
-def block_kernel(qkv_fmt: str, o_fmt: str, route_fmt: str | None = None) -> Dispatcher:
+def block_kernel(
+    qkv_fmt: str,
+    o_fmt: str,
+    route_fmt: str | None = None,
+    experts: tuple[str, str, bool] | None = None,
+) -> Dispatcher:
     """The attention block's entry for q/k/v weights in format `qkv_fmt` and o's in `o_fmt`
-    (names), and with `route_fmt` a router's gate in that format routed after the
-    post-attention norm; made on first use."""
-    key = (qkv_fmt, o_fmt, route_fmt)
+    (names), with `route_fmt` a router's gate in that format routed after the post-attention
+    norm, and with `experts` = (gate/up format, down format, q8 activations) the routed
+    experts of a bank of those computed after the routing; made on first use."""
+    key = (qkv_fmt, o_fmt, route_fmt, experts)
     with _LOCK:
         if key not in _BLOCKS:
             previous, numba.config.CACHE_DIR = numba.config.CACHE_DIR, _CACHE_DIR
             try:  # numba picks the cache directory when a function is decorated
                 kernels = (WEIGHT_FORMATS[qkv_fmt].kernel, WEIGHT_FORMATS[o_fmt].kernel)
                 route = None if route_fmt is None else WEIGHT_FORMATS[route_fmt].kernel
-                _BLOCKS[key] = _block_entry(*kernels, route)
+                if experts is not None:
+                    gate_up, down, q8 = experts
+                    pair = WEIGHT_FORMATS[gate_up].kernel, WEIGHT_FORMATS[down].kernel
+                    experts = (*pair, q8)
+                _BLOCKS[key] = _block_entry(*kernels, route, experts)
             finally:
                 numba.config.CACHE_DIR = previous
         return _BLOCKS[key]
 
 
-def _block_entry(qkv_kernel, o_kernel, route_kernel=None):
+def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None):
     """The block for these two KernelFormats (and a router's gate in `route_kernel`, None:
-    none). Arguments:
+    none; and with `experts` = (gate/up KernelFormat, down KernelFormat, q8 activations) the
+    routed experts, numba_moe.moe_parallel's or numba_moe_q8.moe_q8_parallel's call, after
+    a route_kernel block's routing). Arguments:
     x, x_bf16: the normed input [tokens * hidden] (float32, or bfloat16 bits; the other empty),
     qkv, qkv_bf16: the q/k/v projection's output [tokens * (heads + 2 kv_heads) * D], written,
     att, att_bf16: the attention's output [tokens * heads * D], written,
@@ -101,15 +118,30 @@ def _block_entry(qkv_kernel, o_kernel, route_kernel=None):
     route_bias: the gate's bytes and float32 bias (empty); route: (row bytes, experts,
     work-item rows, k, ids address, weights address, weights bfloat16, renormalise): what
     numba_dense.dense_route takes after the post-attention norm (a route_kernel block runs
-    its norms).
-    Returns dense_route's answer (True without a router: nothing left to route)."""
+    its norms);
+    moe_x: float32 [tokens * hidden], the experts' input: the normed array itself for float32
+    activations, else written (the normed bits widened); moe_ids: int64 [tokens * k], the
+    array at the route's ids address; moe_w, moe_w_bf16: float32 [tokens * k], the route's
+    weights (float32 weights: the array at their address, moe_w_bf16 empty; bfloat16 ones: at
+    moe_w_bf16, widened into moe_w); bank: (gate, up, expert rows, down, hidden, inter,
+    experts) and moe: (act_bf16, act, gate/up bias, down bias), numba_moe._fused_moe's
+    arguments; moe_y: float32 [tokens * hidden], zeros, the experts' partial (written).
+    Returns DONE, TIE (dense_route left the routing to torch: the experts not computed) or
+    an expert id >= the bank's experts (its kernel's answer). A block computing the experts
+    routes with `any_order` (numba_glue._topk_row): its kernels' sum does not depend on the
+    routes' order, so only a tie at the k-th place is left to torch."""
     routes = route_kernel is not None
     gate_kernel = qkv_kernel if route_kernel is None else route_kernel  # compiled, not run
+    computes_experts = experts is not None
+    gate_up_kernel, down_kernel, q8 = (
+        (qkv_kernel, qkv_kernel, False) if experts is None else experts
+    )
 
     def attention_block(
         x, x_bf16, qkv, qkv_bf16, att, att_bf16, y, y_bf16, scratch, qkv_w, qkv_bias, o_w,
         o_bias, sizes, flags, norms, kc, vc, rows, pos, eps, scale, residual, residual_flags,
-        normed, normed_bf16, logits, logits_bf16, route_w, route_bias, route,
+        normed, normed_bf16, logits, logits_bf16, route_w, route_bias, route, moe_x, moe_ids,
+        moe_w, moe_w_bf16, bank, moe, moe_y,
     ):  # fmt: skip
         hidden, heads, kv_heads, dim, slots, kv_len, lanes, tokens = sizes[:8]
         qkv_row_bytes, qkv_items, o_row_bytes, o_items, ring, window = sizes[8:]
@@ -169,16 +201,38 @@ def _block_entry(qkv_kernel, o_kernel, route_kernel=None):
             out = np.int64(y_bf16.ctypes.data if bf16 else y.ctypes.data)
             norm_rows(summed, out, post_scale, after, post_normed, tokens, hidden, eps, post_flags)
             if routes:
-                return dense_route(
+                routed = dense_route(
                     gate_kernel, route_w, route[0], hidden, route[1], normed, normed_bf16, tokens,
                     route_bias, logits, logits_bf16, route[2], route[4], route[5], route[6],
-                    route[3], route[7], lanes,
+                    route[3], route[7], lanes, computes_experts,
                 )  # fmt: skip
-        return True
+                if not routed:
+                    return TIE
+                if computes_experts:  # the MoE layer's experts, as cpu_experts.fused_cpu_moe
+                    if bf16:  # calls them: float32 inputs, widened exactly
+                        widen_bf16(post_normed, moe_x, tokens * hidden)
+                    if moe_w_bf16.shape[0]:
+                        widen_bf16(np.int64(moe_w_bf16.ctypes.data), moe_w, moe_w.shape[0])
+                    gate, up, expert_rows, down, _, inter, num_experts = bank
+                    act_bf16, act, gate_up_bias, down_bias = moe
+                    if q8:
+                        return moe_q8_parallel(
+                            gate_up_kernel, down_kernel, moe_x, moe_ids, moe_w, gate, up,
+                            expert_rows, down, hidden, inter, num_experts, route[3], act_bf16,
+                            act, gate_up_bias, down_bias, moe_y,
+                        )  # fmt: skip
+                    return moe_parallel(
+                        gate_up_kernel, down_kernel, moe_x, moe_ids, moe_w, gate, up, expert_rows,
+                        down, hidden, inter, num_experts, route[3], act_bf16, act, gate_up_bias,
+                        down_bias, moe_y,
+                    )  # fmt: skip
+        return DONE
 
     name = f"attention_block_{qkv_kernel.name}_{o_kernel.name}"
     if routes:
         name += f"_route_{route_kernel.name}"
+    if computes_experts:
+        name += f"_experts_{'q8_' if q8 else ''}{gate_up_kernel.name}_{down_kernel.name}"
     attention_block.__name__ = attention_block.__qualname__ = name  # own cache files
     # no fastmath: the block's own work is addresses and copies; its kernels keep their flags
     return cached_njit(nogil=True)(attention_block)

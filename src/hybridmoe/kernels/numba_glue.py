@@ -309,9 +309,13 @@ def topk_route(probs, ids, weights, weights_bf16, T, E, k, renorm):
 
 
 @cached_njit(**_EXACT)
-def _topk_row(row, E, k, renorm, chosen, vals, ids_out, acc):
+def _topk_row(row, E, k, renorm, chosen, vals, ids_out, acc, any_order=False):
     """topk_route for one row: ids_out[:k] and vals[:k] (renormalised where `renorm`); False
-    where the row holds a NaN or a tie among its k + 1 largest."""
+    where the row holds a NaN or a tie among its k + 1 largest. With `any_order` only a tie
+    of the k-th largest with the (k + 1)-th is refused (which experts torch.topk picks): the
+    ids of equal values inside the k then come lowest first, maybe not in torch's order, the
+    values (and their sum) are the same; for a caller whose result does not depend on the
+    routes' order (numba_moe's kernels sum a token's routes by expert id)."""
     chosen[:] = False
     for j in range(E):
         if row[j] != row[j]:
@@ -321,7 +325,7 @@ def _topk_row(row, E, k, renorm, chosen, vals, ids_out, acc):
         for j in range(E):
             if not chosen[j] and (best < 0 or row[j] > row[best]):
                 best = j
-        if s > 0 and row[best] == vals[s - 1]:
+        if s > 0 and row[best] == vals[s - 1] and (s == k or not any_order):
             return False
         if s == k:
             break
@@ -432,11 +436,13 @@ def _softmax_row(x, out, n, lanes, acc, swap):
 
 
 @cached_njit(**_EXACT)
-def softmax_topk_route(logits, logits_bf16, ids, weights, weights_bf16, T, E, k, renorm, lanes):
+def softmax_topk_route(
+    logits, logits_bf16, ids, weights, weights_bf16, T, E, k, renorm, lanes, any_order=False
+):
     """topk_route of torch.softmax(logits [T, E], dtype=float32) (addresses, as topk_route's)
     with torch's bits for a CPU capability of `lanes` float32 lanes (8: AVX2, 16: AVX512; see
     above), logits bfloat16 where `logits_bf16`, else float32. False, as topk_route's, also
-    where a logit is not finite."""
+    where a logit is not finite; `any_order`: _topk_row's."""
     x, p = np.empty(E, np.float32), np.empty(E, np.float32)
     ids_out = numba.carray(address_pointer(ids), (T, k), np.int64)
     vals, chosen = np.empty(k, np.float32), np.empty(E, np.bool_)
@@ -448,7 +454,7 @@ def softmax_topk_route(logits, logits_bf16, ids, weights, weights_bf16, T, E, k,
             if not np.isfinite(x[j]):
                 return False
         _softmax_row(x, p, E, lanes, lane_acc, swap)
-        if not _topk_row(p, E, k, renorm, chosen, vals, ids_out[t], acc):
+        if not _topk_row(p, E, k, renorm, chosen, vals, ids_out[t], acc, any_order):
             return False
         _save(vals, weights + t * k * (2 if weights_bf16 else 4), weights_bf16, k)
     return True

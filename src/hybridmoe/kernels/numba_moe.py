@@ -8,9 +8,10 @@ thread pool persists across calls. Arrays are flat; weights are the bank's raw b
 
 The formats are compile-time constants: gate/up's and down's `KernelFormat` (quant/formats.py;
 a Q4_K_M file pairs Q4_K gate/up with Q6_K down) are passed down to the intrinsics, whose numba
-type holds them (numba_simd.KernelFormatType). `_fused_moe_entry` makes a parallel entry point,
-a closure over the two descriptors: one per registered format at import (FUSED_MOE), and one
-per mixed pair on its first use (fused_moe_kernel), so only the pairs a model has are compiled.
+type holds them (numba_simd.KernelFormatType). `moe_parallel` is the parallel kernel of a pair
+of formats; `_fused_moe_entry` makes an entry point calling it, a closure over the two
+descriptors: one per registered format at import (FUSED_MOE), and one per mixed pair on its
+first use (fused_moe_kernel), so only the pairs a model has are compiled.
 Numba's on-disk cache keeps such closures, with the pickled closure variables in the cache key
 (checked: a second process loads every format's kernel without compiling).
 """
@@ -344,37 +345,35 @@ def _fused_moe(
     return -1
 
 
+# _fused_moe compiled once per pair of formats (compile-time constants), for the entry points
+# below and for other kernels' calls (a decode step's attention block computes the layer's
+# experts after its routing: kernels/numba_attention_block.py)
+@cached_njit(parallel=True, **_FLAGS)
+def moe_parallel(
+    fmt, down_fmt, x, ids, weights, gate, up, rows, down, hidden, inter, experts, k, act_bf16, act,
+    gub, db, y,
+):  # fmt: skip
+    return _fused_moe(
+        fmt, down_fmt, x, ids, weights, gate, up, rows, down, hidden, inter, experts, k, act_bf16,
+        act, gub, db, y,
+    )  # fmt: skip
+
+
 def _fused_moe_entry(kernel: KernelFormat, down_kernel: KernelFormat):
-    """The parallel entry point of _fused_moe for gate/up in `kernel`'s format and down in
+    """The entry point of moe_parallel for gate/up in `kernel`'s format and down in
     `down_kernel`'s (same arguments, less the formats)."""
 
     def fused_moe(
         x, ids, weights, gate, up, rows, down, hidden, inter, experts, k, act_bf16, act, gub, db, y
-    ):
-        return _fused_moe(
-            kernel,
-            down_kernel,
-            x,
-            ids,
-            weights,
-            gate,
-            up,
-            rows,
-            down,
-            hidden,
-            inter,
-            experts,
-            k,
-            act_bf16,
-            act,
-            gub,
-            db,
-            y,
-        )
+    ):  # moe_parallel a global, not a closure variable (numba's disk cache keeps globals)
+        return moe_parallel(
+            kernel, down_kernel, x, ids, weights, gate, up, rows, down, hidden, inter, experts, k,
+            act_bf16, act, gub, db, y,
+        )  # fmt: skip
 
     name = kernel.name if kernel == down_kernel else f"{kernel.name}_{down_kernel.name}"
     fused_moe.__name__ = fused_moe.__qualname__ = f"fused_moe_{name}"  # own cache files
-    return cached_njit(parallel=True, **_FLAGS)(fused_moe)
+    return cached_njit(**_FLAGS)(fused_moe)
 
 
 # One entry point a format, for banks whose projections share it (the usual case).

@@ -362,37 +362,34 @@ def _fused_moe_q8(
     return -1
 
 
+# _fused_moe_q8 compiled once per pair of formats, for the entry points and the attention
+# block (as numba_moe.moe_parallel)
+@cached_njit(parallel=True, **_FLAGS)
+def moe_q8_parallel(
+    fmt, down_fmt, x, ids, weights, gate, up, rows, down, hidden, inter, experts, k, act_bf16, act,
+    gub, db, y,
+):  # fmt: skip
+    return _fused_moe_q8(
+        fmt, down_fmt, x, ids, weights, gate, up, rows, down, hidden, inter, experts, k, act_bf16,
+        act, gub, db, y,
+    )  # fmt: skip
+
+
 def _entry(kernel: KernelFormat, down_kernel: KernelFormat):
-    """The parallel entry point of _fused_moe_q8 for gate/up in `kernel`, down in
-    `down_kernel` (numba_moe's arguments, less the formats)."""
+    """The entry point of moe_q8_parallel for gate/up in `kernel`, down in `down_kernel`
+    (numba_moe's arguments, less the formats)."""
 
     def fused_moe_q8(
         x, ids, weights, gate, up, rows, down, hidden, inter, experts, k, act_bf16, act, gub, db, y
     ):
-        return _fused_moe_q8(
-            kernel,
-            down_kernel,
-            x,
-            ids,
-            weights,
-            gate,
-            up,
-            rows,
-            down,
-            hidden,
-            inter,
-            experts,
-            k,
-            act_bf16,
-            act,
-            gub,
-            db,
-            y,
-        )
+        return moe_q8_parallel(
+            kernel, down_kernel, x, ids, weights, gate, up, rows, down, hidden, inter, experts, k,
+            act_bf16, act, gub, db, y,
+        )  # fmt: skip
 
     name = kernel.name if kernel == down_kernel else f"{kernel.name}_{down_kernel.name}"
     fused_moe_q8.__name__ = fused_moe_q8.__qualname__ = f"fused_moe_q8_{name}"
-    return cached_njit(parallel=True, **_FLAGS)(fused_moe_q8)
+    return cached_njit(**_FLAGS)(fused_moe_q8)
 
 
 _CACHE_DIR = numba.config.CACHE_DIR

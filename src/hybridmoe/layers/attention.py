@@ -154,13 +154,14 @@ class GroupedQueryAttention:
         batch: ForwardBatch,
         residual: tuple | None = None,
         route: tuple | None = None,
+        experts: tuple | None = None,
     ) -> torch.Tensor | tuple | None:
         """The whole call in one numba kernel (kernels/attention_block.py) where the parts
         below would each run theirs: a host decode step with the KV cache's kernel; the same
         bits. None otherwise. With `residual` (delta, input norm, post-attention norm) x is
         the residual stream and the block also runs the layer's two RMSNorms and residual
-        adds around the attention, and the router's step after them with `route`
-        (decode_residual_block)."""
+        adds around the attention, and the router's step after them with `route`, and the
+        routed experts' with `experts` (decode_residual_block)."""
         if not self.q_proj.uses_kernel(x) or batch.kv is None or not batch.is_decode:
             return None
         cfg = self.cfg
@@ -168,7 +169,7 @@ class GroupedQueryAttention:
         qkv, o = self._stacked_qkv().stacked, self.o_proj
         return attention_block.decode_block(
             qkv, o, self.q_norm, self.k_norm, cfg.rms_norm_eps, x, batch, self.layer_idx,
-            self.window, shape, residual, route,
+            self.window, shape, residual, route, experts,
         )  # fmt: skip
 
     def decode_residual_block(
@@ -179,8 +180,9 @@ class GroupedQueryAttention:
         post_norm: torch.Tensor,
         batch: ForwardBatch,
         route: tuple | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple | None] | None:
-        """(s + attention(rms_norm(s)), rms_norm(that) with post_norm, routes) for s = x +
+        experts: tuple | None = None,
+    ) -> tuple | None:
+        """(s + attention(rms_norm(s)), rms_norm(that) with post_norm, routes, partial) for s = x +
         delta (a decoder layer's input norm, this attention and its post-attention norm, with
         their residual adds, as layers/norm.add_rms_norm and this call compute them) in one
         numba call on a host decode step; None where the block does not take the step.
@@ -188,10 +190,12 @@ class GroupedQueryAttention:
         (SoftmaxTopKRouter.block_route), routes are its (ids, weights) of the normed output,
         or the gate's logits where torch must route them (a tie), computed in the same call
         (None where the block leaves the step to the router: kernels/attention_block.
-        decode_block)."""
+        decode_block). With `experts` (the MoE layer's block_experts) the partial is the
+        routed experts' float32 output of those routes, computed in the same call too (None
+        where the block did not compute it)."""
         if not self._blockable():
             return None
-        return self._decode_block(x, batch, (delta, input_norm, post_norm), route)
+        return self._decode_block(x, batch, (delta, input_norm, post_norm), route, experts)
 
     def _blockable(self) -> bool:
         """Whether this layer's attention is one the block computes: plain softmax attention

@@ -157,12 +157,23 @@ class OffloadMoELayer:
         """The shared expert's (the router stays as stored: it picks the experts)."""
         return [] if self.shared_expert is None else self.shared_expert.projections()
 
+    def block_experts(
+        self, x: torch.Tensor, top_k: int, weights_dtype: torch.dtype
+    ) -> tuple | None:
+        """What the attention block takes to compute this layer's decode step of the routed
+        experts for the normed x [B, 1, H] after its routing (routes of `top_k` weights in
+        `weights_dtype`), where the backend offers it (CpuExperts.block_experts); None
+        otherwise. The block's partial then comes back through __call__'s `partial`."""
+        offer = getattr(self.experts, "block_experts", None)
+        return None if offer is None else offer(x.view(-1, x.shape[-1]), top_k, weights_dtype)
+
     def __call__(
         self,
         x: torch.Tensor,
         is_decode: bool = False,
         rounded: bool = True,
         routes: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None = None,
+        partial: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H] in x's dtype; with `rounded=False` the routed sum may come
         back as the float32 partial, for a caller that rounds it to x's dtype before anything
@@ -170,15 +181,21 @@ class OffloadMoELayer:
         step instead of a cast op first). A shared expert's layer rounds here either way.
         `routes`: the router's (ids, weights) of x where the caller computed them already, or
         the gate's logits [N, E] where its kernel left the routing to torch (a tie): the
-        attention block's, with the router's bits (DecoderLayer)."""
+        attention block's, with the router's bits (DecoderLayer). `partial`: the routed
+        experts' float32 partial [N, H] of those routes where the attention block computed
+        it too (block_experts: decode's bits), counted here as the backend's decode step."""
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
-        if routes is None:
-            routes = self.router(flat)
-        elif isinstance(routes, torch.Tensor):
-            routes = self.router.route_logits(routes)
-        topk_ids, topk_weights = routes  # [N, K] each
-        run = self.experts.decode if is_decode else self.experts.prefill
-        out = run(flat, topk_ids, topk_weights)  # the float32 partial
+        if partial is not None:
+            self.experts.block_done(routes[0])
+            out = partial
+        else:
+            if routes is None:
+                routes = self.router(flat)
+            elif isinstance(routes, torch.Tensor):
+                routes = self.router.route_logits(routes)
+            topk_ids, topk_weights = routes  # [N, K] each
+            run = self.experts.decode if is_decode else self.experts.prefill
+            out = run(flat, topk_ids, topk_weights)  # the float32 partial
         if rounded or self.shared_expert is not None:
             out = out.to(x.dtype)  # the one rounding
         if self.shared_expert is not None:

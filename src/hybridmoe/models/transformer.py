@@ -67,22 +67,25 @@ class DecoderLayer:
 
     def _residual_block(
         self, x: torch.Tensor, batch: ForwardBatch, delta: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple | None] | None:
+    ) -> tuple | None:
         """The norms, attention and residual adds below in one kernel call where the attention
         offers it (GroupedQueryAttention.decode_residual_block: a host decode step) and the
         norms are plain RMSNorms with the attention's epsilon, and in the same call an MoE
-        layer's routing where its router offers it (block_route): (stream, normed, routes or
-        None); None otherwise."""
+        layer's routing where its router offers it (block_route) and its routed experts where
+        its backend does (OffloadMoELayer.block_experts): (stream, normed, routes or None, the
+        experts' partial or None); None otherwise."""
         block = getattr(self.attn, "decode_residual_block", None)
         if block is None or self.norm_kind is not NORMS["rms"] or not batch.is_decode:
             return None
         if self.eps != self.attn.cfg.rms_norm_eps:
             return None
-        route = None
+        route = experts = None
         if isinstance(self.mlp, OffloadMoELayer):
             block_route = getattr(self.mlp.router, "block_route", None)
             route = None if block_route is None else block_route(x.dtype)
-        return block(x, delta, self.input_norm, self.post_attention_norm, batch, route)
+            if route is not None:
+                experts = self.mlp.block_experts(x, route[1], route[3])
+        return block(x, delta, self.input_norm, self.post_attention_norm, batch, route, experts)
 
     def __call__(
         self, x: torch.Tensor, batch: ForwardBatch, delta: torch.Tensor | None = None
@@ -92,9 +95,9 @@ class DecoderLayer:
         MLP output), whose sum is the layer's output: each residual add is fused with the
         norm after it (`norm_kind.add_apply`), the last one with the next layer's. An MoE
         layer's output may be its float32 partial: add_apply rounds it to x's dtype first."""
-        fused, routes = self._residual_block(x, batch, delta), None
+        fused, routes, partial = self._residual_block(x, batch, delta), None, None
         if fused is not None:
-            x, h, routes = fused
+            x, h, routes, partial = fused
         else:
             if delta is None:
                 h = self.norm_kind.apply(x, self.input_norm, self.eps)
@@ -103,7 +106,7 @@ class DecoderLayer:
             attn_out = self.attn(h, batch)
             x, h = self.norm_kind.add_apply(x, attn_out, self.post_attention_norm, self.eps)
         if isinstance(self.mlp, OffloadMoELayer):
-            return x, self.mlp(h, batch.is_decode, rounded=False, routes=routes)
+            return x, self.mlp(h, batch.is_decode, rounded=False, routes=routes, partial=partial)
         return x, self.mlp(h)
 
 

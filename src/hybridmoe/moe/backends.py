@@ -17,7 +17,7 @@ import torch
 
 from hybridmoe.kernels.torch_moe import gathered_moe
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
-from hybridmoe.moe.cpu_experts import FUSED_MAX_TOKENS
+from hybridmoe.moe.cpu_experts import FUSED_MAX_TOKENS, block_experts
 from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor, HybridDecodeRequest
 from hybridmoe.moe.offload_cache import OffloadMoeCache
 from hybridmoe.moe.routing import combine_experts
@@ -119,6 +119,23 @@ class CpuExperts(_HostBankExperts):
     def decode(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """ids: the router's, every one a route (counted without reading them)."""
         return self.cpu_executor.decode(self.layer_idx, x, ids, weights, routes=ids.numel())
+
+    def block_experts(
+        self, x: torch.Tensor, top_k: int, weights_dtype: torch.dtype
+    ) -> tuple | None:
+        """What the attention block takes to compute decode's step on x [T, H] (routes of
+        `top_k` weights in `weights_dtype`) in its own call, with decode's bits
+        (cpu_experts.block_experts); None unless the executor runs inline on host inputs.
+        The block's caller then counts the step (block_done)."""
+        executor = self.cpu_executor
+        if not (executor.inline and x.is_cpu):
+            return None
+        bank = executor.banks[self.layer_idx]
+        return block_experts(bank, x.dtype, weights_dtype, x.shape[0], top_k, executor.expert_fn)
+
+    def block_done(self, ids: torch.Tensor) -> None:
+        """Counts a step the attention block computed (every id a route, as decode's)."""
+        self.cpu_executor.record(self.layer_idx, ids.numel())
 
 
 @dataclass(eq=False)

@@ -166,11 +166,19 @@ class CpuMoeExecutor:
                 f"CPU experts of layer {layer_idx} failed: {type(err).__name__}: {err}"
             ) from err
         busy_s = time.perf_counter() - start
+        if routes is None:
+            routes = int((cpu_expert_ids >= 0).sum())
+        self.record(layer_idx, routes, busy_s)
+        return output
+
+    def record(self, layer_idx: int, routes: int, busy_s: float = 0.0) -> None:
+        """Count a job of layer `layer_idx` computed without the executor: `routes` routes in
+        `busy_s` seconds (0: not timed apart, as when the attention block computed them in
+        its own call: kernels/attention_block.py)."""
         stats = self.stats.get(layer_idx) or self.stats.setdefault(layer_idx, CpuLayerStats())
         stats.jobs += 1
-        stats.routes += int((cpu_expert_ids >= 0).sum()) if routes is None else routes
+        stats.routes += routes
         stats.busy_s += busy_s
-        return output
 
     def decode_sync(self, layer_idx: int) -> torch.Tensor:
         """Wait for layer `layer_idx`'s submitted job; its float32 partial [T, H] on the input's

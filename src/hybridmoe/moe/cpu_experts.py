@@ -120,6 +120,37 @@ def fused_cpu_moe(
     return torch.from_numpy(y)  # [T, H] float32
 
 
+def block_experts(
+    bank: ExpertBank,
+    act_dtype: torch.dtype,
+    weights_dtype: torch.dtype,
+    tokens: int,
+    top_k: int,
+    expert_fn: CpuExpertFn,
+) -> tuple | None:
+    """What the attention block takes to compute `expert_fn`'s step on `bank` for `tokens`
+    tokens of `top_k` routes in its own call (kernels/attention_block.decode_block's
+    `experts`: the formats, the bank's arrays, the rounding and activation arguments, the
+    thread count), the same arguments fused_cpu_moe hands its kernel; None unless
+    `expert_fn` is fused_cpu_moe and would take the fused kernel."""
+    threads = fused_kernel_threads(expert_fn)
+    if threads is None or not uses_fused_kernel(tokens, top_k, bank):
+        return None
+    call = _BANK_CALLS.get(bank) or _BankCall.of(bank)
+    return call.formats, call.weights, call.extras(bank, act_dtype, weights_dtype), threads
+
+
+def fused_kernel_threads(expert_fn: CpuExpertFn) -> int | None:
+    """The thread count of the fused kernel's launches when `expert_fn` is fused_cpu_moe
+    (compiles_on_first_call), else None."""
+    if not compiles_on_first_call(expert_fn):
+        return None
+    from hybridmoe.kernels.numba_moe import max_threads
+
+    threads = expert_fn.keywords.get("threads") if isinstance(expert_fn, partial) else None
+    return threads or max_threads()
+
+
 class _BankCall:
     """What fused_cpu_moe hands the kernel for one bank, made on its first call: the entry
     point of its formats, its byte views and sizes, and per (activation, router weight)
@@ -140,7 +171,8 @@ class _BankCall:
         else:
             entry = numba_moe.fused_moe_kernel
         self.numba_moe = numba_moe
-        self.kernel = entry(bank.gate_up_fmt.name, bank.down_fmt.name)
+        self.formats = (bank.gate_up_fmt.name, bank.down_fmt.name, bank.q8_activations)
+        self.kernel = entry(*self.formats[:2])
         self.hidden, self.experts = bank.hidden_size, bank.num_experts
         gate, up, expert_rows, down = bank.byte_views()  # stacked or separate gate and up
         inter = bank.intermediate_size

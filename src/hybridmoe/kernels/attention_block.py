@@ -80,7 +80,7 @@ def decode_block(
     = (formats, bank, moe, threads) of the MoE layer's bank (moe/cpu_experts.block_experts:
     numba_attention_block's arguments and the thread count its kernel computes on) the block
     also computes the routed experts of its routes and returns (stream, normed, routes,
-    partial): their float32 partial [B, H] as cpu_experts.fused_cpu_moe gives it, None where
+    partial): their float32 partial [B, 1, H] as cpu_experts.fused_cpu_moe gives it, None where
     the block did not compute it (a tie, no routes, or `threads` not the block's); without
     `experts` the partial is always None."""
     heads, kv_heads, dim = shape
@@ -242,5 +242,5 @@ def _run(
     return (
         *reply,
         routes,
-        partial if partial is None else torch.from_numpy(partial.reshape(B, hidden)),
+        partial if partial is None else torch.from_numpy(partial.reshape(B, 1, hidden)),
     )

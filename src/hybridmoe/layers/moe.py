@@ -182,13 +182,16 @@ class OffloadMoELayer:
         `routes`: the router's (ids, weights) of x where the caller computed them already, or
         the gate's logits [N, E] where its kernel left the routing to torch (a tie): the
         attention block's, with the router's bits (DecoderLayer). `partial`: the routed
-        experts' float32 partial [N, H] of those routes where the attention block computed
-        it too (block_experts: decode's bits), counted here as the backend's decode step."""
-        flat = x.reshape(-1, x.shape[-1])  # [N, H]
+        experts' float32 partial of those routes where the attention block computed
+        it too (block_experts: decode's bits; [B, 1, H], x's shape), counted here as the
+        backend's decode step."""
         if partial is not None:
             self.experts.block_done(routes[0])
-            out = partial
+            if not rounded and self.shared_expert is None:
+                return partial
+            flat, out = x.reshape(-1, x.shape[-1]), partial.view(-1, x.shape[-1])
         else:
+            flat = x.reshape(-1, x.shape[-1])  # [N, H]
             if routes is None:
                 routes = self.router(flat)
             elif isinstance(routes, torch.Tensor):

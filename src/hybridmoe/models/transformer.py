@@ -52,6 +52,7 @@ class DecoderLayer:
             )
         else:
             self.mlp = GatedMLP.load(source, f"{prefix}.mlp", hidden, cfg.intermediate_size)
+        self._offers: tuple | None = None  # (key, answer) of _block_offers
 
     def to(self, device: torch.device) -> None:
         """Moves the dense weights (routed experts stay where the MoE runtime put them)."""
@@ -79,13 +80,25 @@ class DecoderLayer:
             return None
         if self.eps != self.attn.cfg.rms_norm_eps:
             return None
-        route = experts = None
-        if isinstance(self.mlp, OffloadMoELayer):
-            block_route = getattr(self.mlp.router, "block_route", None)
-            route = None if block_route is None else block_route(x.dtype)
-            if route is not None:
-                experts = self.mlp.block_experts(x, route[1], route[3])
+        route, experts = self._block_offers(x)
         return block(x, delta, self.input_norm, self.post_attention_norm, batch, route, experts)
+
+    def _block_offers(self, x: torch.Tensor) -> tuple[tuple | None, tuple | None]:
+        """(the router's block_route, the MoE layer's block_experts) for a step on x, or None
+        each: asked once for the step's dtype, rows and device and the layer's router and
+        backend, then kept (a decode step asks per layer; both answers depend on nothing
+        else)."""
+        mlp = self.mlp
+        if not isinstance(mlp, OffloadMoELayer):
+            return None, None
+        key = (x.dtype, x.shape[0], x.device, mlp.router, mlp.experts)
+        if self._offers is not None and self._offers[0] == key:
+            return self._offers[1]
+        block_route = getattr(mlp.router, "block_route", None)
+        route = None if block_route is None else block_route(x.dtype)
+        experts = None if route is None else mlp.block_experts(x, route[1], route[3])
+        self._offers = key, (route, experts)
+        return route, experts
 
     def __call__(
         self, x: torch.Tensor, batch: ForwardBatch, delta: torch.Tensor | None = None

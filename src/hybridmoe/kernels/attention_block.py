@@ -69,20 +69,19 @@ def decode_block(
     the parts' kernels would (the glue, dense and block switches of hybridmoe/env.py on).
     With `residual` = (delta, input norm scale, post-attention norm scale), x is the residual
     stream instead: s = x + delta (delta None: s = x) and its input norm, the attention of
-    that, then (s + the attention's output, its post-attention norm) is returned, as
-    layers/norm.add_rms_norm computes them (bfloat16 x: the norms' scale rounded; a float32
-    delta rounded first); None also where add_rms_norm would not take the kernel. With
-    `residual` and `route` = (gate, k, renormalise, weights dtype) of a softmax router (its
-    gate a DenseProjection) the block also routes the post-attention norm's output as
-    gate.route does, and returns (stream, normed, routes): gate.route's answer, (ids,
-    weights) or the logits [B, E] where it leaves the routing to torch (a tie); None where
-    gate.route would not take the step (the caller then routes). With `route` and `experts`
-    = (formats, bank, moe, threads) of the MoE layer's bank (moe/cpu_experts.block_experts:
-    numba_attention_block's arguments and the thread count its kernel computes on) the block
-    also computes the routed experts of its routes and returns (stream, normed, routes,
-    partial): their float32 partial [B, 1, H] as cpu_experts.fused_cpu_moe gives it, None where
-    the block did not compute it (a tie, no routes, or `threads` not the block's); without
-    `experts` the partial is always None."""
+    that, then s + the attention's output and its post-attention norm, as layers/norm.
+    add_rms_norm computes them (bfloat16 x: the norms' scale rounded; a float32 delta rounded
+    first), come back as (stream, normed, routes, partial); None also where add_rms_norm
+    would not take the kernel. routes: with `route` = (gate, k, renormalise, weights dtype)
+    of a softmax router (its gate a DenseProjection) the block routes the normed output as
+    gate.route does, and routes is gate.route's answer, (ids, weights) or the logits [B, E]
+    where it leaves the routing to torch (a tie); None without `route` or where gate.route
+    would not take the step (the caller then routes). partial: with `route` and `experts` =
+    (formats, bank, moe, threads) of the MoE layer's bank (moe/cpu_experts.block_experts:
+    numba_attention_block's arguments and the thread count its kernel computes on) the
+    routed experts' float32 partial [B, 1, H] of those routes, as cpu_experts.fused_cpu_moe
+    gives it; None without `experts` or where the block did not compute it (a tie, no
+    routes, `threads` not the block's)."""
     heads, kv_heads, dim = shape
     dtype = x.dtype
     B, T, hidden = x.shape
@@ -128,6 +127,26 @@ def decode_block(
     if route is None:
         experts = None
     return _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual, route, experts)
+
+
+def _expert_args(experts: tuple, h: np.ndarray, routes: tuple, bf16: bool) -> tuple:
+    """numba_attention_block's moe_x ... moe_y for `experts` (formats, bank, moe, threads),
+    the post-attention norm's output h (its array: bfloat16 bits where `bf16`) and the block's
+    routes (ids, weights) tensors: the experts' inputs as fused_cpu_moe hands them to its
+    kernel (float32: bfloat16 ones widened by the block), the partial zeros."""
+    _, bank, moe, _ = experts
+    ids, weights = routes
+    partial = np.zeros(h.shape[0], np.float32)
+    moe_x = np.empty(h.shape[0], np.float32) if bf16 else h
+    ids_arr = host_array(ids, np.int64)
+    if weights.dtype is torch.bfloat16:
+        weights_arr, weights_bf16 = (
+            np.empty(ids.numel(), np.float32),
+            host_array(weights, np.uint16),
+        )
+    else:
+        weights_arr, weights_bf16 = host_array(weights, np.float32), _NO_BF16
+    return moe_x, ids_arr, weights_arr, weights_bf16, bank, moe, partial
 
 
 def _residual_fits(x, delta, in_scale, post_scale) -> bool:
@@ -210,21 +229,11 @@ def _run(
                 bool(renorm),
             ),
         )  # fmt: skip
-    if experts is None:
-        computing, partial, formats = _NO_EXPERTS, None, None
-    else:  # the experts' inputs as fused_cpu_moe hands them to its kernel: float32
-        formats, bank, moe, _ = experts
-        partial = np.zeros(B * hidden, np.float32)
-        moe_x = np.empty(B * hidden, np.float32) if bf16 else h
-        ids = host_array(routes[0], np.int64)
-        if weights_dtype is torch.bfloat16:  # widened by the block
-            weights, weights_bf16 = (
-                np.empty(B * top_k, np.float32),
-                host_array(routes[1], np.uint16),
-            )
-        else:
-            weights, weights_bf16 = host_array(routes[1], np.float32), _NO_BF16
-        computing = (moe_x, ids, weights, weights_bf16, bank, moe, partial)
+    computing, partial, formats = _NO_EXPERTS, None, None
+    if experts is not None:
+        formats, bank = experts[0], experts[1]
+        computing = _expert_args(experts, h, routes, bf16)
+        partial = computing[-1]
     kernel = block_kernel(
         qkv_call.fmt.name, o_call.fmt.name, gate_call and gate_call.fmt.name, formats
     )

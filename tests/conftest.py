@@ -133,9 +133,9 @@ def attention_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls.append(q.shape[0])
         return kernel(q, *args, **kwargs)
 
-    def counting_block(qkv, o, q_norm, k_norm, eps, x, *args):  # the kernel inside the block
+    def counting_block(qkv, o, q_norm, k_norm, eps, x, *args, **kwargs):  # inside the block
         calls.append(x.shape[0])
-        return block(qkv, o, q_norm, k_norm, eps, x, *args)
+        return block(qkv, o, q_norm, k_norm, eps, x, *args, **kwargs)
 
     monkeypatch.setattr(numba_attention, "decode_attention", counting)
     monkeypatch.setattr(attention_block, "_run", counting_block)

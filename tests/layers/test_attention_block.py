@@ -74,9 +74,9 @@ def block_calls(monkeypatch: pytest.MonkeyPatch, routed: list | None = None) -> 
     tie) or None (the router's step)."""
     calls, run = [], attention_block._run
 
-    def counting(qkv, o, q_norm, k_norm, eps, x, *args):
+    def counting(qkv, o, q_norm, k_norm, eps, x, *args, **kwargs):
         calls.append(x.shape[0])
-        out = run(qkv, o, q_norm, k_norm, eps, x, *args)
+        out = run(qkv, o, q_norm, k_norm, eps, x, *args, **kwargs)
         if routed is not None and isinstance(out, tuple):
             kind = {tuple: "routes", torch.Tensor: "logits"}.get(type(out[2]))
             if out[3] is not None:
@@ -294,9 +294,53 @@ def test_a_block_computing_otherwise_fails_the_comparison(
     monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
     run = attention_block._run
 
-    def other_eps(qkv, o, q_norm, k_norm, eps, *args):
-        return run(qkv, o, q_norm, k_norm, eps * 4 + 1e-3, *args)
+    def other_eps(qkv, o, q_norm, k_norm, eps, *args, **kwargs):
+        return run(qkv, o, q_norm, k_norm, eps * 4 + 1e-3, *args, **kwargs)
 
     monkeypatch.setattr(attention_block, "_run", other_eps)
     with pytest.raises(AssertionError, match="decode step 0"):
         assert_same_logits(decode_logits(demo_checkpoint, "float32", PROMPTS[:1]), parts)
+
+
+def test_a_layers_plan_is_kept_and_made_again_when_a_weight_changes(
+    demo_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """decode_block makes a layer's _Plan (its checks and the block's arguments from the
+    layer's parts) on the first decode step and keeps it for the next ones; a weight quantised
+    between two generations makes it again: the second generation gives the parts' bits with
+    the quantised weights, not the kept plan's old ones."""
+    made = []
+    plan_init = attention_block._Plan.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(self)
+        plan_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(attention_block._Plan, "__init__", counting)
+    calls = block_calls(monkeypatch)
+    offload = OffloadConfig(decode_target="cpu", cpu_threads=2)
+    config = EngineConfig(dtype="float32", threads=2, attention_kernel="on", offload=offload)
+    with Engine.from_pretrained(demo_checkpoint, config) as engine:
+        model, logits = engine.model, []
+        forward = model.forward
+
+        def recording(ids, batch, *args, **kwargs):
+            out = forward(ids, batch, *args, **kwargs)
+            if batch.is_decode:
+                logits.append(out.clone())
+            return out
+
+        model.forward = recording
+        engine.generate_ids(PROMPTS[:1], GREEDY)
+        layers = len(model.layers)
+        assert len(calls) == layers * (GREEDY.max_tokens - 1) and len(made) == layers
+        for layer in model.layers:
+            layer.attn.o_proj.quantize(weight_format("q8_0"))
+        logits.clear()
+        engine.generate_ids(PROMPTS[:1], GREEDY)
+        assert len(made) == 2 * layers
+        blocked = list(logits)
+        monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+        logits.clear()
+        engine.generate_ids(PROMPTS[:1], GREEDY)
+    assert_same_logits(blocked, logits)

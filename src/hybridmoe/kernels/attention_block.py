@@ -59,6 +59,7 @@ def decode_block(
     residual: tuple | None = None,
     route: tuple | None = None,
     experts: tuple | None = None,
+    plans: dict | None = None,
 ) -> torch.Tensor | tuple | None:
     """o(attention(norm_rotary(q, k), v)) for the normed input x [B, 1, H] of a decode step,
     with q/k/v = qkv(x) (heads, kv_heads, D = `shape`; the KV cache `batch.kv` written at the
@@ -81,36 +82,30 @@ def decode_block(
     numba_attention_block's arguments and the thread count its kernel computes on) the
     routed experts' float32 partial [B, 1, H] of those routes, as cpu_experts.fused_cpu_moe
     gives it; None without `experts` or where the block did not compute it (a tie, no
-    routes, `threads` not the block's)."""
-    heads, kv_heads, dim = shape
-    dtype = x.dtype
-    B, T, hidden = x.shape
-    if (
-        dtype not in _DTYPES
-        or T != 1
-        or B > DECODE_MAX_TOKENS
-        or q_norm is None
-        or k_norm is None
-        or not (env.attention_block() and env.glue_kernels() and env.dense_kernel())
-        or not (x.is_cpu and x.is_contiguous())
-        or not (qkv.uses_kernel(x) and o.weight.is_cpu)
-    ):
+    routes, `threads` not the block's). `plans`: the caller's dict (one a layer) where the
+    step's _Plan is kept for the next steps of its shape."""
+    if not (env.attention_block() and env.glue_kernels() and env.dense_kernel()):
         return None
+    if x.dim() != 3 or not (x.is_cpu and x.is_contiguous()):
+        return None
+    delta = None if residual is None else residual[0]
+    if delta is not None and not (delta.is_cpu and delta.is_contiguous()):
+        return None
+    plan = _plan(plans, qkv, o, q_norm, k_norm, x, shape, residual, route, experts)
+    if not plan.fits:
+        return None
+    heads, kv_heads, dim = shape
+    B, dtype = x.shape[0], x.dtype
     cos, sin = batch.cos, batch.sin
-    for t in (q_norm, k_norm, cos, sin):
+    for t in (cos, sin):
         if t.dtype is not dtype or not t.is_cpu or not t.is_contiguous():
             return None
-    if q_norm.shape != (dim,) or k_norm.shape != (dim,) or cos.shape != (B, 1, dim):
+    if cos.shape != (B, 1, dim) or sin.shape != cos.shape:
         return None
-    if sin.shape != cos.shape or qkv.out_features != (heads + 2 * kv_heads) * dim:
-        return None
-    if o.in_features != heads * dim or o.out_features != hidden or qkv.in_features != hidden:
-        return None
-    if residual is not None and not _residual_fits(x, *residual):
+    if delta is not None and delta.shape != x.shape:
         return None
     kernel_step = getattr(batch.kv, "kernel_step", None)
-    lanes = glue.softmax_lanes()
-    if kernel_step is None or lanes is None:
+    if kernel_step is None:
         return None
     step = kernel_step(layer_idx, batch, dtype, heads, kv_heads, dim, 1, True, window)
     if step is None:
@@ -120,13 +115,133 @@ def decode_block(
 
     if not cache_fits(caches, slots, rows, positions, batch.kv_len, ring, B, kv_heads, dim):
         return None  # the parts' path raises what does not fit
-    if route is not None:  # gate.route of the post-attention norm's output: x's dtype, shape
-        gate, top_k, _, weights_dtype = route
-        if residual is None or not gate.routes(x, top_k, weights_dtype):
-            route = None
-    if route is None:
-        experts = None
-    return _run(qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual, route, experts)
+    return _run(
+        qkv, o, q_norm, k_norm, eps, x, batch, step, shape, plan.lanes, residual, plan.route,
+        plan.experts, plan=plan,
+    )  # fmt: skip
+
+
+class _Plan:
+    """What a decode step of the block is for one layer, the step's dtype and rows, the
+    residual's delta dtype and the kernels' thread count: the checks that depend on nothing
+    else (`fits`), the router's and experts' offers the block takes (`route`, `experts`) and
+    _run's arguments made from the layer's parts alone. decode_block keeps it in the caller's
+    `plans` and makes it again where a part is no longer the one it was made of (to(),
+    quantize: other tensors or another kernel call); each step then checks and builds only
+    what the step brings (the batch's rotary tables and cache rows, the stream, the delta,
+    the outputs). A layer's step asks it ~20 things otherwise (~40 µs of Python)."""
+
+    __slots__ = (
+        "parts", "fits", "lanes", "route", "experts", "threads", "qkv_call", "o_call",
+        "qkv_par", "o_par", "kernel", "sizes", "qk_norms", "norm_flags", "scales", "routing",
+    )  # fmt: skip
+
+    def __init__(self, qkv, o, q_norm, k_norm, x, shape, residual, route, experts, checked=False):
+        self.parts = _parts(qkv, o, q_norm, k_norm, residual, route, experts)
+        self.lanes = glue.softmax_lanes()
+        self.threads = min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
+        if checked:  # _run's caller checked the step: its route and experts as given
+            self.fits, self.route, self.experts = True, route, experts
+        else:
+            self.fits = self.lanes is not None and _fits(qkv, o, q_norm, k_norm, x, shape, residual)
+            self.route = self.experts = None
+            if self.fits and route is not None and residual is not None:
+                gate, top_k, _, weights_dtype = route  # gate.route of the post-attention
+                if gate.routes(x, top_k, weights_dtype):  # norm's output: x's dtype, shape
+                    self.route = route
+            if self.route is not None and experts is not None and experts[3] == self.threads:
+                self.experts = experts  # one launch: one thread count
+        if self.fits:
+            self._arguments(qkv, o, q_norm, k_norm, x, shape, residual)
+
+    def _arguments(self, qkv, o, q_norm, k_norm, x, shape, residual) -> None:
+        from hybridmoe.kernels.numba_attention_block import block_kernel
+
+        heads, kv_heads, dim = shape
+        dtype, bf16, hidden = x.dtype, x.dtype is torch.bfloat16, x.shape[-1]
+        self.qkv_call, self.o_call = qkv.host_call(), o.host_call()
+        self.qkv_par = self.qkv_call.threads(self.threads) > 1
+        self.o_par = self.o_call.threads(self.threads) > 1
+        self.sizes = (hidden, heads, kv_heads, dim), (
+            self.qkv_call.row_bytes, self.qkv_call.rows_per_item, self.o_call.row_bytes,
+            self.o_call.rows_per_item,
+        )  # fmt: skip
+        self.qk_norms = q_norm.data_ptr(), k_norm.data_ptr()
+        if residual is None:
+            self.norm_flags, self.scales = (0, 0, False, False), (0, 0)
+        else:
+            delta, in_scale, post_scale = residual
+            in_flags = glue.norm_flags(dtype, dtype, bf16, None if delta is None else delta.dtype)
+            self.norm_flags = (in_flags, glue.norm_flags(dtype, dtype, bf16, dtype), True, True)
+            self.scales = in_scale.data_ptr(), post_scale.data_ptr()
+        gate_fmt, formats, self.routing = None, None, None
+        if self.route is not None:  # the router's step, as numba_dense.DenseCall.route makes it
+            gate, top_k, renorm, weights_dtype = self.route
+            gate_call = gate.host_call()
+            gate_fmt = gate_call.fmt.name
+            self.routing = gate_call.weight, gate_call.bias, (
+                gate_call.row_bytes, gate.out_features, gate_call.rows_per_item, top_k,
+            ), (weights_dtype is torch.bfloat16, bool(renorm))  # fmt: skip
+        if self.experts is not None:
+            formats = self.experts[0]
+        self.kernel = block_kernel(self.qkv_call.fmt.name, self.o_call.fmt.name, gate_fmt, formats)
+
+    def holds(self, qkv, o, q_norm, k_norm, residual, route, experts) -> bool:
+        """Whether it was made of these parts (the same objects and kernel calls)."""
+        parts = _parts(qkv, o, q_norm, k_norm, residual, route, experts)
+        return all(a is b for a, b in zip(parts, self.parts, strict=True))
+
+
+def _parts(qkv, o, q_norm, k_norm, residual, route, experts) -> tuple:
+    """What a _Plan is made of: the objects, and the projections' kernel calls (which a
+    weight's change replaces)."""
+    scales = (None, None) if residual is None else residual[1:]
+    gate = None if route is None else route[0]
+    calls = (
+        qkv.host_call() if qkv.weight.is_cpu else None,
+        o.host_call() if o.weight.is_cpu else None,
+        gate.host_call() if gate is not None and gate.weight.is_cpu else None,
+    )
+    return (qkv, o, q_norm, k_norm, *scales, route, experts, *calls)
+
+
+def _plan(plans, qkv, o, q_norm, k_norm, x, shape, residual, route, experts) -> _Plan:
+    """The step's _Plan from `plans` (None: made for this step alone); made again where its
+    parts changed, and then the layer's other plans go too (made of the old parts)."""
+    delta = None if residual is None else residual[0]
+    key = (
+        x.dtype, x.shape, residual is None, None if delta is None else delta.dtype,
+        kernel_threads(),
+    )  # fmt: skip
+    plan = None if plans is None else plans.get(key)
+    if plan is not None:
+        if plan.holds(qkv, o, q_norm, k_norm, residual, route, experts):
+            return plan
+        plans.clear()
+    plan = _Plan(qkv, o, q_norm, k_norm, x, shape, residual, route, experts)
+    if plans is not None:
+        plans[key] = plan
+    return plan
+
+
+def _fits(qkv, o, q_norm, k_norm, x, shape, residual) -> bool:
+    """decode_block's checks of the layer's parts against the step's x (its dtype and shape)."""
+    heads, kv_heads, dim = shape
+    B, T, hidden = x.shape
+    if x.dtype not in _DTYPES or T != 1 or B > DECODE_MAX_TOKENS or q_norm is None:
+        return False
+    if k_norm is None or not (qkv.uses_kernel(x) and o.weight.is_cpu):
+        return False
+    for t in (q_norm, k_norm):
+        if t.dtype is not x.dtype or not t.is_cpu or not t.is_contiguous():
+            return False
+    if q_norm.shape != (dim,) or k_norm.shape != (dim,):
+        return False
+    if qkv.out_features != (heads + 2 * kv_heads) * dim or qkv.in_features != hidden:
+        return False
+    if o.in_features != heads * dim or o.out_features != hidden:
+        return False
+    return residual is None or _residual_fits(x, *residual)
 
 
 def _expert_args(experts: tuple, h: np.ndarray, routes: tuple, bf16: bool) -> tuple:
@@ -162,91 +277,76 @@ def _residual_fits(x, delta, in_scale, post_scale) -> bool:
 
 def _run(
     qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual=None, route=None,
-    experts=None,
+    experts=None, plan=None,
 ):  # fmt: skip
+    """The block's call for a step decode_block checked (`plan`: its _Plan for these parts,
+    route and experts; None: made here)."""
     from hybridmoe.kernels import numba_moe
     from hybridmoe.kernels.numba_attention import step_threads
-    from hybridmoe.kernels.numba_attention_block import TIE, block_kernel
+    from hybridmoe.kernels.numba_attention_block import TIE
 
+    if plan is None or plan.route is not route or plan.experts is not experts:
+        plan = _Plan(qkv, o, q_norm, k_norm, x, shape, residual, route, experts, checked=True)
     heads, kv_heads, dim = shape
     caches, slots, rows, positions, ring, window = step
     dtype, (B, _, hidden) = x.dtype, x.shape
     np_dtype, bf16 = _DTYPES[dtype], dtype is torch.bfloat16
-    qkv_call, o_call = qkv.host_call(), o.host_call()
-    threads = min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
-    if experts is not None and experts[3] != threads:  # one launch: one thread count
-        experts = None
     attention_threads = step_threads(B, batch.kv_len, ring, window, kv_heads, dim, x.element_size())
-    flags = (
-        qkv_call.threads(threads) > 1,
-        o_call.threads(threads) > 1,
-        attention_threads > 1,
-        bf16,
-    )
+    flags = (plan.qkv_par, plan.o_par, attention_threads > 1, bf16)
     width = (heads + 2 * kv_heads) * dim
     out = glue.empty((B, 1, hidden), dtype)
     y = host_array(out, np_dtype)
     qkv_out, att = np.empty(B * width, np_dtype), np.empty(B * heads * dim, np_dtype)
     scratch = np.empty(3 * B * heads * dim * x.element_size(), np.uint8)
     if residual is None:
-        x_arr, reply = host_array(x, np_dtype), out
-        addresses, flags_of_norms = (0,) * 7, (0, 0, False, False)
+        x_arr, reply, addresses = host_array(x, np_dtype), out, (0,) * 7
     else:  # x is the stream: the input norm writes x_arr, the block ends with the post norm
-        delta, in_scale, post_scale = residual
+        delta = residual[0]
         x_arr = np.empty(B * hidden, np_dtype)
         summed = x if delta is None else glue.empty(x.shape, dtype)
         after, post_normed = glue.empty(x.shape, dtype), glue.empty(x.shape, dtype)
-        stream = x.data_ptr()
+        stream, (in_scale, post_scale) = x.data_ptr(), plan.scales
         addresses = (
-            stream, stream if delta is None else delta.data_ptr(), summed.data_ptr(),
-            in_scale.data_ptr(), after.data_ptr(), post_normed.data_ptr(), post_scale.data_ptr(),
+            stream, stream if delta is None else delta.data_ptr(), summed.data_ptr(), in_scale,
+            after.data_ptr(), post_normed.data_ptr(), post_scale,
         )  # fmt: skip
-        in_flags = glue.norm_flags(dtype, dtype, bf16, None if delta is None else delta.dtype)
-        flags_of_norms = (in_flags, glue.norm_flags(dtype, dtype, bf16, dtype), True, True)
         reply = after, post_normed
     if bf16:
         arrays = (_NO_F32, x_arr, _NO_F32, qkv_out, _NO_F32, att, _NO_F32, y)
     else:
         arrays = (x_arr, _NO_BF16, qkv_out, _NO_BF16, att, _NO_BF16, y, _NO_BF16)
-    sizes = (hidden, heads, kv_heads, dim, slots, batch.kv_len, lanes, B)
-    sizes += (qkv_call.row_bytes, qkv_call.rows_per_item, o_call.row_bytes, o_call.rows_per_item)
-    sizes += (ring or 0, window or 0)
-    norms = (q_norm.data_ptr(), k_norm.data_ptr(), batch.cos.data_ptr(), batch.sin.data_ptr())
+    head, tail = plan.sizes
+    sizes = (*head, slots, batch.kv_len, lanes, B, *tail, ring or 0, window or 0)
+    norms = (*plan.qk_norms, batch.cos.data_ptr(), batch.sin.data_ptr())
     if route is None:
-        gate_call, routing, routes = None, _NO_ROUTE, None
+        routing, routes = _NO_ROUTE, None
     else:  # the router's step, as numba_dense.DenseCall.route makes it
-        gate, top_k, renorm, weights_dtype = route
-        gate_call, gate_rows = gate.host_call(), gate.out_features
+        _, top_k, _, weights_dtype = route
+        gate_w, gate_bias, (row_bytes, gate_rows, items, _), bits = plan.routing
         routes = glue.empty((B, top_k), torch.int64), glue.empty((B, top_k), weights_dtype)
         h = host_array(reply[1], np_dtype)
         logits = np.empty(B * gate_rows, np_dtype)  # [B, E] gate.route's, for a tie
         routing = (
             *((_NO_F32, h, _NO_F32, logits) if bf16 else (h, _NO_BF16, logits, _NO_BF16)),
-            gate_call.weight, gate_call.bias,
-            (
-                gate_call.row_bytes, gate_rows, gate_call.rows_per_item, top_k,
-                routes[0].data_ptr(), routes[1].data_ptr(), weights_dtype is torch.bfloat16,
-                bool(renorm),
-            ),
+            gate_w, gate_bias,
+            (row_bytes, gate_rows, items, top_k, routes[0].data_ptr(), routes[1].data_ptr(), *bits),
         )  # fmt: skip
-    computing, partial, formats = _NO_EXPERTS, None, None
+    computing, partial = _NO_EXPERTS, None
     if experts is not None:
-        formats, bank = experts[0], experts[1]
         computing = _expert_args(experts, h, routes, bf16)
         partial = computing[-1]
-    kernel = block_kernel(
-        qkv_call.fmt.name, o_call.fmt.name, gate_call and gate_call.fmt.name, formats
-    )
     status = numba_moe.launch(
-        kernel, threads, *arrays, scratch, qkv_call.weight, qkv_call.bias, o_call.weight,
-        o_call.bias, sizes, flags, norms, *caches, rows, positions, float(eps),
-        np.float32(1.0 / math.sqrt(dim)), addresses, flags_of_norms, *routing, *computing,
+        plan.kernel, plan.threads, *arrays, scratch, plan.qkv_call.weight, plan.qkv_call.bias,
+        plan.o_call.weight, plan.o_call.bias, sizes, flags, norms, *caches, rows, positions,
+        float(eps), np.float32(1.0 / math.sqrt(dim)), addresses, plan.norm_flags, *routing,
+        *computing,
     )  # fmt: skip
     if residual is None:
         return reply
     if status == TIE:  # the logits, for torch to route (gate.route's); no experts computed
         return (*reply, host_logits(logits, B, gate_rows), None)
     if status >= 0:  # fused_cpu_moe's error
+        bank = experts[1]
         raise IndexError(f"expert id {status} out of range: the bank has {bank[6]} experts")
     return (
         *reply,

@@ -132,6 +132,7 @@ class GroupedQueryAttention:
         self.k_norm = source.get(f"{prefix}.k_norm.weight", sizes[1:]) if sizes else None
         self._qk_norm = None  # joint_qk_weight, made on first use (after to())
         self._qkv: StackedQKV | None = None  # the CPU kernel's q/k/v in one, made on first use
+        self._block_plans: dict = {}  # attention_block.decode_block's, per step shape
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]."""
@@ -169,7 +170,7 @@ class GroupedQueryAttention:
         qkv, o = self._stacked_qkv().stacked, self.o_proj
         return attention_block.decode_block(
             qkv, o, self.q_norm, self.k_norm, cfg.rms_norm_eps, x, batch, self.layer_idx,
-            self.window, shape, residual, route, experts,
+            self.window, shape, residual, route, experts, self._block_plans,
         )  # fmt: skip
 
     def decode_residual_block(
@@ -228,6 +229,7 @@ class GroupedQueryAttention:
         self.q_norm = None if self.q_norm is None else self.q_norm.to(device)
         self.k_norm = None if self.k_norm is None else self.k_norm.to(device)
         self._qk_norm = self._qkv = None
+        self._block_plans.clear()
 
     def dense_tensors(self) -> list[torch.Tensor]:
         """The weights to() moves."""

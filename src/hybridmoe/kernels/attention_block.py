@@ -134,10 +134,12 @@ class _Plan:
     __slots__ = (
         "parts", "fits", "lanes", "route", "experts", "threads", "qkv_call", "o_call",
         "qkv_par", "o_par", "kernel", "sizes", "qk_norms", "norm_flags", "scales", "routing",
+        "outputs", "args",
     )  # fmt: skip
 
     def __init__(self, qkv, o, q_norm, k_norm, x, shape, residual, route, experts, checked=False):
         self.parts = _parts(qkv, o, q_norm, k_norm, residual, route, experts)
+        self.outputs = self.args = None  # _launch_args', made on the plan's first step
         self.lanes = glue.softmax_lanes()
         self.threads = min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
         if checked:  # _run's caller checked the step: its route and experts as given
@@ -275,81 +277,103 @@ def _residual_fits(x, delta, in_scale, post_scale) -> bool:
     return glue.norm_fits(x, in_scale, delta) and glue.norm_fits(x, post_scale)
 
 
+# where _run's per-step values go in a plan's launch arguments (numba_attention_block's order)
+_X, _SIZES, _FLAGS, _NORMS, _CACHES, _ROWS, _EPS, _ADDRESSES = 0, 13, 14, 15, 16, 18, 20, 22
+_LOGITS, _PARTIAL = 26, 37  # the router's logits (float32; bfloat16 bits one on), the partial
+
+
 def _run(
     qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual=None, route=None,
     experts=None, plan=None,
 ):  # fmt: skip
     """The block's call for a step decode_block checked (`plan`: its _Plan for these parts,
-    route and experts; None: made here)."""
+    route and experts; None: made here). The plan's outputs are its own arrays, written again
+    by the next step of its shape: a caller uses them within the step (a decoder layer's
+    stream and delta go to the next layer; a model's steps run one at a time)."""
     from hybridmoe.kernels import numba_moe
     from hybridmoe.kernels.numba_attention import step_threads
     from hybridmoe.kernels.numba_attention_block import TIE
 
     if plan is None or plan.route is not route or plan.experts is not experts:
         plan = _Plan(qkv, o, q_norm, k_norm, x, shape, residual, route, experts, checked=True)
+    if plan.args is None:
+        plan.outputs, plan.args = _launch_args(plan, x, shape, residual, lanes)
     heads, kv_heads, dim = shape
     caches, slots, rows, positions, ring, window = step
+    B, bf16, args = x.shape[0], x.dtype is torch.bfloat16, plan.args
+    attention_threads = step_threads(B, batch.kv_len, ring, window, kv_heads, dim, x.element_size())
+    head, tail = plan.sizes
+    args[_SIZES] = (*head, slots, batch.kv_len, lanes, B, *tail, ring or 0, window or 0)
+    args[_FLAGS] = (plan.qkv_par, plan.o_par, attention_threads > 1, bf16)
+    args[_NORMS] = (*plan.qk_norms, batch.cos.data_ptr(), batch.sin.data_ptr())
+    args[_CACHES], args[_CACHES + 1], args[_ROWS], args[_ROWS + 1] = *caches, rows, positions
+    args[_EPS] = float(eps)
+    out, after, post_normed, routes, partial, summed = plan.outputs
+    if residual is None:  # x is the normed input
+        args[_X + bf16] = host_array(x, _DTYPES[x.dtype])
+    else:  # x is the stream: the input norm writes the x array, the block ends with the norm
+        delta, stream, (in_scale, post_scale) = residual[0], x.data_ptr(), plan.scales
+        args[_ADDRESSES] = (
+            stream, stream if delta is None else delta.data_ptr(),
+            stream if delta is None else summed.data_ptr(), in_scale, after.data_ptr(),
+            post_normed.data_ptr(), post_scale,
+        )  # fmt: skip
+    if partial is not None:
+        args[_PARTIAL].fill(0)  # the experts' kernel adds into it
+    status = numba_moe.launch(plan.kernel, plan.threads, *args)
+    if residual is None:
+        return out
+    if status == TIE:  # the logits, for torch to route (gate.route's); no experts computed
+        logits = args[_LOGITS + bf16]
+        return after, post_normed, host_logits(logits, B, plan.routing[2][1]), None
+    if status >= 0:  # fused_cpu_moe's error
+        bank = experts[1]
+        raise IndexError(f"expert id {status} out of range: the bank has {bank[6]} experts")
+    return after, post_normed, routes, partial
+
+
+def _launch_args(plan, x, shape, residual, lanes) -> tuple[tuple, list]:
+    """A plan's outputs (out, after, post_normed, routes, the partial, the stream + delta sum;
+    None where the step has none) and its launch arguments (a list: _run sets the step's
+    values), over arrays of its own."""
+    heads, kv_heads, dim = shape
     dtype, (B, _, hidden) = x.dtype, x.shape
     np_dtype, bf16 = _DTYPES[dtype], dtype is torch.bfloat16
-    attention_threads = step_threads(B, batch.kv_len, ring, window, kv_heads, dim, x.element_size())
-    flags = (plan.qkv_par, plan.o_par, attention_threads > 1, bf16)
     width = (heads + 2 * kv_heads) * dim
-    out = glue.empty((B, 1, hidden), dtype)
+    out = torch.empty((B, 1, hidden), dtype=dtype)
     y = host_array(out, np_dtype)
     qkv_out, att = np.empty(B * width, np_dtype), np.empty(B * heads * dim, np_dtype)
     scratch = np.empty(3 * B * heads * dim * x.element_size(), np.uint8)
-    if residual is None:
-        x_arr, reply, addresses = host_array(x, np_dtype), out, (0,) * 7
-    else:  # x is the stream: the input norm writes x_arr, the block ends with the post norm
-        delta = residual[0]
-        x_arr = np.empty(B * hidden, np_dtype)
-        summed = x if delta is None else glue.empty(x.shape, dtype)
-        after, post_normed = glue.empty(x.shape, dtype), glue.empty(x.shape, dtype)
-        stream, (in_scale, post_scale) = x.data_ptr(), plan.scales
-        addresses = (
-            stream, stream if delta is None else delta.data_ptr(), summed.data_ptr(), in_scale,
-            after.data_ptr(), post_normed.data_ptr(), post_scale,
-        )  # fmt: skip
-        reply = after, post_normed
+    x_arr = np.empty(B * hidden, np_dtype)  # the input norm's output (with a residual)
+    after = post_normed = summed = routes = partial = None
+    if residual is not None:
+        after, post_normed = (torch.empty(x.shape, dtype=dtype) for _ in "ap")
+        summed = None if residual[0] is None else torch.empty(x.shape, dtype=dtype)
     if bf16:
         arrays = (_NO_F32, x_arr, _NO_F32, qkv_out, _NO_F32, att, _NO_F32, y)
     else:
         arrays = (x_arr, _NO_BF16, qkv_out, _NO_BF16, att, _NO_BF16, y, _NO_BF16)
-    head, tail = plan.sizes
-    sizes = (*head, slots, batch.kv_len, lanes, B, *tail, ring or 0, window or 0)
-    norms = (*plan.qk_norms, batch.cos.data_ptr(), batch.sin.data_ptr())
-    if route is None:
-        routing, routes = _NO_ROUTE, None
-    else:  # the router's step, as numba_dense.DenseCall.route makes it
-        _, top_k, _, weights_dtype = route
+    routing, computing = _NO_ROUTE, _NO_EXPERTS
+    if plan.route is not None:  # the router's step, as numba_dense.DenseCall.route makes it
+        _, top_k, _, weights_dtype = plan.route
         gate_w, gate_bias, (row_bytes, gate_rows, items, _), bits = plan.routing
-        routes = glue.empty((B, top_k), torch.int64), glue.empty((B, top_k), weights_dtype)
-        h = host_array(reply[1], np_dtype)
+        routes = (
+            torch.empty((B, top_k), dtype=torch.int64),
+            torch.empty((B, top_k), dtype=weights_dtype),
+        )
+        h = host_array(post_normed, np_dtype)
         logits = np.empty(B * gate_rows, np_dtype)  # [B, E] gate.route's, for a tie
         routing = (
             *((_NO_F32, h, _NO_F32, logits) if bf16 else (h, _NO_BF16, logits, _NO_BF16)),
             gate_w, gate_bias,
             (row_bytes, gate_rows, items, top_k, routes[0].data_ptr(), routes[1].data_ptr(), *bits),
         )  # fmt: skip
-    computing, partial = _NO_EXPERTS, None
-    if experts is not None:
-        computing = _expert_args(experts, h, routes, bf16)
-        partial = computing[-1]
-    status = numba_moe.launch(
-        plan.kernel, plan.threads, *arrays, scratch, plan.qkv_call.weight, plan.qkv_call.bias,
-        plan.o_call.weight, plan.o_call.bias, sizes, flags, norms, *caches, rows, positions,
-        float(eps), np.float32(1.0 / math.sqrt(dim)), addresses, plan.norm_flags, *routing,
-        *computing,
-    )  # fmt: skip
-    if residual is None:
-        return reply
-    if status == TIE:  # the logits, for torch to route (gate.route's); no experts computed
-        return (*reply, host_logits(logits, B, gate_rows), None)
-    if status >= 0:  # fused_cpu_moe's error
-        bank = experts[1]
-        raise IndexError(f"expert id {status} out of range: the bank has {bank[6]} experts")
-    return (
-        *reply,
-        routes,
-        partial if partial is None else torch.from_numpy(partial.reshape(B, 1, hidden)),
-    )
+        if plan.experts is not None:
+            computing = _expert_args(plan.experts, h, routes, bf16)
+            partial = torch.from_numpy(computing[-1]).view(B, 1, hidden)
+    args = [
+        *arrays, scratch, plan.qkv_call.weight, plan.qkv_call.bias, plan.o_call.weight,
+        plan.o_call.bias, None, None, None, None, None, None, None, None,
+        np.float32(1.0 / math.sqrt(dim)), (0,) * 7, plan.norm_flags, *routing, *computing,
+    ]  # fmt: skip
+    return (out, after, post_normed, routes, partial, summed), args

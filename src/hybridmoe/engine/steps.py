@@ -41,8 +41,9 @@ def decode(model: MoeCausalLM, rows: list[int], seqs: list[Sequence], cache: KVC
     Returns each sequence's printable text delta, in the order of `seqs`.
     """
     ids = torch.tensor([[seq.output_ids[-1]] for seq in seqs])  # [B, 1]
-    positions = torch.tensor([[seq.next_position] for seq in seqs])  # [B, 1]
-    batch = model.make_batch(positions, rows, cache, is_decode=True)
+    starts = tuple(seq.next_position for seq in seqs)
+    positions = torch.tensor([[p] for p in starts])  # [B, 1]
+    batch = model.make_batch(positions, rows, cache, is_decode=True, starts=starts)
     # on the cpu device the numba kernels take every core; torch's few small ops take one
     with serial_torch_ops() if model.device.type == "cpu" and env.serial_torch() else nullcontext():
         logits = model.forward(ids, batch)  # [B, V]

@@ -6,6 +6,7 @@ by one, with the same bits)."""
 from __future__ import annotations
 
 import math
+import operator
 
 import numba
 import numpy as np
@@ -191,7 +192,7 @@ class _Plan:
     def holds(self, qkv, o, q_norm, k_norm, residual, route, experts) -> bool:
         """Whether it was made of these parts (the same objects and kernel calls)."""
         parts = _parts(qkv, o, q_norm, k_norm, residual, route, experts)
-        return all(a is b for a, b in zip(parts, self.parts, strict=True))
+        return all(map(operator.is_, parts, self.parts))  # the same length: _parts
 
 
 def _parts(qkv, o, q_norm, k_norm, residual, route, experts) -> tuple:

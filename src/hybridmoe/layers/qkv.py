@@ -80,7 +80,8 @@ class StackedQKV:
     def holds(self, parts: tuple[DenseProjection, ...]) -> bool:
         """Whether `parts` still compute from this stack (quantize() or to() replace a part's
         weight: then it must be stacked again)."""
-        return all(p.weight is w for p, w in zip(parts, self.weights, strict=True))
+        (q, k, v), w = parts, self.weights  # asked by every layer's decode step: no generator
+        return q.weight is w[0] and k.weight is w[1] and v.weight is w[2]
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [..., H] -> each part's [..., out] (views of one output), for an x the parts'

@@ -191,12 +191,22 @@ class MoeCausalLM:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, OffloadMoELayer)]
 
     def make_batch(
-        self, positions: torch.Tensor, rows: list[int], kv: KVStore | None, is_decode: bool = False
+        self,
+        positions: torch.Tensor,
+        rows: list[int],
+        kv: KVStore | None,
+        is_decode: bool = False,
+        starts: tuple[int, ...] | None = None,
     ) -> ForwardBatch:
         """The step's shared facts for host `positions` [B, T] and KV-cache `rows`; what the
-        device needs is copied there without the host waiting (docs/host-syncs.md)."""
-        kv_len = int(positions.max()) + 1  # read on the host, before the copy
-        starts = tuple(positions[:, 0].tolist())
+        device needs is copied there without the host waiting (docs/host-syncs.md).
+        `starts`: each row's first position as ints, where the caller made `positions` from
+        them (a decode step: T = 1), so they are not read back from the tensor."""
+        if starts is None or positions.shape[1] != 1:
+            kv_len = int(positions.max()) + 1  # read on the host, before the copy
+            starts = tuple(positions[:, 0].tolist())
+        else:
+            kv_len = max(starts) + 1
         positions = to_device_no_sync(positions, self.device)
         windows = self._windows
         rings = frozenset() if kv is None else kv.ring_windows

@@ -344,3 +344,22 @@ def test_a_layers_plan_is_kept_and_made_again_when_a_weight_changes(
         logits.clear()
         engine.generate_ids(PROMPTS[:1], GREEDY)
     assert_same_logits(blocked, logits)
+
+
+def test_a_layer_keeps_a_few_plans(demo_checkpoint: Path) -> None:
+    """Each plan holds its step's arrays: steps of more batch sizes than MAX_PLANS leave a
+    layer with MAX_PLANS plans (the oldest dropped), and a batch size met again finds its
+    plan (the router's and experts' offers it was made of are the same objects again), with
+    a fresh engine's tokens."""
+    sizes = [1, 2, 3, 4, 3]
+    assert len(set(sizes)) > attention_block.MAX_PLANS
+    offload = OffloadConfig(decode_target="cpu", cpu_threads=2)
+    config = EngineConfig(dtype="float32", threads=2, attention_kernel="on", offload=offload)
+    prompts = PROMPTS + [[11, 12, 13]]
+    with Engine.from_pretrained(demo_checkpoint, config) as engine:
+        for size in sizes:
+            tokens = engine.generate_ids(prompts[:size], GREEDY)
+        kept = [len(layer.attn._block_plans) for layer in engine.model.layers]
+    assert kept == [attention_block.MAX_PLANS] * len(kept)
+    with Engine.from_pretrained(demo_checkpoint, config) as engine:
+        assert engine.generate_ids(prompts[:3], GREEDY) == tokens

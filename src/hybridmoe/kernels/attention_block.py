@@ -33,6 +33,9 @@ _NO_ROUTE = (
     (0, 0, 0, 0, 0, 0, False, False),
 )
 _NO_I64 = np.empty(0, np.int64)
+# the plans a layer keeps (_plan): each holds its step's arrays (~1.3 MB a Qwen3-30B-A3B layer
+# at 16 rows), so a server whose batch size moves keeps a few, not one for every size
+MAX_PLANS = 3
 # the block's expert arguments where it computes no experts (numba_attention_block's moe_x ...
 # moe_y)
 _NO_EXPERTS = (
@@ -223,6 +226,8 @@ def _plan(plans, qkv, o, q_norm, k_norm, x, shape, residual, route, experts) -> 
         plans.clear()
     plan = _Plan(qkv, o, q_norm, k_norm, x, shape, residual, route, experts)
     if plans is not None:
+        if len(plans) >= MAX_PLANS:  # the oldest goes: a server's batch sizes come and go
+            del plans[next(iter(plans))]
         plans[key] = plan
     return plan
 

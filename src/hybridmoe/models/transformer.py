@@ -20,6 +20,10 @@ from hybridmoe.models.registry import ModelFamily
 from hybridmoe.platform.base import to_device_no_sync
 from hybridmoe.quant.formats import WeightFormat
 
+# the block offers a decoder layer keeps, one a batch size (the attention block keeps
+# kernels/attention_block.MAX_PLANS plans a layer, made of them)
+MAX_OFFERS = 4
+
 
 class DecoderLayer:
     def __init__(
@@ -52,7 +56,7 @@ class DecoderLayer:
             )
         else:
             self.mlp = GatedMLP.load(source, f"{prefix}.mlp", hidden, cfg.intermediate_size)
-        self._offers: tuple | None = None  # (key, answer) of _block_offers
+        self._offers: dict[tuple, tuple] = {}  # _block_offers' answers by their key
 
     def to(self, device: torch.device) -> None:
         """Moves the dense weights (routed experts stay where the MoE runtime put them)."""
@@ -87,18 +91,21 @@ class DecoderLayer:
         """(the router's block_route, the MoE layer's block_experts) for a step on x, or None
         each: asked once for the step's dtype, rows and device and the layer's router and
         backend, then kept (a decode step asks per layer; both answers depend on nothing
-        else)."""
+        else), the same objects for every step of that key (the attention block's plans,
+        kept per batch size, are made of them: kernels/attention_block._Plan)."""
         mlp = self.mlp
         if not isinstance(mlp, OffloadMoELayer):
             return None, None
         key = (x.dtype, x.shape[0], x.device, mlp.router, mlp.experts)
-        if self._offers is not None and self._offers[0] == key:
-            return self._offers[1]
-        block_route = getattr(mlp.router, "block_route", None)
-        route = None if block_route is None else block_route(x.dtype)
-        experts = None if route is None else mlp.block_experts(x, route[1], route[3])
-        self._offers = key, (route, experts)
-        return route, experts
+        offers = self._offers.get(key)
+        if offers is None:
+            block_route = getattr(mlp.router, "block_route", None)
+            route = None if block_route is None else block_route(x.dtype)
+            experts = None if route is None else mlp.block_experts(x, route[1], route[3])
+            if len(self._offers) >= MAX_OFFERS:  # batch sizes come and go
+                self._offers.clear()
+            offers = self._offers[key] = route, experts
+        return offers
 
     def __call__(
         self, x: torch.Tensor, batch: ForwardBatch, delta: torch.Tensor | None = None

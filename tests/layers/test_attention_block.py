@@ -51,20 +51,25 @@ def decode_logits(
     with Engine.from_pretrained(directory, config) as engine:
         if prepare is not None:
             prepare(engine.model)
-        forward = engine.model.forward
-
-        def recording(ids, batch, *args, **kwargs):
-            out = forward(ids, batch, *args, **kwargs)
-            if batch.is_decode:
-                logits.append(out.clone())
-            return out
-
-        engine.model.forward = recording
+        record_decode_logits(engine.model, logits)
         engine.generate_ids(prompts, GREEDY)
         if routes is not None:
             stats = engine.moe_runtime.cpu_executor.stats.values()
             routes.append(sum(layer.routes for layer in stats))
     return logits
+
+
+def record_decode_logits(model, logits: list[torch.Tensor]) -> None:
+    """From now on model.forward appends each decode step's logits (a copy) to `logits`."""
+    forward = model.forward
+
+    def recording(ids, batch, *args, **kwargs):
+        out = forward(ids, batch, *args, **kwargs)
+        if batch.is_decode:
+            logits.append(out.clone())
+        return out
+
+    model.forward = recording
 
 
 def block_calls(monkeypatch: pytest.MonkeyPatch, routed: list | None = None) -> list[int]:
@@ -322,15 +327,7 @@ def test_a_layers_plan_is_kept_and_made_again_when_a_weight_changes(
     config = EngineConfig(dtype="float32", threads=2, attention_kernel="on", offload=offload)
     with Engine.from_pretrained(demo_checkpoint, config) as engine:
         model, logits = engine.model, []
-        forward = model.forward
-
-        def recording(ids, batch, *args, **kwargs):
-            out = forward(ids, batch, *args, **kwargs)
-            if batch.is_decode:
-                logits.append(out.clone())
-            return out
-
-        model.forward = recording
+        record_decode_logits(model, logits)
         engine.generate_ids(PROMPTS[:1], GREEDY)
         layers = len(model.layers)
         assert len(calls) == layers * (GREEDY.max_tokens - 1) and len(made) == layers

@@ -294,18 +294,19 @@ def _run(
     qkv, o, q_norm, k_norm, eps, x, batch, step, shape, lanes, residual=None, route=None,
     experts=None, plan=None,
 ):  # fmt: skip
-    """The block's call for a step decode_block checked (`plan`: its _Plan for these parts,
-    route and experts; None: made here). The plan's outputs are its own arrays, written again
-    by the next step of its shape: a caller uses them within the step (a decoder layer's
-    stream and delta go to the next layer; a model's steps run one at a time)."""
+    """The block's call for a step decode_block checked (`plan`: its _Plan, whose route and
+    experts these are; None: made here of them). The plan's outputs are its own arrays,
+    written again by the next step of its shape: a caller uses them within the step (a
+    decoder layer's stream and delta go to the next layer; a model's steps run one at a
+    time)."""
     from hybridmoe.kernels import numba_moe
     from hybridmoe.kernels.numba_attention import step_threads
     from hybridmoe.kernels.numba_attention_block import TIE
 
-    if plan is None or plan.route is not route or plan.experts is not experts:
+    if plan is None:
         plan = _Plan(qkv, o, q_norm, k_norm, x, shape, residual, route, experts, checked=True)
     if plan.args is None:
-        plan.outputs, plan.args = _launch_args(plan, x, shape, residual, lanes)
+        plan.outputs, plan.args = _launch_args(plan, x, shape, residual)
     heads, kv_heads, dim = shape
     caches, slots, rows, positions, ring, window = step
     B, bf16, args = x.shape[0], x.dtype is torch.bfloat16, plan.args
@@ -340,7 +341,7 @@ def _run(
     return after, post_normed, routes, partial
 
 
-def _launch_args(plan, x, shape, residual, lanes) -> tuple[tuple, list]:
+def _launch_args(plan, x, shape, residual) -> tuple[tuple, list]:
     """A plan's outputs (out, after, post_normed, routes, the partial, the stream + delta sum;
     None where the step has none) and its launch arguments (a list: _run sets the step's
     values), over arrays of its own."""

@@ -102,8 +102,8 @@ class DecoderLayer:
             block_route = getattr(mlp.router, "block_route", None)
             route = None if block_route is None else block_route(x.dtype)
             experts = None if route is None else mlp.block_experts(x, route[1], route[3])
-            if len(self._offers) >= MAX_OFFERS:  # batch sizes come and go
-                self._offers.clear()
+            if len(self._offers) >= MAX_OFFERS:  # the oldest goes, as the block's plans do
+                del self._offers[next(iter(self._offers))]
             offers = self._offers[key] = route, experts
         return offers
 

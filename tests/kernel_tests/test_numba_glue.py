@@ -225,11 +225,15 @@ def test_route_equals_torch(experts, top_k, renorm, weights_fp32) -> None:
     assert fast > 0  # the kernel's answer was compared, not only torch's
 
 
-def test_route_refuses_ties() -> None:
-    """A tie among the k + 1 largest (here at the k-th place) is left to torch.topk."""
+def test_route_picks_torchs_experts_among_ties() -> None:
+    """A tie among the k + 1 largest: torch.topk's experts, in its order (numba_glue.
+    _torch_topk); where torch takes the path not reproduced (k * 64 <= experts) a tie at the
+    k-th place is left to torch.topk."""
     probs = torch.tensor([[0.1, 0.3, 0.2, 0.3, 0.1]])
-    assert glue.route_topk(probs, 1, False, torch.float32) is None
-    assert glue.route_topk(probs, 2, False, torch.float32) is None
+    for k in (1, 2, 3, 4):
+        ids, weights = glue.route_topk(probs, k, False, torch.float32)
+        want = torch.topk(probs, k)
+        assert torch.equal(ids, want.indices) and torch.equal(weights, want.values)
     top = torch.tensor([[0.4, 0.3]])
     ids, weights = glue.route_topk(torch.tensor([[0.1, 0.3, 0.2, 0.4]]), 2, True, torch.float32)
     assert ids.tolist() == [[3, 1]] and torch.equal(weights, top / top.sum())
@@ -240,6 +244,78 @@ def test_route_refuses_ties() -> None:
             routing.route(logits, 2, True), routing.route_torch(logits, 2, True), strict=True
         )
     )
+    wide = torch.full((1, 256), 0.001)
+    wide[0, 3], wide[0, [70, 200]] = 0.5, 0.4  # 2 of 256: torch's heap path, the 2nd tied
+    assert not numba_glue._reproduced(256, 2)
+    assert glue.route_topk(wide, 2, False, torch.float32) is None
+    assert glue.route_topk(wide, 1, False, torch.float32) is not None  # no tie at the 1st
+
+
+def _tied_rows(gen: np.random.Generator, n: int, count: int) -> list[np.ndarray]:
+    """Float32 rows of n values drawn from few levels (every row full of ties)."""
+    rows = []
+    for i in range(count):
+        levels = int(gen.integers(1, max(2, n // int(gen.integers(1, 8))) + 1))
+        rows.append((gen.integers(0, levels, n) / levels).astype(np.float32))
+        if i % 3 == 0:
+            rows[-1] = (np.round(gen.random(n) * 8) / 8).astype(np.float32)
+    return rows
+
+
+def _assert_torch_topk(row: np.ndarray, k: int) -> None:
+    n = row.shape[0]
+    values, ids = np.empty(n, np.float32), np.empty(n, np.int64)
+    numba_glue._torch_topk(row, n, k, values, ids)
+    want = torch.topk(torch.from_numpy(row), k)
+    assert ids[:k].tolist() == want.indices.tolist(), (row.tolist(), k)
+    assert np.array_equal(values[:k], want.values.numpy())
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 16, 32, 60, 64, 100, 128, 256, 384])
+def test_torch_topk_on_ties(n) -> None:
+    """numba_glue._torch_topk gives torch.topk's indices, in its order, on rows full of ties,
+    for every k it reproduces at this length."""
+    gen = np.random.default_rng(n)
+    ks = [k for k in (1, 2, 3, 4, 6, 8, 10, 16, 17) if k <= n and numba_glue._reproduced(n, k)]
+    assert ks
+    for k in ks:
+        for row in _tied_rows(gen, n, 120):
+            _assert_torch_topk(row, k)
+
+
+def _past_the_depth_limit(row: np.ndarray, k: int) -> tuple[bool, int]:
+    """(whether _torch_topk's introselect ends past its depth limit on `row`, the partitions
+    it made): its loop restated around numba_glue._partition."""
+    n, v, ix = row.shape[0], row.copy(), np.arange(row.shape[0])
+    first, last, depth, count = 0, n, 2 * (n.bit_length() - 1), 0
+    while last - first > 3 and depth > 0:
+        depth, count = depth - 1, count + 1
+        cut = numba_glue._partition(v, ix, first, last)
+        first, last = (cut, last) if cut <= k - 1 else (first, cut)
+    return last - first > 3, count
+
+
+def test_torch_topk_past_the_depth_limit() -> None:
+    """Rows that drive the introselect past its depth limit (found by a search that keeps the
+    swaps which make more partitions): torch.topk's heap select, reproduced."""
+    gen, n, k, found = np.random.default_rng(1), 64, 8, []
+    while len(found) < 4:
+        row = gen.random(n).astype(np.float32)
+        score = _past_the_depth_limit(row, k)[1]
+        for _ in range(3000):
+            candidate = row.copy()
+            i, j = gen.integers(0, n, 2)
+            candidate[i], candidate[j] = candidate[j], candidate[i]
+            if gen.random() < 0.2:  # ties too
+                candidate[gen.integers(0, n)] = candidate[gen.integers(0, n)]
+            past, partitions = _past_the_depth_limit(candidate, k)
+            if past:
+                found.append(candidate)
+                break
+            if partitions >= score:
+                row, score = candidate, partitions
+    for row in found:
+        _assert_torch_topk(row, k)
 
 
 def _softmax_topk(logits: torch.Tensor, k: int, any_order: bool):
@@ -256,19 +332,25 @@ def _softmax_topk(logits: torch.Tensor, k: int, any_order: bool):
 
 @pytest.mark.skipif(glue.softmax_lanes() is None, reason="torch's softmax is not reproduced here")
 def test_any_order_routes_ties_inside_the_k_only() -> None:
-    """With any_order (the attention block computing the experts) a tie among the k largest
-    routes: route_torch's experts and weights, the tied ids lowest first; a tie at the k-th
-    place is refused either way, and without any_order every tie is."""
-    inside = torch.tensor([[1.0, 3.0, 2.0, 3.0, 0.5, 2.5]])  # the two largest equal
+    """Where torch.topk's path is not reproduced (4 of 256), with any_order (the attention
+    block computing the experts) a tie among the k largest routes: route_torch's experts and
+    weights, the tied ids lowest first; a tie at the k-th place is refused either way, and
+    without any_order every tie is."""
+    assert not numba_glue._reproduced(256, 4)
+    inside = torch.full((1, 256), -10.0)
+    inside[0, :6] = torch.tensor([1.0, 3.0, 2.0, 3.0, 0.5, 2.5])  # the two largest equal
     assert _softmax_topk(inside, 3, any_order=False) is None
     ids, weights = _softmax_topk(inside, 3, any_order=True)
     want_ids, want_weights = routing.route_torch(inside, 3, True)
     assert ids.tolist() == [[1, 3, 5]]
     assert sorted(ids[0].tolist()) == sorted(want_ids[0].tolist())
     assert torch.equal(weights, want_weights)  # equal values: the same sequence
-    at_k = torch.tensor([[1.0, 3.0, 2.0, 2.0, 0.5]])  # the 2nd and 3rd largest equal
+    at_k = torch.full((1, 256), -10.0)
+    at_k[0, :5] = torch.tensor([1.0, 3.0, 2.0, 2.0, 0.5])  # the 2nd and 3rd largest equal
     assert _softmax_topk(at_k, 2, any_order=True) is None
     assert _softmax_topk(at_k, 3, any_order=True) is not None  # their tie inside the k
+    ids, _ = _softmax_topk(at_k[:, :5].contiguous(), 2, any_order=False)  # 2 of 5: reproduced
+    assert torch.equal(ids, routing.route_torch(at_k[:, :5], 2, True)[0])
 
 
 def _softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -316,10 +398,11 @@ def test_softmax_exp_over_its_range() -> None:
 
 @pytest.mark.skipif(glue.softmax_lanes() is None, reason="torch's softmax is not reproduced here")
 def test_softmax_route_equals_route_torch_and_leaves_ties_to_torch() -> None:
-    """softmax_route's (ids, weights) are route_torch's, or None on a tie at the k-th place or
-    a logit not finite (then routing.route takes torch's path)."""
-    gen, routed_rows = torch.Generator().manual_seed(3), 0
-    for experts, top_k in ((8, 2), (64, 8), (128, 8), (512, 10)):
+    """softmax_route's (ids, weights) are route_torch's, ties included, or None on a logit
+    not finite or a tie at the k-th place where torch's pick is not reproduced (k * 64 <=
+    experts; then routing.route takes torch's path)."""
+    gen, routed_rows, refused = torch.Generator().manual_seed(3), 0, 0
+    for experts, top_k in ((8, 2), (64, 8), (128, 8), (512, 10), (512, 8), (256, 2)):
         for _ in range(20):
             logits = (torch.randn(2, experts, generator=gen) * 2).bfloat16()
             routed = glue.softmax_route(logits, top_k, True, torch.bfloat16)
@@ -327,13 +410,17 @@ def test_softmax_route_equals_route_torch_and_leaves_ties_to_torch() -> None:
             if routed is not None:
                 routed_rows += 1
                 assert torch.equal(routed[0], want[0]) and torch.equal(routed[1], want[1])
-            else:  # a tie, as route_topk sees it on torch's probabilities
+            else:  # a tie where torch's pick is not reproduced, as route_topk sees it
+                assert not numba_glue._reproduced(experts, top_k)
                 probs = F.softmax(logits, dim=-1, dtype=torch.float32)
                 assert glue.route_topk(probs, top_k, True, torch.bfloat16) is None
+                refused += 1
             got = routing.route(logits, top_k, True)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert routed_rows > 0
-    assert glue.softmax_route(torch.tensor([[1.0, 3.0, 2.0, 3.0, 1.0]]), 1, False, _F32) is None
+    assert routed_rows > 0 and refused > 0
+    tied = torch.tensor([[1.0, 3.0, 2.0, 3.0, 1.0]])
+    routed, want = glue.softmax_route(tied, 1, False, _F32), routing.route_torch(tied, 1, False)
+    assert torch.equal(routed[0], want[0]) and torch.equal(routed[1], want[1])
     for bad in (float("nan"), float("inf"), -float("inf")):
         assert glue.softmax_route(torch.tensor([[0.0, bad, 1.0]]), 1, False, _F32) is None
     assert glue.softmax_route(torch.rand(1, 8).half(), 2, True, torch.bfloat16) is None
@@ -406,8 +493,9 @@ def test_float32_array_widens_like_torch() -> None:
 @pytest.mark.parametrize("weights_fp32", [False, True])
 def test_router_in_one_call_equals_route_torch(gate_dtype, x_dtype, weights_fp32) -> None:
     """SoftmaxTopKRouter on the host: the gate's dense kernel, softmax and top-k in one call
-    (DenseProjection.route) give route_torch's ids and weights of the gate's own logits; a
-    tie hands back those logits, bit for bit."""
+    (DenseProjection.route) give route_torch's ids and weights of the gate's own logits, ties
+    included; a tie where torch's pick is not reproduced (1 of 64) hands back those logits,
+    bit for bit."""
     from hybridmoe.moe.routing import RouterSpec, create_router
 
     gen, fused = torch.Generator().manual_seed(2), 0
@@ -432,10 +520,11 @@ def test_router_in_one_call_equals_route_torch(gate_dtype, x_dtype, weights_fp32
     assert fused > 0
     tied = create_router("softmax_topk", {"weight": torch.ones(4, 32)}, RouterSpec(2, True, False))
     x = torch.randn(1, 32)
-    assert torch.equal(tied.gate.route(x, 2, True, torch.float32), tied.gate.kernel(x))
-    ids, weights = tied(x)  # torch.topk's choice among the equal logits
-    want = routing.route_torch(tied.gate.kernel(x), 2, True)
-    assert torch.equal(ids, want[0]) and torch.equal(weights, want[1])
+    want = routing.route_torch(tied.gate.kernel(x), 2, True)  # torch.topk's pick among equals
+    for ids, weights in (tied.gate.route(x, 2, True, torch.float32), tied(x)):
+        assert torch.equal(ids, want[0]) and torch.equal(weights, want[1])
+    heap = create_router("softmax_topk", {"weight": torch.ones(64, 32)}, RouterSpec(1, True, False))
+    assert torch.equal(heap.gate.route(x, 1, True, torch.float32), heap.gate.kernel(x))
     assert tied.gate.route(torch.randn(32, 32), 2, True, torch.float32) is None  # prefill-sized
 
 

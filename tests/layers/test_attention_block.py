@@ -227,11 +227,11 @@ def test_experts_computed_otherwise_fail_the_comparison(
         assert_same_logits(decode_logits(demo_checkpoint, "bfloat16", PROMPTS[:1]), parts)
 
 
-def test_a_tie_in_the_router_goes_to_torch(
+def test_a_tie_in_the_router_is_routed_as_torch_does(
     demo_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A gate of zeros: every logit equal, the block leaves the routing of its logits to torch
-    (torch's top-k order among ties), and the logits are still the parts'."""
+    """A gate of zeros: every logit equal; the block picks torch.topk's experts among them
+    itself (numba_glue._torch_topk), computes them, and the logits are the parts'."""
 
     def zero_gates(model) -> None:
         for layer in model.moe_layers:
@@ -243,6 +243,35 @@ def test_a_tie_in_the_router_goes_to_torch(
     routed = []
     calls = block_calls(monkeypatch, routed)
     got = decode_logits(demo_checkpoint, "bfloat16", PROMPTS[:1], prepare=zero_gates)
+    assert_same_logits(got, parts)
+    assert calls and routed and all(kind == "experts" for asked, kind in routed if asked)
+
+
+# 64 experts, top 1: torch.topk keeps a heap of k for k * 64 <= experts (not reproduced)
+HEAP_TOPK_QWEN3 = dict(
+    hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, num_experts=64, num_experts_per_tok=1, moe_intermediate_size=32,
+    intermediate_size=64, norm_topk_prob=False,
+)  # fmt: skip
+
+
+def test_a_tie_torch_picks_otherwise_goes_to_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where torch.topk's pick among ties is not the one reproduced (64 experts, top 1), the
+    block leaves the tied logits to torch, and the logits are still the parts'."""
+    checkpoint = write_custom_checkpoint("qwen3_moe", HEAP_TOPK_QWEN3, tmp_path / "hf")
+
+    def zero_gates(model) -> None:
+        for layer in model.moe_layers:
+            layer.router.gate.weight.zero_()
+
+    monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+    parts = decode_logits(checkpoint, "bfloat16", [PROMPT_IDS], prepare=zero_gates)
+    monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
+    routed = []
+    calls = block_calls(monkeypatch, routed)
+    got = decode_logits(checkpoint, "bfloat16", [PROMPT_IDS], prepare=zero_gates)
     assert_same_logits(got, parts)
     assert calls and any(asked for asked, _ in routed)
     assert all((kind == "logits") == asked for asked, kind in routed)

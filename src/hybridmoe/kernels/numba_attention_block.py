@@ -129,7 +129,8 @@ def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None):
     Returns DONE, TIE (dense_route left the routing to torch: the experts not computed) or
     an expert id >= the bank's experts (its kernel's answer). A block computing the experts
     routes with `any_order` (numba_glue._topk_row): its kernels' sum does not depend on the
-    routes' order, so only a tie at the k-th place is left to torch."""
+    routes' order, so where torch.topk's pick among ties is not reproduced only a tie at the
+    k-th place is left to torch."""
     routes = route_kernel is not None
     gate_kernel = qkv_kernel if route_kernel is None else route_kernel  # compiled, not run
     computes_experts = experts is not None

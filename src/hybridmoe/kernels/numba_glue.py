@@ -293,49 +293,197 @@ def topk_route(probs, ids, weights, weights_bf16, T, E, k, renorm):
     """probs [T, E] float32 -> ids [T, k] int64 (largest first), weights [T, k] (bfloat16
     where `weights_bf16`, else float32), all addresses of contiguous host memory: the k
     largest probabilities, divided by their cascade sum where `renorm`, then rounded to the
-    weights' dtype. Returns False, with ids and weights unspecified, where a row holds a NaN
-    or two equal values among its k + 1 largest: for those torch.topk's order is its sort's,
-    which is not reproduced here."""
+    weights' dtype: torch.topk's ids and values, equal values included (_torch_topk). Returns
+    False, with ids and weights unspecified, where a row holds a NaN, or where torch.topk
+    would not take the path reproduced (`_reproduced`) and the row holds two equal values
+    among its k + 1 largest."""
     p = numba.carray(address_pointer(probs), (T, E), np.float32)
     ids_out = numba.carray(address_pointer(ids), (T, k), np.int64)
     vals = np.empty(k, np.float32)
-    chosen = np.empty(E, np.bool_)
+    queue = (np.empty(E, np.float32), np.empty(E, np.int64))
     acc = np.empty(LEVELS * ILP * LANES, np.float32)
     for t in range(T):
-        if not _topk_row(p[t], E, k, renorm, chosen, vals, ids_out[t], acc):
+        if not _topk_row(p[t], E, k, renorm, queue, vals, ids_out[t], acc):
             return False
         _save(vals, weights + t * k * (2 if weights_bf16 else 4), weights_bf16, k)
     return True
 
 
 @cached_njit(**_EXACT)
-def _topk_row(row, E, k, renorm, chosen, vals, ids_out, acc, any_order=False):
+def _topk_row(row, E, k, renorm, queue, vals, ids_out, acc, any_order=False):
     """topk_route for one row: ids_out[:k] and vals[:k] (renormalised where `renorm`); False
-    where the row holds a NaN or a tie among its k + 1 largest. With `any_order` only a tie
-    of the k-th largest with the (k + 1)-th is refused (which experts torch.topk picks): the
-    ids of equal values inside the k then come lowest first, maybe not in torch's order, the
-    values (and their sum) are the same; for a caller whose result does not depend on the
-    routes' order (numba_moe's kernels sum a token's routes by expert id)."""
-    chosen[:] = False
+    where the row holds a NaN. Where torch.topk takes the path _torch_topk reproduces, its
+    ids and values; elsewhere the k largest, largest first, and False where two of the k + 1
+    largest are equal (which torch picks, or its order, is its sort's). With `any_order` only
+    a tie of the k-th largest with the (k + 1)-th is refused there: the ids of equal values
+    inside the k then come lowest first, maybe not in torch's order, the values (and their
+    sum) are the same; for a caller whose result does not depend on the routes' order
+    (numba_moe's kernels sum a token's routes by expert id)."""
     for j in range(E):
         if row[j] != row[j]:
             return False
-    for s in range(min(k + 1, E)):
-        best = -1
-        for j in range(E):
-            if not chosen[j] and (best < 0 or row[j] > row[best]):
-                best = j
-        if s > 0 and row[best] == vals[s - 1] and (s == k or not any_order):
-            return False
-        if s == k:
-            break
-        chosen[best] = True
-        ids_out[s], vals[s] = best, row[best]
+    v, ix = queue
+    if _reproduced(E, k):
+        _torch_topk(row, E, k, v, ix)
+        for s in range(k):
+            ids_out[s], vals[s] = ix[s], v[s]
+    else:
+        chosen = v  # 0: not chosen yet
+        chosen[:E] = 0
+        for s in range(min(k + 1, E)):
+            best = -1
+            for j in range(E):
+                if chosen[j] == 0 and (best < 0 or row[j] > row[best]):
+                    best = j
+            if s > 0 and row[best] == vals[s - 1] and (s == k or not any_order):
+                return False
+            if s == k:
+                break
+            chosen[best] = 1
+            ids_out[s], vals[s] = best, row[best]
     if renorm:
         total = _inner_sum(vals, k, acc)
         for s in range(k):
             vals[s] = vals[s] / total
     return True
+
+
+# torch.topk (largest, sorted) on the CPU (TopKImpl.h topk_impl_loop): pairs (value, index) in
+# index order; for k * 64 > n, std::nth_element(begin, begin + k - 1, end) then std::sort of
+# the first k - 1, both ordering by value only (a NaN first, then larger), so which of equal
+# values are taken and their order are libstdc++'s algorithms': introselect (depth limit 2
+# floor(log2 n); median of three moved to the front, unguarded Hoare partition around it; a
+# range of at most 3 insertion-sorted; a heap select past the depth limit) and, for at most
+# 16 elements, insertion sort. Restated here step for step; for k * 64 <= n torch keeps a
+# heap of k instead (not reproduced), and std::sort of more than 16 is an introsort (k > 17:
+# not reproduced).
+@cached_njit(inline="always", **_EXACT)
+def _reproduced(n, k):
+    """Whether torch.topk's k of n takes the path _torch_topk reproduces."""
+    return k * 64 > n and k <= 17
+
+
+@cached_njit(inline="always", **_EXACT)
+def _first(a, b):
+    """torch.topk's comparator (largest): a before b."""
+    return (a != a and b == b) or a > b
+
+
+@cached_njit(inline="always", **_EXACT)
+def _swap(v, ix, a, b):
+    v[a], v[b] = v[b], v[a]
+    ix[a], ix[b] = ix[b], ix[a]
+
+
+@cached_njit(**_EXACT)
+def _torch_topk(row, n, k, v, ix):
+    """v[:k], ix[:k] = torch.topk(row[:n], k)'s values and indices (1 <= k <= n, _reproduced)."""
+    for j in range(n):
+        v[j], ix[j] = row[j], j
+    nth = k - 1
+    first, last = 0, n
+    depth = 0
+    while (1 << (depth + 1)) <= n:
+        depth += 1
+    depth *= 2  # 2 floor(log2 n)
+    while last - first > 3 and depth > 0:
+        depth -= 1
+        cut = _partition(v, ix, first, last)
+        if cut <= nth:
+            first = cut
+        else:
+            last = cut
+    if last - first > 3:  # past the depth limit
+        _heap_select(v, ix, first, nth + 1, last)
+        _swap(v, ix, first, nth)
+    else:
+        _insertion_sort(v, ix, first, last)
+    _insertion_sort(v, ix, 0, nth)  # std::sort of k - 1 <= 16
+
+
+@cached_njit(**_EXACT)
+def _partition(v, ix, first, last):
+    """The median of v[first + 1], v[mid], v[last - 1] swapped to first, then v[first + 1:
+    last] partitioned around it (unguarded: stops at equal values); -> the cut."""
+    a, b, c = first + 1, first + (last - first) // 2, last - 1
+    if _first(v[a], v[b]):
+        median = b if _first(v[b], v[c]) else (c if _first(v[a], v[c]) else a)
+    else:
+        median = a if _first(v[a], v[c]) else (c if _first(v[b], v[c]) else b)
+    _swap(v, ix, first, median)
+    lo, hi = first + 1, last
+    while True:
+        while _first(v[lo], v[first]):
+            lo += 1
+        hi -= 1
+        while _first(v[first], v[hi]):
+            hi -= 1
+        if lo >= hi:
+            return lo
+        _swap(v, ix, lo, hi)
+        lo += 1
+
+
+@cached_njit(**_EXACT)
+def _insertion_sort(v, ix, first, last):
+    """v[first:last] sorted by _first: each element moved down past those it goes before
+    (to the front at once where it goes before the first)."""
+    for i in range(first + 1, last):
+        value, index = v[i], ix[i]
+        j = i
+        if _first(value, v[first]):
+            while j > first:
+                v[j], ix[j] = v[j - 1], ix[j - 1]
+                j -= 1
+        else:
+            while _first(value, v[j - 1]):
+                v[j], ix[j] = v[j - 1], ix[j - 1]
+                j -= 1
+        v[j], ix[j] = value, index
+
+
+@cached_njit(**_EXACT)
+def _heap_select(v, ix, first, middle, last):
+    """The heap of v[first:middle] (the one that comes last by _first at its top) given each
+    later element that goes before its top in the top's place."""
+    n = middle - first
+    if n >= 2:
+        parent = (n - 2) // 2
+        while True:
+            _sift(v, ix, first, parent, n, v[first + parent], ix[first + parent])
+            if parent == 0:
+                break
+            parent -= 1
+    for i in range(middle, last):
+        if _first(v[i], v[first]):
+            value, index = v[i], ix[i]
+            v[i], ix[i] = v[first], ix[first]
+            _sift(v, ix, first, 0, n, value, index)
+
+
+@cached_njit(**_EXACT)
+def _sift(v, ix, first, hole, n, value, index):
+    """(value, index) into the heap v[first:first + n] from `hole` down: the hole moved to a
+    leaf through the children that come later, then back up while its parent comes before
+    the value."""
+    top, child = hole, hole
+    while child < (n - 1) // 2:
+        child = 2 * (child + 1)
+        if _first(v[first + child], v[first + child - 1]):
+            child -= 1
+        v[first + hole], ix[first + hole] = v[first + child], ix[first + child]
+        hole = child
+    if n % 2 == 0 and child == (n - 2) // 2:
+        child = 2 * (child + 1)
+        v[first + hole], ix[first + hole] = v[first + child - 1], ix[first + child - 1]
+        hole = child - 1
+    while hole > top:
+        parent = (hole - 1) // 2
+        if not _first(v[first + parent], value):
+            break
+        v[first + hole], ix[first + hole] = v[first + parent], ix[first + parent]
+        hole = parent
+    v[first + hole], ix[first + hole] = value, index
 
 
 # torch's float32 softmax over a contiguous last dim (SoftMaxKernel.cpp _vec_softmax_lastdim):
@@ -445,7 +593,7 @@ def softmax_topk_route(
     where a logit is not finite; `any_order`: _topk_row's."""
     x, p = np.empty(E, np.float32), np.empty(E, np.float32)
     ids_out = numba.carray(address_pointer(ids), (T, k), np.int64)
-    vals, chosen = np.empty(k, np.float32), np.empty(E, np.bool_)
+    vals, queue = np.empty(k, np.float32), (np.empty(E, np.float32), np.empty(E, np.int64))
     acc = np.empty(LEVELS * ILP * LANES, np.float32)
     lane_acc, swap = np.empty(lanes, np.float32), np.empty(lanes, np.float32)
     for t in range(T):
@@ -454,7 +602,7 @@ def softmax_topk_route(
             if not np.isfinite(x[j]):
                 return False
         _softmax_row(x, p, E, lanes, lane_acc, swap)
-        if not _topk_row(p, E, k, renorm, chosen, vals, ids_out[t], acc, any_order):
+        if not _topk_row(p, E, k, renorm, queue, vals, ids_out[t], acc, any_order):
             return False
         _save(vals, weights + t * k * (2 if weights_bf16 else 4), weights_bf16, k)
     return True

@@ -139,9 +139,9 @@ def route(
     """route_torch's ids and weights, bit for bit: on the host (a decode step's few rows) the
     softmax, top-k, renormalisation and rounding are one numba call (kernels/numba_glue:
     softmax_topk_route, torch's softmax reproduced for its AVX2 and AVX512 builds; on other
-    builds topk_route after torch's softmax), unless a row's k + 1 largest probabilities
-    hold a tie (torch.topk's order among equal values is not reproduced: then torch
-    decides)."""
+    builds topk_route after torch's softmax), torch.topk's pick and order among equal values
+    included (numba_glue._torch_topk), unless a row's k + 1 largest probabilities hold a tie
+    where torch.topk keeps a heap (k * 64 <= experts: not reproduced; then torch decides)."""
     dtype = torch.float32 if weights_fp32 else router_logits.dtype
     routed = glue.softmax_route(router_logits, top_k, norm_topk_prob, dtype)
     if routed is not None:

@@ -21,6 +21,7 @@ the torch reference); an int argument is typed in nanoseconds, an array in about
 from __future__ import annotations
 
 import platform
+import sys
 
 import numba
 import numpy as np
@@ -356,11 +357,15 @@ def _topk_row(row, E, k, renorm, queue, vals, ids_out, acc, any_order=False):
 # range of at most 3 insertion-sorted; a heap select past the depth limit) and, for at most
 # 16 elements, insertion sort. Restated here step for step; for k * 64 <= n torch keeps a
 # heap of k instead (not reproduced), and std::sort of more than 16 is an introsort (k > 17:
-# not reproduced).
+# not reproduced), and torch's builds for other C++ libraries (libc++ on macOS, MSVC's) select
+# by other algorithms (not reproduced: only Linux builds, libstdc++'s).
+_LIBSTDCXX = sys.platform.startswith("linux")
+
+
 @cached_njit(inline="always", **_EXACT)
 def _reproduced(n, k):
     """Whether torch.topk's k of n takes the path _torch_topk reproduces."""
-    return k * 64 > n and k <= 17
+    return _LIBSTDCXX and k * 64 > n and k <= 17
 
 
 @cached_njit(inline="always", **_EXACT)

@@ -10,6 +10,7 @@ block's routes, and a block that computes otherwise fails the comparison."""
 
 from __future__ import annotations
 
+import json
 import zlib
 from pathlib import Path
 
@@ -231,7 +232,8 @@ def test_a_tie_in_the_router_is_routed_as_torch_does(
     demo_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A gate of zeros: every logit equal; the block picks torch.topk's experts among them
-    itself (numba_glue._torch_topk), computes them, and the logits are the parts'."""
+    itself (numba_glue._torch_topk): its ids are torch.topk's of the zero logits, it computes
+    those experts, and the logits are the parts'."""
 
     def zero_gates(model) -> None:
         for layer in model.moe_layers:
@@ -240,11 +242,23 @@ def test_a_tie_in_the_router_is_routed_as_torch_does(
     monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
     parts = decode_logits(demo_checkpoint, "bfloat16", PROMPTS[:1], prepare=zero_gates)
     monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
-    routed = []
-    calls = block_calls(monkeypatch, routed)
+    block_ids, run = [], attention_block._run
+
+    def recording(*args, **kwargs):
+        out = run(*args, **kwargs)
+        if isinstance(out, tuple) and out[3] is not None:  # routed, experts computed
+            block_ids.append(out[2][0].clone())
+        return out
+
+    monkeypatch.setattr(attention_block, "_run", recording)
     got = decode_logits(demo_checkpoint, "bfloat16", PROMPTS[:1], prepare=zero_gates)
     assert_same_logits(got, parts)
-    assert calls and routed and all(kind == "experts" for asked, kind in routed if asked)
+    assert block_ids
+    config = json.loads((demo_checkpoint / "config.json").read_text())
+    zeros = torch.zeros(1, config["num_experts"])
+    want = torch.topk(zeros, config["num_experts_per_tok"]).indices  # its pick among equals
+    assert want.tolist() != [list(range(config["num_experts_per_tok"]))]  # not the lowest
+    assert all(torch.equal(ids, want) for ids in block_ids)
 
 
 # 64 experts, top 1: torch.topk keeps a heap of k for k * 64 <= experts (not reproduced)

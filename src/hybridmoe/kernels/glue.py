@@ -209,9 +209,9 @@ def softmax_route(
     """route_topk(F.softmax(logits, -1, dtype=float32), ...)'s (ids, weights) for router
     logits [T, E] (bfloat16 or float32) in one call, torch's softmax reproduced for this
     machine's build (softmax_lanes). None where route_topk would give None (a tie torch.topk
-    breaks by a heap: k * 64 <= E), where a logit is not finite, on a build whose softmax is
-    not reproduced, or see the module's docstring: the caller's torch path decides (the
-    probabilities are not kept, saving every call an allocation)."""
+    breaks otherwise: numba_glue._reproduced), where a logit is not finite, on a build whose
+    softmax is not reproduced, or see the module's docstring: the caller's torch path decides
+    (the probabilities are not kept, saving every call an allocation)."""
     lanes = softmax_lanes()
     if lanes is None or not (_decode_sized(logits) and logits.dim() == 2):
         return None
@@ -240,8 +240,9 @@ def route_topk(
     """(ids [T, K] int64, weights [T, K] in dtype) of float32 probs [T, E]: the top-k, divided
     by their sum where `renorm`, then rounded to dtype (bfloat16 or float32), as
     moe/routing.route_torch computes them, torch.topk's pick among equal values included. None
-    where a row has NaNs, or ties among its k + 1 largest where torch.topk keeps a heap (k *
-    64 <= E; numba_glue.topk_route), or see the module's docstring: torch then decides."""
+    where a row has NaNs, or ties among its k + 1 largest that torch.topk breaks otherwise
+    (numba_glue._reproduced false: k * 64 <= E, k > 17, or off Linux), or see the module's
+    docstring: torch then decides."""
     if not (_decode_sized(probs) and probs.dtype is _F32 and probs.dim() == 2):
         return None
     T, E = probs.shape

@@ -141,7 +141,8 @@ def route(
     softmax_topk_route, torch's softmax reproduced for its AVX2 and AVX512 builds; on other
     builds topk_route after torch's softmax), torch.topk's pick and order among equal values
     included (numba_glue._torch_topk), unless a row's k + 1 largest probabilities hold a tie
-    where torch.topk keeps a heap (k * 64 <= experts: not reproduced; then torch decides)."""
+    torch.topk breaks otherwise (numba_glue._reproduced false: k * 64 <= experts, k > 17, or
+    off Linux; then torch decides)."""
     dtype = torch.float32 if weights_fp32 else router_logits.dtype
     routed = glue.softmax_route(router_logits, top_k, norm_topk_prob, dtype)
     if routed is not None:

@@ -1,7 +1,9 @@
 """Run as a script (tests/kernel_tests/test_activation_q8_paths.py does, under forced
-NUMBA_CPU_FEATURES): compiles the q8 tile for a few shapes of q8_0 and q4_0 rows and of the
-k-quants with integer super-blocks (q2_k ... q6_k: random bytes, finite scales), compares
-each with the torch reference bit for bit, and prints the instruction path and the result."""
+NUMBA_CPU_FEATURES): compiles the q8 tile for a few shapes of q8_0 and q4_0 rows (q4_0's even
+shapes by its pairs of rows, the odd one and the blocks after the last group of 8 by the 8-bit
+path) and of the k-quants with integer super-blocks (q2_k ... q6_k: random bytes, finite
+scales), compares each with the torch reference bit for bit, and prints the instruction path
+and the result."""
 
 from __future__ import annotations
 
@@ -36,7 +38,11 @@ def _tiles(kernel):
     def tile_4x1(w, row_bytes, nb, q, d, s, offs, out):  # a decode step's tile
         tile_dot_q8(kernel, 4, 1, w, 0, row_bytes, nb, q, d, s, offs, 0, out, 0, 4)
 
-    return ((tile_4x2, 4, 2), (tile_1x3, 1, 3), (tile_4x1, 4, 1))
+    @numba.njit
+    def tile_2x4(w, row_bytes, nb, q, d, s, offs, out):  # one pair of rows, 4 activation rows
+        tile_dot_q8(kernel, 2, 4, w, 0, row_bytes, nb, q, d, s, offs, 0, out, 0, 2)
+
+    return ((tile_4x2, 4, 2), (tile_1x3, 1, 3), (tile_4x1, 4, 1), (tile_2x4, 2, 4))
 
 
 def _check(fmt, tile, wrows: int, xrows: int, blocks: int) -> list[str]:

@@ -72,6 +72,9 @@ def test_an_inconsistent_kernel_descriptor_is_refused() -> None:
     ir = with_int8.kernel.dequantize_block_ir
     with pytest.raises(ValueError, match="int8_blocks_fn and int8_block_ir go together"):
         dataclasses.replace(with_int8, kernel=KernelFormat("q8_0", 34, ir))
+    nibbles = weight_format("q4_0").kernel.nibble_block_ir
+    with pytest.raises(ValueError, match="nibble_block_ir needs int8_block_ir"):
+        KernelFormat("q4_0", 18, ir, nibble_block_ir=nibbles)
     # q8_0 without its int8 blocks (activation_q8's), for the descriptor's other checks
     q8_0 = dataclasses.replace(with_int8, int8_blocks_fn=None, kernel=KernelFormat("q8_0", 34, ir))
     with pytest.raises(ValueError, match="read 34 bytes a block"):

@@ -15,7 +15,14 @@ blocks' partials are then summed exactly into one <8 x i32> of block sums (a tra
 tree within 128-bit halves, then one cross-half add), converted to float, scaled
 by d_w * d_x and added into the lane accumulator of the contract: lane j holds blocks j, j + 8,
 ...; blocks after the last whole group of 8 are added one by one into their lanes. The result
-is the contract's to the bit on every path.
+is the contract's to the bit on every path. The 8 blocks' fp16 scales of a row are gathered as
+integers and converted in one instruction.
+
+4-bit blocks (KernelFormat.nibble_block_ir: q4_0) take their own group step on the VNNI and
+AVX2 paths when the tile has an even number of weight rows (_nibble_pair_step): two rows'
+blocks side by side in one vector, nibbles dotted unsigned (u = v + 8, the bias 8 B), the pair's
+sums reduced together. Same integers, same bits; the T = 1 tile 7.9 -> 4.9 ns per 256 weights
+on an AVX-512 EPYC (the scales' conversion included), a 2 x 4 tile 5.6 -> 3.4.
 
 A k-quant super-block (_superblock_step) is 8 pieces of 32 unsigned weights u: each piece's
 pair sums u_2l q_2l + u_2l+1 q_2l+1 (`vpmaddubsw`: u unsigned, q signed, |sum| <= 2 * 63 * 127
@@ -37,9 +44,11 @@ from numba.extending import intrinsic
 from hybridmoe.kernels.llvm_ir import (
     F32,
     I8,
+    I16,
     I32,
     const_vec,
     declare,
+    fp16_scale,
     i64,
     load,
     pairwise_sum,
@@ -47,10 +56,11 @@ from hybridmoe.kernels.llvm_ir import (
 )
 from hybridmoe.kernels.numba_simd import LINE_BYTES, PREFETCH_LOCALITY, TILES, prefetch_distance
 from hybridmoe.quant.activation_q8 import LANES
-from hybridmoe.quant.formats import KERNEL_BLOCK, KernelFormat
+from hybridmoe.quant.formats import KERNEL_BLOCK, NIBBLE_ZERO, KernelFormat
 
-V8I, V8F, V32B = (ir.VectorType(t, n) for t, n in ((I32, 8), (F32, 8), (I8, 32)))
-V16S, V32S = (ir.VectorType(ir.IntType(16), n) for n in (16, 32))
+V8I, V8F, V32B, V16B = (ir.VectorType(t, n) for t, n in ((I32, 8), (F32, 8), (I8, 32), (I8, 16)))
+V16S, V32S, V8H = (ir.VectorType(I16, n) for n in (16, 32, 8))
+V8HALF = ir.VectorType(ir.HalfType(), 8)
 DOT_PATHS = ("vnni", "avx2", "portable")
 OFFSET = 128  # VNNI's weight bias: v + 128 is an unsigned byte
 
@@ -108,10 +118,9 @@ def _block_dot(builder: ir.IRBuilder, path: str):
     return prepare, dot, 0
 
 
-def _transpose_sum(builder: ir.IRBuilder, parts: list[ir.Value]) -> ir.Value:
-    """8 (or 4) x <8 x i32> -> <8 (or 4) x i32> whose lane b is the sum of parts[b]'s lanes
-    (exact): pairwise adds within 128-bit halves (`vphaddd`, no lane crossing) down to one
-    vector, then each half-sum added to its other half's (one cross-half shuffle per operand)."""
+def _half_sums(builder: ir.IRBuilder, parts: list[ir.Value]) -> list[ir.Value]:
+    """4k x <8 x i32> -> k vectors: lane i of half h of vector v is the sum of the 4 lanes of
+    half h of parts[4v + i] (exact), by two levels of pairwise adds within 128-bit halves."""
     even = const_vec(I32, [0, 2, 8, 10, 4, 6, 12, 14])
     odd = const_vec(I32, [1, 3, 9, 11, 5, 7, 13, 15])
     for _ in range(2):
@@ -119,6 +128,14 @@ def _transpose_sum(builder: ir.IRBuilder, parts: list[ir.Value]) -> ir.Value:
             builder.add(builder.shuffle_vector(a, b, even), builder.shuffle_vector(a, b, odd))
             for a, b in zip(parts[::2], parts[1::2], strict=True)
         ]
+    return parts
+
+
+def _transpose_sum(builder: ir.IRBuilder, parts: list[ir.Value]) -> ir.Value:
+    """8 (or 4) x <8 x i32> -> <8 (or 4) x i32> whose lane b is the sum of parts[b]'s lanes
+    (exact): pairwise adds within 128-bit halves (`vphaddd`, no lane crossing) down to one
+    vector, then each half-sum added to its other half's (one cross-half shuffle per operand)."""
+    parts = _half_sums(builder, parts)
     if len(parts) == 1:  # 4 parts: lanes 0-3 their sums over lanes 0-3, 4-7 over lanes 4-7
         (sums,) = parts
         halves = [
@@ -348,7 +365,10 @@ def _tile_codegen(kernel: KernelFormat, wrows: int, xrows: int):
         ]
         rows = (w_rows, q_rows, d_rows, s_rows, accs, tile_bytes)
         groups = builder.udiv(nblocks, i64(LANES))
-        group_step = _group_step(builder, kernel, path, rows)
+        nibble_pairs = kernel.nibble_block_ir is not None and path != "portable" and wrows % 2 == 0
+        group_step = (_nibble_pair_step if nibble_pairs else _group_step)(
+            builder, kernel, path, rows
+        )
         with cgutils.for_range(builder, groups) as loop:
             group_step(builder.mul(loop.index, i64(LANES)))
         done = builder.mul(groups, i64(LANES))
@@ -361,6 +381,12 @@ def _tile_codegen(kernel: KernelFormat, wrows: int, xrows: int):
         return context.get_dummy_value()
 
     return codegen
+
+
+def _fp16_to_float(builder: ir.IRBuilder, bits: ir.Value) -> ir.Value:
+    """<8 x float> of 8 fp16 scales' bits (<8 x i16>), converted at once (one vcvtph2ps;
+    exact): 8 blocks' scales gathered as integers, not converted one by one."""
+    return builder.fpext(builder.bitcast(bits, V8HALF), V8F)
 
 
 def _group_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tuple):
@@ -381,14 +407,14 @@ def _group_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tu
             for line in range(0, group_bytes, LINE_BYTES):
                 ahead = builder.gep(group, [builder.add(tile_bytes, i64(line))])
                 builder.call(prefetch, [ahead, *hints])
-            blocks, scales = [], ir.Constant(V8F, None)
+            blocks, scales = [], ir.Constant(V8H, None)
             for b in range(LANES):
                 v, d = kernel.int8_block_ir(
                     builder, builder.gep(group, [i64(b * kernel.block_bytes)])
                 )
                 blocks.append(prepare(v))
-                scales = builder.insert_element(scales, d, ir.Constant(I32, b))
-            weights.append((blocks, scales))
+                scales = builder.insert_element(scales, load(builder, d, I16), ir.Constant(I32, b))
+            weights.append((blocks, _fp16_to_float(builder, scales)))
         at = builder.mul(first_block, i64(KERNEL_BLOCK))
         for c, (q_row, d_row, s_row) in enumerate(zip(q_rows, d_rows, s_rows, strict=True)):
             qs = [
@@ -407,6 +433,102 @@ def _group_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tu
     return step
 
 
+def _nibble_dot(builder: ir.IRBuilder, path: str):
+    """dot(low, high, q_low, q_high) -> <8 x i32> whose lanes 0-3 sum to Σ u_i q_i over the
+    low 16 bytes of each operand and lanes 4-7 over the high 16, for unsigned 4-bit u (`low`,
+    `high`: <32 x i8>, the nibbles of two blocks side by side) and signed q: `vpdpbusd` twice
+    (VNNI), or `vpmaddubsw` twice (each pair sum |.| <= 2 * 15 * 127, their sum < 2^15: exact)
+    and one `vpmaddwd` (AVX2)."""
+    if path == "vnni":
+        dpbusd = declare(builder, "llvm.x86.avx512.vpdpbusd.256", V8I, [V8I] * 3)
+
+        def dot(low, high, q_low, q_high):
+            acc = ir.Constant(V8I, None)
+            for u, q in ((low, q_low), (high, q_high)):
+                acc = builder.call(dpbusd, [acc, builder.bitcast(u, V8I), builder.bitcast(q, V8I)])
+            return acc
+
+        return dot
+    maddubs = declare(builder, "llvm.x86.avx2.pmadd.ub.sw", V16S, [V32B, V32B])
+    maddwd = declare(builder, "llvm.x86.avx2.pmadd.wd", V8I, [V16S, V16S])
+    ones = ir.Constant(V16S, [1] * 16)
+
+    def dot(low, high, q_low, q_high):
+        pairs = builder.add(
+            builder.call(maddubs, [low, q_low]), builder.call(maddubs, [high, q_high])
+        )
+        return builder.call(maddwd, [pairs, ones])
+
+    return dot
+
+
+def _nibble_pair_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tuple):
+    """_group_step for 4-bit blocks (KernelFormat.nibble_block_ir: q4_0) on the VNNI and AVX2
+    paths, weight rows two at a time: block b of rows r and r + 1 loaded side by side into one
+    <32 x i8>, its low nibbles (weights 0-15 of each) and high nibbles (16-31) each one vector,
+    dotted unsigned (_nibble_dot) with the activation block's halves broadcast to both 128-bit
+    lanes; the 8 blocks' vectors of a pair reduce to row r's block sums in one half and row
+    r + 1's in the other (_half_sums), then one shuffle each. Σ u q - NIBBLE_ZERO B (B from the
+    16-weight sums) is _group_step's Σ (u - NIBBLE_ZERO) q, exactly: the same bits. Against
+    _group_step per row and block: no widening shuffle, no bias xor, half the unpacking ops and
+    half the transpose tree."""
+    w_rows, q_rows, d_rows, s_rows, accs, tile_bytes = rows
+    dot = _nibble_dot(builder, path)
+    bias_sums = _bias_sums(builder, NIBBLE_ZERO)
+    prefetch = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
+    hints = [ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1)]
+    group_bytes = LANES * kernel.block_bytes
+    both = const_vec(I32, list(range(32)))
+    low_mask, shift = const_vec(I8, [0xF] * 32), const_vec(I8, [4] * 32)
+    halves = [const_vec(I32, [*range(h, h + 4), *range(8 + h, 12 + h)]) for h in (0, 4)]
+    twice = const_vec(I32, [*range(16)] * 2)
+
+    def step(first_block: ir.Value) -> None:
+        groups, scales = [], []
+        for w_row in w_rows:
+            group = builder.gep(w_row, [builder.mul(first_block, i64(kernel.block_bytes))])
+            for line in range(0, group_bytes, LINE_BYTES):
+                ahead = builder.gep(group, [builder.add(tile_bytes, i64(line))])
+                builder.call(prefetch, [ahead, *hints])
+            groups.append(group)
+            scales.append(ir.Constant(V8H, None))
+        pairs = []  # per pair of weight rows: [(low, high) nibbles of block b] * 8
+        for r in range(0, len(w_rows), 2):
+            blocks = []
+            for b in range(LANES):
+                packed = []
+                for k in (r, r + 1):
+                    at = builder.gep(groups[k], [i64(b * kernel.block_bytes)])
+                    nibbles, d = kernel.nibble_block_ir(builder, at)
+                    packed.append(load(builder, nibbles, V16B))
+                    scale = load(builder, d, I16)
+                    scales[k] = builder.insert_element(scales[k], scale, ir.Constant(I32, b))
+                packed = builder.shuffle_vector(*packed, both)
+                blocks.append((builder.and_(packed, low_mask), builder.lshr(packed, shift)))
+            pairs.append(blocks)
+        scales = [_fp16_to_float(builder, d) for d in scales]
+        at = builder.mul(first_block, i64(KERNEL_BLOCK))
+        for c, (q_row, d_row, s_row) in enumerate(zip(q_rows, d_rows, s_rows, strict=True)):
+            qs = []  # per block: its activations 0-15 and 16-31, each in both 128-bit lanes
+            for b in range(LANES):
+                block = builder.gep(q_row, [builder.add(at, i64(b * KERNEL_BLOCK))])
+                halves16 = (load(builder, builder.gep(block, [i64(h)]), V16B) for h in (0, 16))
+                qs.append([builder.shuffle_vector(h, h, twice) for h in halves16])
+            dx = load(builder, builder.gep(d_row, [first_block]), V8F, align=4)
+            biases = bias_sums(s_row, first_block, LANES)
+            for p, blocks in enumerate(pairs):
+                parts = [dot(*w, *q) for w, q in zip(blocks, qs, strict=True)]
+                first, second = _half_sums(builder, parts)
+                for k, half in enumerate(halves):
+                    r = 2 * p + k
+                    sums = builder.sub(builder.shuffle_vector(first, second, half), biases)
+                    products = builder.fmul(builder.sitofp(sums, V8F), builder.fmul(scales[r], dx))
+                    acc = accs[r][c]
+                    builder.store(builder.fadd(builder.load(acc), products), acc)
+
+    return step
+
+
 def _tail_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tuple):
     """step(block, lane): one block of every pair added into lane `lane` of its accumulator."""
     w_rows, q_rows, d_rows, s_rows, accs, _ = rows
@@ -419,7 +541,7 @@ def _tail_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tup
         for w_row in w_rows:
             at = builder.gep(w_row, [builder.mul(block, i64(kernel.block_bytes))])
             v, d = kernel.int8_block_ir(builder, at)
-            weights.append((prepare(v), d))
+            weights.append((prepare(v), fp16_scale(builder, d)))
         for c, (q_row, d_row, s_row) in enumerate(zip(q_rows, d_rows, s_rows, strict=True)):
             q = load(builder, builder.gep(q_row, [builder.mul(block, i64(KERNEL_BLOCK))]), V32B)
             dx = builder.load(builder.gep(d_row, [block]))

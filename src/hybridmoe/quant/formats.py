@@ -32,9 +32,17 @@ DequantizeBlockIR = Callable[[Any, Any], Any]
 DequantizeSuperBlockIR = Callable[[Any, Any], Callable[[int], Any]]
 # (builder, byte pointer to one weight) -> float
 LoadWeightIR = Callable[[Any, Any], Any]
-# (builder, byte pointer to a block) -> (<32 x i8> signed integers v, float scale s): the
-# block's weights are exactly s * v, |v| <= 127 (the integer-dot kernels, quant/activation_q8.py)
+# (builder, byte pointer to a block) -> (<32 x i8> signed integers v, byte pointer to the
+# block's fp16 scale s): the block's weights are exactly s * v, |v| <= 127 (the integer-dot
+# kernels, quant/activation_q8.py, which convert 8 blocks' scales at once)
 Int8BlockIR = Callable[[Any, Any], tuple[Any, Any]]
+# (builder, byte pointer to a block) -> (byte pointer to the block's 16 bytes of 4-bit weights,
+# byte pointer to its fp16 scale s): weight j is s * (u_j - NIBBLE_ZERO), u_j the low nibble of
+# byte j for j < 16, the high nibble of byte j - 16 after (GGUF's q4_0); the q8 tile then
+# unpacks two rows' blocks in one vector and converts 8 blocks' scales at once
+# (kernels/numba_simd_q8.py)
+NibbleBlockIR = Callable[[Any, Any], tuple[Any, Any]]
+NIBBLE_ZERO = 8
 # (builder, byte pointer to a super-block) -> quant/_kquants.SuperBlockIntsIR: a k-quant
 # super-block as integers for the integer-dot kernels (the q8 contract, quant/activation_q8.py)
 SuperBlockIntsIR = Callable[[Any, Any], Any]
@@ -61,12 +69,16 @@ class KernelFormat:
     # a 32-weight block as integers and one scale, for formats whose blocks are that (q8_0,
     # q4_0): with activation_quant q8 their projections take integer dot products
     int8_block_ir: Int8BlockIR | None = field(default=None, repr=False)
+    # the same blocks as 4-bit weights (q4_0): the q8 tile's faster unpacking of them
+    nibble_block_ir: NibbleBlockIR | None = field(default=None, repr=False)
     # a super-block as integers (the k-quants q2_k ... q6_k): their integer dot products under q8
     superblock_ints_ir: SuperBlockIntsIR | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.int8_block_ir is not None and self.pieces != 1:
             raise ValueError(f"{self.name}: only single-piece blocks have int8_block_ir")
+        if self.nibble_block_ir is not None and self.int8_block_ir is None:
+            raise ValueError(f"{self.name}: nibble_block_ir needs int8_block_ir (a row's tail)")
         if self.superblock_ints_ir is not None and self.pieces == 1:
             raise ValueError(f"{self.name}: only super-blocks have superblock_ints_ir")
         if self.pieces < 1 or (self.pieces > 1 and self.load_weight_ir is not None):

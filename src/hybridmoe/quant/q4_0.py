@@ -82,14 +82,23 @@ def _int8_blocks(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _int8_block_ir(builder, block):
-    """LLVM IR: (v - 8 <32 x i8>, d float) of the block at byte pointer `block`."""
+    """LLVM IR: (v - 8 <32 x i8>, byte pointer to the fp16 d) of the block at byte pointer
+    `block`."""
     from hybridmoe.kernels import llvm_ir as ll
 
     packed = ll.load(builder, builder.gep(block, [ll.i64(2)]), ll.vector(ll.I8, 16))
     low = builder.and_(packed, ll.const_vec(ll.I8, [0xF] * 16))  # weights 0..15
     high = builder.lshr(packed, ll.const_vec(ll.I8, [4] * 16))  # weights 16..31
     both = builder.shuffle_vector(low, high, ll.const_vec(ll.I32, list(range(32))))
-    return builder.sub(both, ll.const_vec(ll.I8, [8] * 32)), ll.fp16_scale(builder, block)
+    return builder.sub(both, ll.const_vec(ll.I8, [8] * 32)), block
+
+
+def _nibble_block_ir(builder, block):
+    """LLVM IR: (byte pointer to the 16 bytes of nibbles, byte pointer to the fp16 d) of the
+    block at `block`."""
+    from hybridmoe.kernels import llvm_ir as ll
+
+    return builder.gep(block, [ll.i64(2)]), block
 
 
 def _dequantize_block_ir(builder, block):
@@ -119,7 +128,13 @@ Q4_0 = register_format(
         torch.uint8,
         quantize_q4_0,
         dequantize_q4_0,
-        KernelFormat("q4_0", BLOCK_BYTES, _dequantize_block_ir, int8_block_ir=_int8_block_ir),
+        KernelFormat(
+            "q4_0",
+            BLOCK_BYTES,
+            _dequantize_block_ir,
+            int8_block_ir=_int8_block_ir,
+            nibble_block_ir=_nibble_block_ir,
+        ),
         scale_offsets=(0,),
         int8_blocks_fn=_int8_blocks,
     )

@@ -103,11 +103,11 @@ def _dequantize_block_ir(builder, block):
 
 
 def _int8_block_ir(builder, block):
-    """LLVM IR: (q <32 x i8>, d float) of the block at byte pointer `block`."""
+    """LLVM IR: (q <32 x i8>, byte pointer to the fp16 d) of the block at byte pointer
+    `block`."""
     from hybridmoe.kernels import llvm_ir as ll
 
-    quants = ll.load(builder, builder.gep(block, [ll.i64(2)]), ll.vector(ll.I8, 32))
-    return quants, ll.fp16_scale(builder, block)
+    return ll.load(builder, builder.gep(block, [ll.i64(2)]), ll.vector(ll.I8, 32)), block
 
 
 Q8_0 = register_format(

@@ -32,7 +32,9 @@ Rows per shape and format:
                shows what batching tokens costs (target <= 1.5x)
   T=4 random   four tokens, each with its own K random experts (up to 4x the bytes)
 Columns: median µs per layer call; effective GB/s = bytes of the distinct experts read / time;
-% of the DRAM read bandwidth measured (torch.sum over 1 GiB, 2 threads) right before that row;
+% of the DRAM read bandwidth measured (torch.sum over 1 GiB, 2 threads) right before that row,
+and of the bank's own bytes' (torch.sum over them, as int64: this host's read rate moves ~2x
+with the pages' size and placement, and the bank's pages are what the kernel reads);
 x torch = the torch per-expert loop's time (bank_moe: the expert dequantised, then F.linear) /
 ours; with --llamacpp, x llama.cpp = llama.cpp's MoE layer's time (ggml_moe.py: the graph
 llama.cpp builds, on ggml's CPU backend from llama-cpp-python, the `bench` extra) / ours, on
@@ -127,13 +129,27 @@ class Memory:
         if self.flushes:
             self.flush_buffer.sum()
 
-    def read_gbps(self, reps: int = 3) -> float:
+    def read_gbps(self, reps: int = 3, buffers: list[torch.Tensor] | None = None) -> float:
+        """GB/s of torch.sum over `buffers` (default the 1 GiB buffer), best of `reps`."""
+        buffers = [self.bw_buffer] if buffers is None else buffers
         times = []
         for _ in range(reps):
             start = time.perf_counter()
-            self.bw_buffer.sum()
+            for buffer in buffers:
+                buffer.sum()
             times.append(time.perf_counter() - start)
-        return self.bw_buffer.nbytes / min(times) / 1e9
+        return sum(b.nbytes for b in buffers) / min(times) / 1e9
+
+
+def bank_words(bank: ExpertBank) -> list[torch.Tensor]:
+    """The bank's own bytes as int64 tensors (whole 8-byte words; torch sums int64 as fast as
+    float32, and random bytes as float32 would hold denormals and NaNs): the same pages, and so
+    the same page size and placement, as the kernel reads."""
+    words = []
+    for tensor in bank.tensors():
+        flat = tensor.reshape(-1).view(torch.uint8)
+        words.append(flat[: flat.numel() // 8 * 8].view(torch.int64))
+    return words
 
 
 def routes(shape: Shape, tokens: int, shared: bool, g: torch.Generator):
@@ -266,6 +282,7 @@ def bench_format(name, shape, fmt_name, args, memory) -> dict[str, float]:
         ("T=4 random", 4, False),
     ):
         bw = memory.read_gbps()
+        own = memory.read_gbps(buffers=bank_words(bank))
         versus = ""
         if args.llamacpp:  # interleaved call by call with ours, on the same routes
             with llamacpp_layer(bank, fmt_name, shape, tokens, args) as theirs:
@@ -284,7 +301,8 @@ def bench_format(name, shape, fmt_name, args, memory) -> dict[str, float]:
         print(
             f"  {fmt_name:7} {label:11} {t_ours * 1e6:9.0f} µs (best {best * 1e6:7.0f}) "
             f"{gbps:6.1f} GB/s "
-            f"{gbps / bw:5.0%} of {bw:4.1f} GB/s{versus}",
+            f"{gbps / bw:5.0%} of {bw:4.1f} GB/s, {gbps / own:4.0%} of its own {own:4.1f}"
+            f"{versus}",
             flush=True,
         )
     print(

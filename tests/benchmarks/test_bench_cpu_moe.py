@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -73,3 +74,17 @@ def test_interleaved_calls_share_routes_and_prepare_untimed() -> None:
             "second",
         )
         assert a[1] == prep[1] == b[1]
+
+
+def test_bank_words_are_the_banks_own_bytes() -> None:
+    """bank_words: the denominator's buffers are the bank's memory itself (the same pages the
+    kernel reads), every whole 8-byte word of each tensor, none copied."""
+    from bench_cpu_moe import SHAPES, bank_words, make_bank
+
+    bank = make_bank(SHAPES["small"], "q4_k")
+    words = bank_words(bank)
+    tensors = bank.tensors()
+    assert len(words) == len(tensors)
+    for word, tensor in zip(words, tensors, strict=True):
+        assert word.dtype == torch.int64 and word.data_ptr() == tensor.data_ptr()
+        assert word.nbytes == tensor.nbytes // 8 * 8

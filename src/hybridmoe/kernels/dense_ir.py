@@ -8,7 +8,8 @@ group's rows. While a group is read, the next group's bytes are prefetched (each
 `rows` rows on: one group ahead in a contiguous stream, so a row's first lines are not
 demand misses), every cache line, into L2, so that one thread keeps enough reads in flight
 to stream (a prefetch into L1 holds one of the core's few line-fill buffers until the line
-arrives).
+arrives). A group of one row prefetches nothing: it reads one ascending stream, which the
+hardware prefetchers follow (numba_dense reads bf16 and f16 weights that way for one token).
 
 The summation order (the contract the scalar reference `dense_reference` restates): block b of
 a row goes into set b % SETS while whole rounds of SETS blocks remain, the rest into set 0;
@@ -46,12 +47,13 @@ PREFETCH_LOCALITY = 2  # llvm.prefetch locality: 2 = into L2 (prefetcht1)
 LINE_BYTES = 64
 
 
-def _block_step(builder, kernel: KernelFormat, prefetch_bytes: int, locality: int):
-    """step(w_rows, x_rows, block index, accs[row][token]): prefetch, dequantise, FMA."""
+def _block_step(builder, kernel: KernelFormat, prefetch_bytes: int | None, locality: int):
+    """step(w_rows, x_rows, block index, accs[row][token]): prefetch (unless prefetch_bytes
+    is None), dequantise, FMA."""
     fma = declare(builder, "llvm.fma.v32f32", V32F, [V32F] * 3)
     prefetch = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
     hints = [ir.Constant(I32, v) for v in (0, locality, 1)]
-    lines = range(0, kernel.block_bytes, LINE_BYTES)
+    lines = range(0, kernel.block_bytes, LINE_BYTES) if prefetch_bytes is not None else ()
 
     def step(w_rows, x_rows, index, accs, ahead) -> None:
         first_weight = builder.mul(index, i64(KERNEL_BLOCK))
@@ -68,14 +70,14 @@ def _block_step(builder, kernel: KernelFormat, prefetch_bytes: int, locality: in
     return step
 
 
-def _superblock_step(builder, kernel: KernelFormat, prefetch_bytes: int, locality: int):
+def _superblock_step(builder, kernel: KernelFormat, prefetch_bytes: int | None, locality: int):
     """step(w_rows, x_rows, super-block index i, accs[set][row][token], ahead) for a k-quant:
     its scales decoded once a row, then piece p (32-weight block 8 i + p) into set p % SETS,
     the set the order above gives block 8 i + p."""
     fma = declare(builder, "llvm.fma.v32f32", V32F, [V32F] * 3)
     prefetch = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
     hints = [ir.Constant(I32, v) for v in (0, locality, 1)]
-    lines = range(0, kernel.block_bytes, LINE_BYTES)
+    lines = range(0, kernel.block_bytes, LINE_BYTES) if prefetch_bytes is not None else ()
 
     def step(w_rows, x_rows, index, accs, ahead) -> None:
         pieces = []
@@ -152,7 +154,8 @@ def dense_rows_codegen(
             for _ in range(SETS)
         ]
         make_step = _superblock_step if kernel.pieces > 1 else _block_step
-        step = make_step(builder, kernel, prefetch_bytes, locality)
+        # one row: one ascending stream, left to the hardware prefetchers (module docstring)
+        step = make_step(builder, kernel, prefetch_bytes if rows > 1 else None, locality)
         with cgutils.for_range(builder, groups) as loop:
             body_args = (w_data, w_off, row_bytes, nblocks, x_rows, accs, out_data, out_off)
             _group_body(builder, kernel, rows, tokens, step, (*body_args, out_stride, loop.index))

@@ -29,7 +29,7 @@ from hybridmoe.kernels import dense_ir, glue, numba_glue
 from hybridmoe.kernels.dense_ir import dense_rows, fma32
 from hybridmoe.kernels.host_arrays import host_array, host_logits
 from hybridmoe.kernels.numba_cache import cached_njit
-from hybridmoe.kernels.numba_moe import _round_bf16, kernel_sources, launch
+from hybridmoe.kernels.numba_moe import STREAM_BLOCK_BYTES, _round_bf16, kernel_sources, launch
 from hybridmoe.kernels.numba_simd import load_weight
 from hybridmoe.kernels.threads import kernel_threads
 from hybridmoe.quant.formats import WEIGHT_FORMATS, KernelFormat, WeightFormat
@@ -38,12 +38,11 @@ ITEM_BYTES = 64 << 10  # weight bytes per parallel work item (whole groups of 4 
 # Weights smaller than this run on one thread: waking the pool's other threads costs more than
 # they save (on a shared 2-core machine a launch on 2 threads took ms, on 1 thread ~30 µs)
 MIN_PARALLEL_BYTES = 1 << 20
-# One token's bf16 and f16 rows (a 32-weight block of 64 bytes) are read one row at a time, a
+# One token's bf16 and f16 rows (numba_moe.STREAM_BLOCK_BYTES) are read one row at a time, a
 # single ascending stream without software prefetch (dense_ir.py): on the AMD EPYC, 2 threads,
 # a Qwen3-30B-A3B q_proj / o_proj / lm_head 0.84-0.96x the time of 4-row groups (1 thread
 # 0.72-0.82x); not for f32 (no gain), the quantised formats (q8_0: 1.14-1.35x) or more tokens
 # (the activations' loads shared by fewer rows: 1.2-2x)
-STREAM_BLOCK_BYTES = 64
 _FLAGS = dict(nogil=True, fastmath={"contract", "arcp"})
 
 # cached under a hash of every source these kernels inline (see numba_moe.py)

@@ -9,8 +9,10 @@ end of the rows. While a tile's rows are read, the same place whole tiles on (at
 PREFETCH_AHEAD_BYTES) is prefetched into L2 (every cache line): a later tile of a contiguous
 run of rows, so that a row's first lines are not demand misses and one thread keeps enough
 reads in flight to stream (as kernels/dense_ir.py does; a prefetch into L1 holds one of the
-core's few line-fill buffers until the line arrives). `prefetch_rows` starts the first tile of
-a run the caller reads next.
+core's few line-fill buffers until the line arrives). A tile of one weight row of a
+32-weight-block format prefetches nothing: it reads one ascending stream, which the hardware
+prefetchers follow (numba_moe reads bf16 and f16 experts so for one token). `prefetch_rows`
+starts the first tile of a run the caller reads next.
 
 Every format is read from a flat uint8 array at a byte offset; the activations are a flat
 float32 array. What a format's bytes are is its `KernelFormat` (quant/formats.py), which the
@@ -217,7 +219,8 @@ def _block_step(
     fma = _declare(builder, "llvm.fma.v32f32", V32F, [V32F] * 3)
     prefetch = _declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
     hints = [ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1)]
-    lines = range(0, kernel.block_bytes, LINE_BYTES)
+    # one row: one ascending stream, left to the hardware prefetchers (module docstring)
+    lines = range(0, kernel.block_bytes, LINE_BYTES) if len(w_rows) > 1 else ()
 
     def step(index: ir.Value, accs: list[list[ir.Value]]) -> None:
         first_weight = builder.mul(index, i64(KERNEL_BLOCK))

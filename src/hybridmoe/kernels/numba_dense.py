@@ -42,7 +42,11 @@ MIN_PARALLEL_BYTES = 1 << 20
 # single ascending stream without software prefetch (dense_ir.py): on the AMD EPYC, 2 threads,
 # a Qwen3-30B-A3B q_proj / o_proj / lm_head 0.84-0.96x the time of 4-row groups (1 thread
 # 0.72-0.82x); not for f32 (no gain), the quantised formats (q8_0: 1.14-1.35x) or more tokens
-# (the activations' loads shared by fewer rows: 1.2-2x)
+# (the activations' loads shared by fewer rows: 1.2-2x). Such a stream's work items are
+# STREAM_ITEMS times the others' (256 KB of bf16: each thread's stream restarts less often;
+# q_proj / o_proj 0.86-0.93x the time of 64 KB items, 2 threads; q8_0 at T = 4 1.13x: not
+# for the others)
+STREAM_ITEMS = 4
 _FLAGS = dict(nogil=True, fastmath={"contract", "arcp"})
 
 # cached under a hash of every source these kernels inline (see numba_moe.py)
@@ -128,6 +132,8 @@ def _dense(fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item
         for i in range(tokens * n):
             x_bits[i] = np.uint32(x_bf16[i]) << np.uint32(16)
         y = np.empty(tokens * nrows, np.float32)
+    if tokens == 1 and fmt.block_bytes == STREAM_BLOCK_BYTES:
+        item_rows *= STREAM_ITEMS  # one stream a thread, restarted less often
     for item in prange((nrows + item_rows - 1) // item_rows):
         r0 = item * item_rows
         rows = min(nrows, r0 + item_rows) - r0

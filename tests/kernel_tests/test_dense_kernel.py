@@ -112,12 +112,14 @@ def test_reference_differs_from_another_summation_order():
     assert not torch.equal(ours, plain)
 
 
-def test_multi_item_threads_agree_with_reference():
-    """A weight of several work items (64 KiB each), 1 and 2 threads: the same bits."""
-    fmt = weight_format("q8_0")
+@pytest.mark.parametrize(("name", "tokens"), [("q8_0", 5), ("bf16", 1)])
+def test_multi_item_threads_agree_with_reference(name: str, tokens: int):
+    """A weight of several work items (64 KiB each; one token's bf16 rows, a single stream,
+    in items of 256 KiB: numba_dense.STREAM_ITEMS), 1 and 2 threads: the same bits."""
+    fmt = weight_format(name)
     gen = torch.Generator().manual_seed(2)
     stored = random_stored(fmt, (1030, 512), gen)
-    x = torch.randn(5, 512, generator=gen).bfloat16()
+    x = torch.randn(tokens, 512, generator=gen).bfloat16()
     expected = dense_reference(fmt, stored, x)
     for threads in (1, 2):
         assert torch.equal(

@@ -29,7 +29,7 @@ from hybridmoe.kernels import dense_ir, glue, numba_glue
 from hybridmoe.kernels.dense_ir import dense_rows, fma32
 from hybridmoe.kernels.host_arrays import host_array, host_logits
 from hybridmoe.kernels.numba_cache import cached_njit
-from hybridmoe.kernels.numba_moe import STREAM_BLOCK_BYTES, _round_bf16, kernel_sources, launch
+from hybridmoe.kernels.numba_moe import _round_bf16, kernel_sources, launch, streams
 from hybridmoe.kernels.numba_simd import load_weight
 from hybridmoe.kernels.threads import kernel_threads
 from hybridmoe.quant.formats import WEIGHT_FORMATS, KernelFormat, WeightFormat
@@ -59,8 +59,8 @@ numba.config.CACHE_DIR = str(
 @cached_njit(inline="always", **_FLAGS)
 def _rows(fmt, tokens, w, w_off, row_bytes, blocks, nrows, x, n, y, y_off, y_stride):
     """dense_rows over `nrows` rows for `tokens` <= 4 tokens, in the widest groups that fit;
-    one token's bf16 and f16 rows one at a time (STREAM_BLOCK_BYTES)."""
-    if tokens == 1 and fmt.block_bytes == STREAM_BLOCK_BYTES:
+    one token's bf16 and f16 rows one at a time (numba_moe.streams)."""
+    if streams(fmt, tokens):
         dense_rows(fmt, 1, 1, w, w_off, row_bytes, blocks, nrows, x, n, y, y_off, y_stride)
     elif tokens == 1:
         g4 = nrows // 4
@@ -132,7 +132,7 @@ def _dense(fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item
         for i in range(tokens * n):
             x_bits[i] = np.uint32(x_bf16[i]) << np.uint32(16)
         y = np.empty(tokens * nrows, np.float32)
-    if tokens == 1 and fmt.block_bytes == STREAM_BLOCK_BYTES:
+    if streams(fmt, tokens):
         item_rows *= STREAM_ITEMS  # one stream a thread, restarted less often
     for item in prange((nrows + item_rows - 1) // item_rows):
         r0 = item * item_rows

@@ -37,7 +37,7 @@ ROWS_PER_ITEM = 64  # weight rows per parallel work item: a contiguous run of ro
 FIRST_TILE_ROWS = 4  # rows of a run's first tile, prefetched before the run ahead of it
 # One token's bf16 and f16 expert rows (a 32-weight block of 64 bytes) are read one row at a
 # time, without software prefetch (numba_simd.py): the Qwen3-30B-A3B layer at T = 1 on the AMD
-# EPYC, 2 threads, 0.85-0.93x the time of 4-row tiles (numba_dense.STREAM_BLOCK_BYTES likewise)
+# EPYC, 2 threads, 0.85-0.93x the time of 4-row tiles; numba_dense reads dense rows so (streams)
 STREAM_BLOCK_BYTES = 64
 _FLAGS = dict(nogil=True, fastmath={"contract", "arcp"})  # cached_njit adds cache=True
 
@@ -89,6 +89,13 @@ def _group_routes(ids, num_experts):
 
 
 @cached_njit(inline="always", **_FLAGS)
+def streams(fmt, tokens):
+    """Whether `tokens` tokens' rows of KernelFormat `fmt` are read one row at a time, one
+    stream a thread (STREAM_BLOCK_BYTES): by _matmul here and by numba_dense."""
+    return tokens == 1 and fmt.block_bytes == STREAM_BLOCK_BYTES
+
+
+@cached_njit(inline="always", **_FLAGS)
 def _tile(fmt, wrows, xrows, w, w_off, row_bytes, blocks, x, x_offs, first, out, out_off, stride):
     """tile_dot with the tile shape chosen at run time among TILES (each a compiled branch)."""
     if xrows == 1:
@@ -126,7 +133,7 @@ def _matmul(fmt, w, w_off, row_bytes, n, nrows, x, x_offs, first, count, out):
     so each row comes from memory once and is reread from L1 for further activation rows."""
     blocks = n // 32
     widest = 4 if count <= 2 else 2  # weight rows per tile (TILES)
-    if count == 1 and fmt.block_bytes == STREAM_BLOCK_BYTES:
+    if streams(fmt, count):
         widest = 1  # one token's bf16 / f16 rows: one stream, as numba_dense reads them
     r = 0
     while r < nrows:

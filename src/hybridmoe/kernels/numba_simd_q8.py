@@ -389,24 +389,46 @@ def _fp16_to_float(builder: ir.IRBuilder, bits: ir.Value) -> ir.Value:
     return builder.fpext(builder.bitcast(bits, V8HALF), V8F)
 
 
-def _group_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tuple):
-    """step(first_block): blocks first_block .. + 7 of every (weight row, activation row)
-    pair into its lane accumulator; the same blocks of a later tile (`tile_bytes` on)
-    prefetched into L2, as numba_simd.tile_dot does."""
-    w_rows, q_rows, d_rows, s_rows, accs, tile_bytes = rows
-    prepare, dot, bias = _block_dot(builder, path)
-    bias_sums = _bias_sums(builder, bias)
+def _group_starts(builder: ir.IRBuilder, kernel: KernelFormat, w_rows: list, tile_bytes: ir.Value):
+    """starts(first_block) -> per weight row a byte pointer to its blocks first_block .. + 7;
+    the same blocks of a later tile (`tile_bytes` on) prefetched into L2, every line, as
+    numba_simd.tile_dot does."""
     prefetch = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
     hints = [ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1)]
     group_bytes = LANES * kernel.block_bytes
 
-    def step(first_block: ir.Value) -> None:
-        weights = []  # per weight row: ([prepared block] * 8, <8 x float> scales)
+    def starts(first_block: ir.Value) -> list[ir.Value]:
+        groups = []
         for w_row in w_rows:
             group = builder.gep(w_row, [builder.mul(first_block, i64(kernel.block_bytes))])
             for line in range(0, group_bytes, LINE_BYTES):
                 ahead = builder.gep(group, [builder.add(tile_bytes, i64(line))])
                 builder.call(prefetch, [ahead, *hints])
+            groups.append(group)
+        return groups
+
+    return starts
+
+
+def _add_products(builder: ir.IRBuilder, acc: ir.Value, sums: ir.Value, dw: ir.Value, dx: ir.Value):
+    """The lane accumulator at `acc` += fl(sums) * fl(dw * dx), 8 blocks' products (<8 x i32>
+    block sums, <8 x float> weight and activation scales)."""
+    products = builder.fmul(builder.sitofp(sums, V8F), builder.fmul(dw, dx))
+    builder.store(builder.fadd(builder.load(acc), products), acc)
+
+
+def _group_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tuple):
+    """step(first_block): blocks first_block .. + 7 of every (weight row, activation row)
+    pair into its lane accumulator; the same blocks of a later tile prefetched
+    (_group_starts)."""
+    w_rows, q_rows, d_rows, s_rows, accs, tile_bytes = rows
+    prepare, dot, bias = _block_dot(builder, path)
+    bias_sums = _bias_sums(builder, bias)
+    starts = _group_starts(builder, kernel, w_rows, tile_bytes)
+
+    def step(first_block: ir.Value) -> None:
+        weights = []  # per weight row: ([prepared block] * 8, <8 x float> scales)
+        for group in starts(first_block):
             blocks, scales = [], ir.Constant(V8H, None)
             for b in range(LANES):
                 v, d = kernel.int8_block_ir(
@@ -426,9 +448,7 @@ def _group_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tu
             for (blocks, dw), row_accs in zip(weights, accs, strict=True):
                 sums = _transpose_sum(builder, [dot(w, q) for w, q in zip(blocks, qs, strict=True)])
                 sums = builder.sub(sums, biases) if bias_sums else sums
-                products = builder.fmul(builder.sitofp(sums, V8F), builder.fmul(dw, dx))
-                acc = row_accs[c]
-                builder.store(builder.fadd(builder.load(acc), products), acc)
+                _add_products(builder, row_accs[c], sums, dw, dx)
 
     return step
 
@@ -475,23 +495,15 @@ def _nibble_pair_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, ro
     w_rows, q_rows, d_rows, s_rows, accs, tile_bytes = rows
     dot = _nibble_dot(builder, path)
     bias_sums = _bias_sums(builder, NIBBLE_ZERO)
-    prefetch = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
-    hints = [ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1)]
-    group_bytes = LANES * kernel.block_bytes
+    starts = _group_starts(builder, kernel, w_rows, tile_bytes)
     both = const_vec(I32, list(range(32)))
     low_mask, shift = const_vec(I8, [0xF] * 32), const_vec(I8, [4] * 32)
     halves = [const_vec(I32, [*range(h, h + 4), *range(8 + h, 12 + h)]) for h in (0, 4)]
     twice = const_vec(I32, [*range(16)] * 2)
 
     def step(first_block: ir.Value) -> None:
-        groups, scales = [], []
-        for w_row in w_rows:
-            group = builder.gep(w_row, [builder.mul(first_block, i64(kernel.block_bytes))])
-            for line in range(0, group_bytes, LINE_BYTES):
-                ahead = builder.gep(group, [builder.add(tile_bytes, i64(line))])
-                builder.call(prefetch, [ahead, *hints])
-            groups.append(group)
-            scales.append(ir.Constant(V8H, None))
+        groups = starts(first_block)
+        scales = [ir.Constant(V8H, None) for _ in groups]
         pairs = []  # per pair of weight rows: [(low, high) nibbles of block b] * 8
         for r in range(0, len(w_rows), 2):
             blocks = []
@@ -522,9 +534,7 @@ def _nibble_pair_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, ro
                 for k, half in enumerate(halves):
                     r = 2 * p + k
                     sums = builder.sub(builder.shuffle_vector(first, second, half), biases)
-                    products = builder.fmul(builder.sitofp(sums, V8F), builder.fmul(scales[r], dx))
-                    acc = accs[r][c]
-                    builder.store(builder.fadd(builder.load(acc), products), acc)
+                    _add_products(builder, accs[r][c], sums, scales[r], dx)
 
     return step
 

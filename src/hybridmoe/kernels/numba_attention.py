@@ -55,7 +55,7 @@ from hybridmoe.kernels.attention_ir import TILES, pv_tile, qk_tile
 from hybridmoe.kernels.llvm_ir import address_pointer
 from hybridmoe.kernels.numba_cache import cached_njit
 from hybridmoe.kernels.numba_glue import _fma
-from hybridmoe.kernels.numba_moe import launch
+from hybridmoe.kernels.numba_moe import chunk_size, launch, set_chunk_size
 from hybridmoe.kernels.softmax_ir import block_max, exp_block
 from hybridmoe.kernels.threads import kernel_threads
 
@@ -281,8 +281,10 @@ def _entry(parallel: bool):
         items = rows.shape[0] * dims[1]
         group = dims[0] // dims[1]
         scratch = np.empty((items, group * (2 * dims[2] + BLOCK + 2)), np.float32)
+        previous = set_chunk_size(chunk_size(items))
         for item in prange(items):
             _item(item, step, kc, vc, dims, rows, pos, ring, window, scale, scratch)
+        set_chunk_size(previous)
 
     kind = "parallel" if parallel else "serial"
     decode_attention.__name__ = decode_attention.__qualname__ = f"decode_attention_{kind}"

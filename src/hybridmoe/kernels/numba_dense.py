@@ -29,7 +29,14 @@ from hybridmoe.kernels import dense_ir, glue, numba_glue
 from hybridmoe.kernels.dense_ir import dense_rows, fma32
 from hybridmoe.kernels.host_arrays import host_array, host_logits
 from hybridmoe.kernels.numba_cache import cached_njit
-from hybridmoe.kernels.numba_moe import _round_bf16, kernel_sources, launch, streams
+from hybridmoe.kernels.numba_moe import (
+    _round_bf16,
+    chunk_size,
+    kernel_sources,
+    launch,
+    set_chunk_size,
+    streams,
+)
 from hybridmoe.kernels.numba_simd import load_weight
 from hybridmoe.kernels.threads import kernel_threads
 from hybridmoe.quant.formats import WEIGHT_FORMATS, KernelFormat, WeightFormat
@@ -134,7 +141,9 @@ def _dense(fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item
         y = np.empty(tokens * nrows, np.float32)
     if streams(fmt, tokens):
         item_rows *= STREAM_ITEMS  # one stream a thread, restarted less often
-    for item in prange((nrows + item_rows - 1) // item_rows):
+    items = (nrows + item_rows - 1) // item_rows
+    previous = set_chunk_size(chunk_size(items))
+    for item in prange(items):
         r0 = item * item_rows
         rows = min(nrows, r0 + item_rows) - r0
         t = 0
@@ -145,6 +154,7 @@ def _dense(fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item
             _rows(fmt, count, w, r0 * row_bytes, row_bytes, n // 32, rows, xt, n, y, off, nrows)
             t += count
         _finish(fmt, w, row_bytes, n, nrows, r0, rows, x, tokens, bias, y, y_bf16)
+    set_chunk_size(previous)
 
 
 # _dense compiled once per format (`fmt`, a compile-time constant: numba_simd.KernelFormatType)

@@ -24,8 +24,10 @@ import threading
 
 import numba
 import numpy as np
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
 from numba.core.dispatcher import Dispatcher
+from numba.extending import intrinsic
 
 from hybridmoe import env
 from hybridmoe.kernels import llvm_ir, numba_simd
@@ -40,6 +42,13 @@ FIRST_TILE_ROWS = 4  # rows of a run's first tile, prefetched before the run ahe
 # EPYC, 2 threads, 0.85-0.93x the time of 4-row tiles; numba_dense reads dense rows so (streams)
 STREAM_BLOCK_BYTES = 64
 _FLAGS = dict(nogil=True, fastmath={"contract", "arcp"})  # cached_njit adds cache=True
+# A parallel loop's work items are handed out in chunks, CHUNKS_PER_THREAD a thread
+# (chunk_size): a thread the OS preempts (another process on the core) delays the loop by one
+# chunk, not by its half, while each chunk's dispatch (~0.3 us of numba's gufunc call on the
+# AMD EPYC) stays rare. One item a chunk cost the Qwen3-30B-A3B q4_0 layer 7 % (T = 1, 2
+# threads: 834 against 779-797 us static or in chunks of 4-16 items) and a decode step of its
+# 4-layer GGUF 5.6 % (8.32 against 7.85 ms static, 8 alternating rounds in one process)
+CHUNKS_PER_THREAD = 8
 
 
 def kernel_sources() -> list[str]:
@@ -86,6 +95,48 @@ def _group_routes(ids, num_experts):
             routes[fill[ids[r]]] = r
             fill[ids[r]] += 1
     return -1, experts, starts, routes
+
+
+@cached_njit(inline="always", **_FLAGS)
+def chunk_size(items):
+    """Work items per chunk of a parallel loop of `items` on this call's threads:
+    CHUNKS_PER_THREAD chunks a thread. A kernel sets it before its prange (set_chunk_size,
+    which returns the size it replaces) and restores it after."""
+    return max(1, items // (CHUNKS_PER_THREAD * _num_threads()))
+
+
+@intrinsic
+def _num_threads(typingctx):
+    """numba.get_num_threads() by the runtime's symbol (set_chunk_size's reasons)."""
+
+    def codegen(context, builder, sig, args):
+        count = context.get_value_type(types.intp)
+        return builder.call(llvm_ir.declare(builder, "get_num_threads", count, []), [])
+
+    return types.intp(), codegen
+
+
+@intrinsic
+def set_chunk_size(typingctx, items):
+    """numba's chunk size for this thread's next parallel loops set to `items`; returns the
+    one it replaces. numba.set_parallel_chunksize (and `with parallel_chunksize`, which
+    calls it) and numba.get_num_threads hold ctypes pointers in jitted code, which numba's
+    disk cache refuses; these call numba's runtime by symbol, as its parfor lowering does.
+    The symbols exist once the threading layer is up: this module starts the pool when
+    imported (start_pool), before any kernel calling this can be linked (a serial kernel
+    would crash the process without)."""
+    if not isinstance(items, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        size = context.get_value_type(types.uintp)
+        get = llvm_ir.declare(builder, "get_parallel_chunksize", size, [])
+        put = llvm_ir.declare(builder, "set_parallel_chunksize", ir.VoidType(), [size])
+        previous = builder.call(get, [])
+        builder.call(put, [context.cast(builder, args[0], sig.args[0], types.uintp)])
+        return previous
+
+    return types.uintp(items), codegen
 
 
 @cached_njit(inline="always", **_FLAGS)
@@ -303,6 +354,7 @@ def _fused_moe(
     has_bias = gate_up_bias.shape[0] > 0
     acts = np.empty(num_routes * inter, np.float32)  # [R, I] silu(gate) * up per route
     chunks = (inter + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
+    previous = set_chunk_size(chunk_size(experts.shape[0] * chunks))
     for item in prange(experts.shape[0] * chunks):
         u, chunk = item // chunks, item % chunks
         first, count = starts[u], starts[u + 1] - starts[u]
@@ -328,6 +380,7 @@ def _fused_moe(
             for r in range(rows):
                 acts[(first + c) * inter + i0 + r] = gate[c * rows + r]
     max_count = np.max(starts[1:] - starts[:-1]) if num_routes else 0
+    set_chunk_size(chunk_size((hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM))
     for chunk in prange((hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
         h0 = chunk * ROWS_PER_ITEM
         rows = min(hidden, h0 + ROWS_PER_ITEM) - h0
@@ -355,6 +408,7 @@ def _fused_moe(
                 token_off = (routes[first + c] // top_k) * hidden + h0
                 for r in range(rows):
                     y[token_off + r] += out[c * rows + r]
+    set_chunk_size(previous)
     return -1
 
 
@@ -470,11 +524,13 @@ def launch(kernel, threads: int | None, *args):
         start_pool()  # functools.cache: a dict lookup after the first call
         if getattr(_LAUNCHER, "threads", None) != count:
             numba.set_num_threads(count)
-            # work items handed out one at a time: a thread the OS preempts (another process
-            # on the core) delays the call by one item, not by half the layer
+            # the decode kernels' loops set their own chunks (chunk_size); the others (load's
+            # kernels) hand out items one at a time: a thread the OS preempts (another process
+            # on the core) delays the call by one item, not by half the work
             numba.set_parallel_chunksize(1)
             _LAUNCHER.threads = count
         return kernel(*args)
 
 
+start_pool()  # the threading layer's symbols, before any kernel calling set_chunk_size links
 numba.config.CACHE_DIR = _previous_cache_dir  # every cached function above is decorated

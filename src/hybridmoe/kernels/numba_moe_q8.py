@@ -202,6 +202,7 @@ def _gate_up_phase(
     h_row_bytes = hidden * fmt.block_bytes // fmt.block_weights
     code, alpha, limit = act
     chunks = (inter + nm.ROWS_PER_ITEM - 1) // nm.ROWS_PER_ITEM
+    previous = nm.set_chunk_size(nm.chunk_size(experts.shape[0] * chunks))
     for item in prange(experts.shape[0] * chunks):
         u, chunk = item // chunks, item % chunks
         first, count = starts[u], starts[u + 1] - starts[u]
@@ -228,6 +229,7 @@ def _gate_up_phase(
         for c in range(count):
             for r in range(rows):
                 acts[(first + c) * inter + i0 + r] = gate[c * rows + r]
+    nm.set_chunk_size(previous)
 
 
 @cached_njit(inline="always", **_FLAGS)
@@ -253,7 +255,9 @@ def _down_phase(
     i_row_bytes = inter * fmt.block_bytes // fmt.block_weights
     act_offs = np.arange(routes.shape[0]) * inter
     max_count = np.max(starts[1:] - starts[:-1]) if starts[-1] else 0
-    for chunk in prange((hidden + nm.ROWS_PER_ITEM - 1) // nm.ROWS_PER_ITEM):
+    items = (hidden + nm.ROWS_PER_ITEM - 1) // nm.ROWS_PER_ITEM
+    previous = nm.set_chunk_size(nm.chunk_size(items))
+    for chunk in prange(items):
         h0 = chunk * nm.ROWS_PER_ITEM
         rows = min(hidden, h0 + nm.ROWS_PER_ITEM) - h0
         out = np.empty(max_count * rows, np.float32)
@@ -292,6 +296,7 @@ def _down_phase(
                 token_off = (routes[first + c] // top_k) * hidden + h0
                 for r in range(rows):
                     y[token_off + r] += out[c * rows + r]
+    nm.set_chunk_size(previous)
 
 
 @cached_njit(inline="always", **_FLAGS)

@@ -45,9 +45,9 @@ _FLAGS = dict(nogil=True, fastmath={"contract", "arcp"})  # cached_njit adds cac
 # A parallel loop's work items are handed out in chunks, CHUNKS_PER_THREAD a thread
 # (chunk_size): a thread the OS preempts (another process on the core) delays the loop by one
 # chunk, not by its half, while each chunk's dispatch (~0.3 us of numba's gufunc call on the
-# AMD EPYC) stays rare. One item a chunk cost the Qwen3-30B-A3B q4_0 layer 7 % (T = 1, 2
-# threads: 834 against 779-797 us static or in chunks of 4-16 items) and a decode step of its
-# 4-layer GGUF 5.6 % (8.32 against 7.85 ms static, 8 alternating rounds in one process)
+# AMD EPYC) stays rare. One item a chunk cost the Qwen3-30B-A3B q4_0 layer 4 % (T = 1, 2
+# threads, in one process: 1022 against 979 us) and a decode step of its 4-layer GGUF 7 % of
+# its CPU time (benchmarks/bench_decode_overhead.py: 26.2 against 24.3 ms a token)
 CHUNKS_PER_THREAD = 8
 
 

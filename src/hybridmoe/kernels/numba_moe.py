@@ -354,8 +354,9 @@ def _fused_moe(
     has_bias = gate_up_bias.shape[0] > 0
     acts = np.empty(num_routes * inter, np.float32)  # [R, I] silu(gate) * up per route
     chunks = (inter + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
-    previous = set_chunk_size(chunk_size(experts.shape[0] * chunks))
-    for item in prange(experts.shape[0] * chunks):
+    items = experts.shape[0] * chunks
+    previous = set_chunk_size(chunk_size(items))
+    for item in prange(items):
         u, chunk = item // chunks, item % chunks
         first, count = starts[u], starts[u + 1] - starts[u]
         i0 = chunk * ROWS_PER_ITEM
@@ -380,8 +381,9 @@ def _fused_moe(
             for r in range(rows):
                 acts[(first + c) * inter + i0 + r] = gate[c * rows + r]
     max_count = np.max(starts[1:] - starts[:-1]) if num_routes else 0
-    set_chunk_size(chunk_size((hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM))
-    for chunk in prange((hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
+    items = (hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
+    set_chunk_size(chunk_size(items))
+    for chunk in prange(items):
         h0 = chunk * ROWS_PER_ITEM
         rows = min(hidden, h0 + ROWS_PER_ITEM) - h0
         out = np.empty(max_count * rows, np.float32)

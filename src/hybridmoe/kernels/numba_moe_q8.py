@@ -202,8 +202,9 @@ def _gate_up_phase(
     h_row_bytes = hidden * fmt.block_bytes // fmt.block_weights
     code, alpha, limit = act
     chunks = (inter + nm.ROWS_PER_ITEM - 1) // nm.ROWS_PER_ITEM
-    previous = nm.set_chunk_size(nm.chunk_size(experts.shape[0] * chunks))
-    for item in prange(experts.shape[0] * chunks):
+    items = experts.shape[0] * chunks
+    previous = nm.set_chunk_size(nm.chunk_size(items))
+    for item in prange(items):
         u, chunk = item // chunks, item % chunks
         first, count = starts[u], starts[u + 1] - starts[u]
         i0 = chunk * nm.ROWS_PER_ITEM

@@ -8,7 +8,8 @@ against torch's F.linear and the DRAM read rate, measured side by side in one ru
 Shapes: each model's attention q, k/v, o, its router and lm_head: `small` is the ~1 GB
 checkpoint of bench_vs_llamacpp.py (hidden 1024, 16 heads of 64, 4 KV heads, 64 experts, vocab
 4096), `qwen3-30b-a3b` Qwen3-30B-A3B's (hidden 2048: q 2048 -> 4096, k/v 2048 -> 512, o 4096
--> 2048, router 2048 -> 128, lm_head 2048 -> 151936). Weights are random; each is copied until
+-> 2048, router 2048 -> 128, lm_head 2048 -> 151936). Weights are random (the k-quants, which
+have no quantiser, as seeded random blocks: quant/random_blocks.py); each is copied until
 the copies hold WORKING_SET_BYTES (more than the last-level cache) and the calls go round the
 copies, so the weights come from DRAM, as in a decode step.
 
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 
 from hybridmoe.kernels import numba_dense
 from hybridmoe.quant.formats import weight_format
+from hybridmoe.quant.random_blocks import random_stored
 
 WORKING_SET_BYTES = 512 << 20
 MODELS = {  # name -> {projection: (rows, columns)}
@@ -117,7 +119,10 @@ def compare(label, shape, fmt_name, tokens, threads, args, dram, baseline) -> No
     fmt = weight_format(fmt_name)
     w = torch.randn(rows, cols) * 0.02
     act = torch.float32 if fmt_name == "f32" else torch.bfloat16
-    stored = fmt.quantize(w.to(act) if fmt_name in ("bf16", "f32") else w.bfloat16())
+    if fmt.can_quantize:
+        stored = fmt.quantize(w.to(act) if fmt_name in ("bf16", "f32") else w.bfloat16())
+    else:  # the k-quants: seeded random blocks (quant/random_blocks.py)
+        stored = random_stored(fmt, (rows, cols), torch.Generator().manual_seed(0), 0.08)
     w_torch = stored if not fmt.is_quantized else fmt.dequantize(stored, torch.float32)
     x = torch.randn(tokens, cols).to(act)
     x_torch = x if not fmt.is_quantized else x.float()

@@ -2,7 +2,8 @@
 once as safetensors (bench_decode.py's hub layout, bf16) and converted to one GGUF per expert
 format, as llama.cpp's converter names and lays it out (qwen3moe metadata, gguf-py's tensor
 names, each layer's experts merged into `blk.N.ffn_{gate,up,down}_exps`), the other matrices
-bf16, and, as the converter keeps them, norms and routers F32 (llama.cpp's CPU ops multiply no
+bf16 (q4_k_m_all: in llama.cpp's Q4_K_M types, seeded random blocks as the k-quant experts),
+and, as the converter keeps them, norms and routers F32 (llama.cpp's CPU ops multiply no
 f32 by a bf16 norm); their values are the checkpoint's bf16 ones either way.
 
 Quantised experts are hybridmoe's own quantiser's bytes (q8_0 / q4_0 blocks are ggml's layout,
@@ -72,24 +73,46 @@ EXPERT_TYPES = {
 }  # fmt: skip
 QUANTISED = ("q8_0", "q4_0")  # expert formats hybridmoe quantises from the checkpoint
 RANDOM_MAX_ABS = 0.08  # k-quant blocks' largest |weight|: std about 0.02, the checkpoint's
-EXPERT_MIXES = ("q4_k_m",)
+# q4_k_m: the rule for the experts only, dense tensors bf16 (as every other file here);
+# q4_k_m_all: for every tensor, as a downloaded Q4_K_M file (dense_type)
+EXPERT_MIXES = ("q4_k_m", "q4_k_m_all")
 EXPERT_FORMATS = (*EXPERT_TYPES, *EXPERT_MIXES)
 
 
 def expert_type(expert_format: str, layer: int, proj: str, layers: int) -> QType:
     """The ggml type of layer `layer`'s merged `proj` experts (gate_proj, up_proj, down_proj)
-    in a file of `expert_format`. q4_k_m: llama.cpp's Q4_K_M rule for expert tensors
-    (llama_tensor_get_type): ffn_down Q6_K in the layers use_more_bits picks, the first and
-    last eighth and every third between (i < n/8, i >= 7n/8, (i - n/8) % 3 == 2), else Q4_K;
-    gate and up Q4_K. (Q4_K_M's attn_v and output Q6_K are not applied: dense tensors stay
-    bf16 in every file here.)"""
+    in a file of `expert_format`. q4_k_m and q4_k_m_all: llama.cpp's Q4_K_M rule for expert
+    tensors (llama_tensor_get_type): ffn_down Q6_K in the layers use_more_bits picks
+    (_more_bits), else Q4_K; gate and up Q4_K (dense tensors: dense_type)."""
     if expert_format in EXPERT_TYPES:
         return EXPERT_TYPES[expert_format]
-    if expert_format != "q4_k_m":
+    if expert_format not in EXPERT_MIXES:
         raise ValueError(f"expert format {expert_format!r}: one of {', '.join(EXPERT_FORMATS)}")
+    return QType.Q6_K if proj == "down_proj" and _more_bits(layer, layers) else QType.Q4_K
+
+
+def dense_type(expert_format: str, base: str, layers: int) -> QType:
+    """The ggml type of the dense tensor `base` (a checkpoint name less `.weight`) in a file of
+    `expert_format`: F32 for vectors and the router (as the converter keeps them), bf16 but
+    in q4_k_m_all, which follows llama.cpp's Q4_K_M rule (llama_tensor_get_type): the output
+    head and attn_v in the layers _more_bits picks Q6_K, every other matrix (q, k, o, the
+    other attn_v, the embeddings) Q4_K."""
+    if base.endswith(("norm", "mlp.gate")):
+        return QType.F32
+    if expert_format != "q4_k_m_all":
+        return QType.BF16
+    if base == "lm_head":
+        return QType.Q6_K
+    if base.endswith("v_proj") and _more_bits(int(base.split(".")[2]), layers):
+        return QType.Q6_K
+    return QType.Q4_K
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers and every third
+    between (i < n/8, i >= 7n/8, (i - n/8) % 3 == 2)."""
     eighth = layers // 8
-    more_bits = layer < eighth or layer >= 7 * layers // 8 or (layer - eighth) % 3 == 2
-    return QType.Q6_K if proj == "down_proj" and more_bits else QType.Q4_K
+    return layer < eighth or layer >= 7 * layers // 8 or (layer - eighth) % 3 == 2
 
 
 def checkpoint_bytes(shape: Qwen3MoeShape) -> int:
@@ -114,7 +137,7 @@ def ensure_files(shape_name: str, root: Path, formats: tuple[str, ...]) -> dict[
 
 def write_gguf(checkpoint_dir: Path, path: Path, expert_format: str) -> Path:
     """`checkpoint_dir`'s model as a GGUF at `path`: experts in `expert_format`
-    (EXPERT_FORMATS; k-quants: random blocks), everything else bf16."""
+    (EXPERT_FORMATS; k-quants: random blocks), dense tensors as dense_type says."""
     expert_type(expert_format, 0, "down_proj", 1)  # a bad format is refused before writing
     config = json.loads((checkpoint_dir / "config.json").read_text())
     shape = Qwen3MoeShape(**{k: config[k] for k in Qwen3MoeShape.__dataclass_fields__})
@@ -138,7 +161,8 @@ def write_gguf(checkpoint_dir: Path, path: Path, expert_format: str) -> Path:
 def _tensor_plan(shape: Qwen3MoeShape, expert_format: str):
     """(GGUF name, logical dims, ggml type, source) in file order; source: a checkpoint name, or
     (layer prefix, proj) for a merged expert tensor."""
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, shape.num_hidden_layers)
+    layers = shape.num_hidden_layers
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, layers)
     experts: dict[tuple[str, str], tuple[int, ...]] = {}
     for name, dims in shape.tensor_shapes().items():
         if ".experts." in name:
@@ -146,7 +170,7 @@ def _tensor_plan(shape: Qwen3MoeShape, expert_format: str):
             experts[(prefix + ".experts", rest.split(".")[1])] = dims
             continue
         base = name.removesuffix(".weight")
-        qtype = QType.F32 if len(dims) == 1 or base.endswith("mlp.gate") else QType.BF16
+        qtype = QType.F32 if len(dims) == 1 else dense_type(expert_format, base, layers)
         yield f"{names.get_name(base)}.weight", dims, qtype, name
     for (prefix, proj), dims in experts.items():
         gguf_name = f"{names.get_name(f'{prefix}.{proj}')}.weight"
@@ -166,6 +190,11 @@ def _byte_dims(name: str, dims: tuple[int, ...], qtype: QType) -> tuple[int, ...
 
 def _stored(reader: _TensorReader, source, qtype: QType) -> np.ndarray:
     """The bytes of one GGUF tensor (uint8; rows of bf16 values or of quantised blocks)."""
+    if isinstance(source, str) and qtype not in (QType.F32, QType.BF16):  # q4_k_m_all's
+        dims = tuple(reader.shape(source))
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{source}:{qtype.name}".encode()))
+        fmt = weight_format(qtype.name.lower())
+        return random_stored(fmt, dims, gen, RANDOM_MAX_ABS).numpy()
     if isinstance(source, str):  # dense: F32 or BF16
         value = reader.get(source)
         value = value.float() if qtype == QType.F32 else value.to(torch.bfloat16)

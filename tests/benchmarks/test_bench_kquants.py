@@ -20,7 +20,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 from bench_vs_llamacpp import Round, _logits_agreement  # noqa: E402
-from llamacpp_checkpoints import ensure_files, expert_type, write_gguf  # noqa: E402
+from llamacpp_checkpoints import dense_type, ensure_files, expert_type, write_gguf  # noqa: E402
 from llamacpp_workers import hybridmoe_config, llamacpp_last_logits, measure, prompts  # noqa: E402
 
 from hybridmoe.engine import Engine, EngineConfig  # noqa: E402
@@ -54,6 +54,25 @@ def test_q4_k_m_is_llamacpps_mix() -> None:
         assert gate_up == {QType.Q4_K}
     with pytest.raises(ValueError, match="'q4_k_s'"):
         expert_type("q4_k_s", 0, "down_proj", 2)
+
+
+def test_q4_k_m_all_dense_tensors_follow_llamacpps_rule() -> None:
+    """attn_v and the head Q6_K where Q4_K_M gives them more bits, other matrices Q4_K; norms
+    and the router F32; bf16 matrices in every other file."""
+    attn = "model.layers.{}.self_attn.{}"
+    v_more = {
+        i for i in range(8) if dense_type("q4_k_m_all", attn.format(i, "v_proj"), 8).name == "Q6_K"
+    }
+    assert v_more == {0, 3, 6, 7}
+    for proj in ("q_proj", "k_proj", "o_proj"):
+        assert {dense_type("q4_k_m_all", attn.format(i, proj), 8) for i in range(8)} == {QType.Q4_K}
+    assert dense_type("q4_k_m_all", "lm_head", 8) == QType.Q6_K
+    assert dense_type("q4_k_m_all", "model.embed_tokens", 8) == QType.Q4_K
+    for base in ("model.layers.0.mlp.gate", "model.layers.0.input_layernorm", "model.norm"):
+        assert dense_type("q4_k_m_all", base, 8) == QType.F32
+    for fmt in ("q4_k_m", "q4_k", "q8_0"):
+        assert dense_type(fmt, attn.format(0, "v_proj"), 8) == QType.BF16
+        assert dense_type(fmt, "lm_head", 8) == QType.BF16
 
 
 @pytest.mark.parametrize("fmt", K_FORMATS)

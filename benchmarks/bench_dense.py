@@ -17,9 +17,11 @@ Columns: median µs per call (wall clock; at 1 thread also the calling thread's 
 `cpu`, which another process on the core does not inflate: on a shared machine compare those),
 GB/s = bytes of the stored weight / time, % DRAM = that / the DRAM read rate measured at the
 same thread count in the same row (torch.sum over 1 GiB, best of 3), x torch = torch's time /
-the kernel's. torch runs on the weight in the activation dtype (bf16, f32: as stored; q8_0 and
-q4_0: dequantised to float32 outside the timing, so it reads 3.8-7x the bytes: it is slower by
-format, not only by code). --baseline FILE adds a column for another version's numba_dense.py
+the kernel's; `q8` (formats with integer dot products: q8_0, q4_0, the k-quants) the
+kernel with q8 activations (kernels/numba_dense_q8.py), `q8 x ours` ours' time / its. torch
+runs on the weight in the activation dtype (bf16, f32: as stored; q8_0 and q4_0: dequantised
+to float32 outside the timing, so it reads 3.8-7x the bytes: it is slower by format, not
+only by code). --baseline FILE adds a column for another version's numba_dense.py
 (e.g. `git show REV:src/hybridmoe/kernels/numba_dense.py > old.py`: before/after in one run).
 --crossover adds T = 8, 16, 32, 64 on the q shape (kernels/projection.py DECODE_MAX_TOKENS).
 """
@@ -134,6 +136,13 @@ def compare(label, shape, fmt_name, tokens, threads, args, dram, baseline) -> No
         name: (lambda wb, m=module: m.dense_linear(fmt, wb, rows, x, threads=threads), copies)
         for name, module in kernels.items()
     }
+    if fmt.has_integer_dots:  # the q8 contract's kernel (--activation-quant q8)
+        calls["q8"] = (
+            lambda wb: numba_dense.dense_linear(
+                fmt, wb, rows, x, threads=threads, activation_quant="q8"
+            ),
+            copies,
+        )
     calls["torch"] = (lambda wt: F.linear(x_torch, wt), torch_copies)
     for call, some in calls.values():
         call(some[0])  # compile, warm up
@@ -149,6 +158,8 @@ def compare(label, shape, fmt_name, tokens, threads, args, dram, baseline) -> No
             line += f" cpu {cpu * 1e6:7.0f} µs {gb / cpu / cpu_gbps:4.0%}"
     ours_wall, ours_cpu = times["ours"]
     line += f" | {times['torch'][0] / ours_wall:5.2f}x torch"
+    if "q8" in times:
+        line += f" | q8 {ours_wall / times['q8'][0]:5.2f}x ours"
     if baseline:
         before = times["before"][1 if threads == 1 else 0]
         line += f" {before / (ours_cpu if threads == 1 else ours_wall):5.2f}x before"

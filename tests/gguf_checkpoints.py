@@ -38,6 +38,10 @@ TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
 # [E, rows, cols]) -> (the stored bytes [E, rows, row bytes] uint8, their ggml type): how a
 # test chooses each merged expert tensor's type and bytes (a Q4_K_M file's mix of types)
 ExpertEncoder = Callable[[str, str, np.ndarray], tuple[np.ndarray, QType]]
+# (a dense tensor's checkpoint name less `.weight`, e.g. `model.layers.0.self_attn.q_proj`,
+# its float values) -> (the stored bytes, their ggml type), or None to store it F32: how a
+# test stores dense projections quantised (a downloaded Q4_K_M file's attention and head)
+DenseEncoder = Callable[[str, np.ndarray], "tuple[np.ndarray, QType] | None"]
 
 
 def write_gguf(
@@ -47,11 +51,13 @@ def write_gguf(
     tokenizer: dict | None = None,
     chat_template: str | None = None,
     experts: ExpertEncoder | None = None,
+    dense: DenseEncoder | None = None,
 ) -> Path:
     """`hf_dir`'s model as a GGUF at `path`, experts in ggml type `expert_type` (or as
-    `experts` encodes each merged tensor), dense tensors F32. `tokenizer`: a tokenizer.json
-    dict (with `pre`, the tokenizer.ggml.pre name, added); None: a byte-alphabet vocabulary
-    of the model's size without merges."""
+    `experts` encodes each merged tensor), dense tensors F32 (or as `dense` encodes each
+    `.weight`; not for llama-arch files, whose q/k rows the converter permutes).
+    `tokenizer`: a tokenizer.json dict (with `pre`, the tokenizer.ggml.pre name, added); None:
+    a byte-alphabet vocabulary of the model's size without merges."""
     config = json.loads((hf_dir / "config.json").read_text())
     arch = GGUF_ARCH[config["model_type"]]
     tensors = load_file(str(hf_dir / "model.safetensors"))
@@ -61,7 +67,9 @@ def write_gguf(
     if chat_template is not None:
         writer.add_chat_template(chat_template)
     encoder = experts or _quantizer(QType[expert_type])
-    for name, data, qtype in _gguf_tensors(arch, config, tensors, encoder):
+    if dense is not None and arch == "llama":
+        raise ValueError("write_gguf: `dense` encodes the rows as given, not llama's permuted q/k")
+    for name, data, qtype in _gguf_tensors(arch, config, tensors, encoder, dense):
         writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -75,9 +83,12 @@ def write_dequantized_checkpoint(hf_dir: Path, out_dir: Path, expert_type: str) 
     return write_encoded_checkpoint(hf_dir, out_dir, _quantizer(QType[expert_type]))
 
 
-def write_encoded_checkpoint(hf_dir: Path, out_dir: Path, experts: ExpertEncoder) -> Path:
-    """A copy of `hf_dir` whose routed experts are the values `experts` stores for them
-    (dequantised by gguf.quants): the float model a GGUF written with `experts` stands for."""
+def write_encoded_checkpoint(
+    hf_dir: Path, out_dir: Path, experts: ExpertEncoder, dense: DenseEncoder | None = None
+) -> Path:
+    """A copy of `hf_dir` whose routed experts (and dense weights `dense` encodes) are the
+    values `experts` (`dense`) stores for them, dequantised by gguf.quants: the float model a
+    GGUF written with them stands for."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in hf_dir.iterdir():
         if f.name != "model.safetensors":
@@ -89,6 +100,13 @@ def write_encoded_checkpoint(hf_dir: Path, out_dir: Path, experts: ExpertEncoder
         values = torch.from_numpy(gguf.quants.dequantize(stored, qtype).copy())  # [E, rows, cols]
         for e in sorted(by_expert):
             tensors[f"{layer}.{e}.{proj}.weight"] = values[e].clone()
+    for name, value in list(tensors.items()):
+        found = None
+        if dense is not None and name.endswith(".weight") and not _EXPERT.match(name):
+            found = dense(name.removesuffix(".weight"), value.float().numpy())
+        if found is not None:
+            stored = gguf.quants.dequantize(found[0], found[1])
+            tensors[name] = torch.from_numpy(stored.copy()).to(value.dtype)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
@@ -189,7 +207,9 @@ def tokenizer_vocab(tokenizer: dict) -> tuple[list[str], list[int]]:
     return [by_id[i] for i in range(size)], [types[i] for i in range(size)]
 
 
-def _gguf_tensors(arch: str, config: dict, tensors: dict, encoder: ExpertEncoder):
+def _gguf_tensors(
+    arch: str, config: dict, tensors: dict, encoder: ExpertEncoder, dense: DenseEncoder | None
+):
     """(GGUF name, data, ggml type) of every tensor, in the converter's naming."""
     layers = config["num_hidden_layers"]
     arch_names = gguf.get_tensor_name_map(_MODEL_ARCH[arch], layers)
@@ -205,7 +225,9 @@ def _gguf_tensors(arch: str, config: dict, tensors: dict, encoder: ExpertEncoder
             continue
         base, suffix = name.rsplit(".", 1)
         value = _permuted(arch, config, base, value.float().numpy())
-        yield f"{gguf_name(base)}.{suffix}", value, QType.F32
+        found = dense(base, value) if dense is not None and suffix == "weight" else None
+        data, qtype = (value, QType.F32) if found is None else found
+        yield f"{gguf_name(base)}.{suffix}", data, qtype
     for (layer, proj), by_expert in _merged_experts(tensors).items():
         stacked = np.stack([by_expert[e].float().numpy() for e in sorted(by_expert)])
         data, qtype = encoder(layer, proj, stacked)

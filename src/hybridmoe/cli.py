@@ -161,9 +161,10 @@ FLAG_DOCS: dict[str, FlagDoc] = {
         EXPERT_FORMATS,
     ),
     "activation_quant": FlagDoc(
-        "q8: q8_0/q4_0 experts quantise their input activations per 32-block, q2_k ... q6_k "
-        "per 256-block, and take integer dot products (llama.cpp's arithmetic; every target "
-        "alike); none: float32 activations; auto: q8 where a layer's expert formats allow it",
+        "q8: q8_0/q4_0 experts and dense projections quantise their input activations per "
+        "32-block, q2_k ... q6_k per 256-block, and take integer dot products (llama.cpp's "
+        "arithmetic; every target alike); none: float32 activations; auto: q8 where a layer's "
+        "expert formats allow it, and for every dense projection in such a format",
         ACTIVATION_QUANTS,
     ),
     "cpu_kernel": FlagDoc(

@@ -47,6 +47,7 @@ class Engine:
             config = _prefix_cache_for(model, config)
             memory = plan_device_memory(model, config, platform)
             runtime = create_moe_runtime(model, config.offload, platform, config.progress, memory)
+            model.set_activation_quant(config.offload.activation_quant)
             model.to(platform.device)
             prefix_blocks = config.resolve_prefix_cache_blocks(self.max_seq_len)
             self.scheduler = Scheduler(

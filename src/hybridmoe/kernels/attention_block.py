@@ -192,7 +192,10 @@ class _Plan:
             ), (weights_dtype is torch.bfloat16, bool(renorm))  # fmt: skip
         if self.experts is not None:
             formats = self.experts[0]
-        self.kernel = block_kernel(self.qkv_call.fmt.name, self.o_call.fmt.name, gate_fmt, formats)
+        q8 = (self.qkv_call.q8, self.o_call.q8)
+        self.kernel = block_kernel(
+            self.qkv_call.fmt.name, self.o_call.fmt.name, gate_fmt, formats, q8
+        )
 
     def holds(self, qkv, o, q_norm, k_norm, residual, route, experts) -> bool:
         """Whether it was made of these parts (the same objects and kernel calls)."""

@@ -28,12 +28,14 @@ from hybridmoe.kernels import (
     llvm_ir,
     numba_attention,
     numba_dense,
+    numba_dense_q8,
     numba_glue,
     softmax_ir,
 )
 from hybridmoe.kernels.numba_attention import DECODE_ATTENTION, DECODE_ATTENTION_SERIAL
 from hybridmoe.kernels.numba_cache import cached_njit
 from hybridmoe.kernels.numba_dense import dense_parallel, dense_route, dense_serial
+from hybridmoe.kernels.numba_dense_q8 import dense_q8_parallel, dense_q8_serial
 from hybridmoe.kernels.numba_glue import norm_rotary_rows, norm_rows, widen_bf16
 from hybridmoe.kernels.numba_moe import moe_parallel
 from hybridmoe.kernels.numba_moe_q8 import kernel_sources, moe_q8_parallel
@@ -52,6 +54,7 @@ TIE = -2
 _SOURCES = (
     __file__,
     numba_dense.__file__,
+    numba_dense_q8.__file__,
     dense_ir.__file__,
     numba_glue.__file__,
     numba_attention.__file__,
@@ -70,12 +73,14 @@ def block_kernel(
     o_fmt: str,
     route_fmt: str | None = None,
     experts: tuple[str, str, bool] | None = None,
+    q8: tuple[bool, bool] = (False, False),
 ) -> Dispatcher:
     """The attention block's entry for q/k/v weights in format `qkv_fmt` and o's in `o_fmt`
     (names), with `route_fmt` a router's gate in that format routed after the post-attention
     norm, and with `experts` = (gate/up format, down format, q8 activations) the routed
-    experts of a bank of those computed after the routing; made on first use."""
-    key = (qkv_fmt, o_fmt, route_fmt, experts)
+    experts of a bank of those computed after the routing; `q8`: whether q/k/v's and o's
+    projections take q8 activations (numba_dense_q8's kernel); made on first use."""
+    key = (qkv_fmt, o_fmt, route_fmt, experts, q8)
     with _LOCK:
         if key not in _BLOCKS:
             previous, numba.config.CACHE_DIR = numba.config.CACHE_DIR, _CACHE_DIR
@@ -83,20 +88,21 @@ def block_kernel(
                 kernels = (WEIGHT_FORMATS[qkv_fmt].kernel, WEIGHT_FORMATS[o_fmt].kernel)
                 route = None if route_fmt is None else WEIGHT_FORMATS[route_fmt].kernel
                 if experts is not None:
-                    gate_up, down, q8 = experts
+                    gate_up, down, experts_q8 = experts
                     pair = WEIGHT_FORMATS[gate_up].kernel, WEIGHT_FORMATS[down].kernel
-                    experts = (*pair, q8)
-                _BLOCKS[key] = _block_entry(*kernels, route, experts)
+                    experts = (*pair, experts_q8)
+                _BLOCKS[key] = _block_entry(*kernels, route, experts, q8)
             finally:
                 numba.config.CACHE_DIR = previous
         return _BLOCKS[key]
 
 
-def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None):
+def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None, q8=(False, False)):
     """The block for these two KernelFormats (and a router's gate in `route_kernel`, None:
     none; and with `experts` = (gate/up KernelFormat, down KernelFormat, q8 activations) the
     routed experts, numba_moe.moe_parallel's or numba_moe_q8.moe_q8_parallel's call, after
-    a route_kernel block's routing). Arguments:
+    a route_kernel block's routing; `q8` (q/k/v's, o's): the projection by numba_dense_q8's
+    kernel, the same arguments). Arguments:
     x, x_bf16: the normed input [tokens * hidden] (float32, or bfloat16 bits; the other empty),
     qkv, qkv_bf16: the q/k/v projection's output [tokens * (heads + 2 kv_heads) * D], written,
     att, att_bf16: the attention's output [tokens * heads * D], written,
@@ -134,6 +140,7 @@ def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None):
     routes = route_kernel is not None
     gate_kernel = qkv_kernel if route_kernel is None else route_kernel  # compiled, not run
     computes_experts = experts is not None
+    qkv_q8, o_q8 = q8
     gate_up_kernel, down_kernel, q8 = (
         (qkv_kernel, qkv_kernel, False) if experts is None else experts
     )
@@ -153,7 +160,17 @@ def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None):
         if pre:  # the input norm (with the residual add before it) writes x
             h = np.int64(x_bf16.ctypes.data if bf16 else x.ctypes.data)
             norm_rows(stream, previous, in_scale, summed, h, tokens, hidden, eps, in_flags)
-        if qkv_par:
+        if qkv_q8 and qkv_par:
+            dense_q8_parallel(
+                qkv_kernel, qkv_w, qkv_row_bytes, hidden, width, x, x_bf16, tokens, qkv_bias,
+                qkv, qkv_bf16, qkv_items,
+            )  # fmt: skip
+        elif qkv_q8:
+            dense_q8_serial(
+                qkv_kernel, qkv_w, qkv_row_bytes, hidden, width, x, x_bf16, tokens, qkv_bias,
+                qkv, qkv_bf16, qkv_items,
+            )  # fmt: skip
+        elif qkv_par:
             dense_parallel(
                 qkv_kernel, qkv_w, qkv_row_bytes, hidden, width, x, x_bf16, tokens, qkv_bias,
                 qkv, qkv_bf16, qkv_items,
@@ -188,7 +205,17 @@ def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None):
             DECODE_ATTENTION(step, kc, vc, dims, rows, pos, ring, window, scale)
         else:
             DECODE_ATTENTION_SERIAL(step, kc, vc, dims, rows, pos, ring, window, scale)
-        if o_par:
+        if o_q8 and o_par:
+            dense_q8_parallel(
+                o_kernel, o_w, o_row_bytes, heads * dim, hidden, att, att_bf16, tokens, o_bias,
+                y, y_bf16, o_items,
+            )  # fmt: skip
+        elif o_q8:
+            dense_q8_serial(
+                o_kernel, o_w, o_row_bytes, heads * dim, hidden, att, att_bf16, tokens, o_bias,
+                y, y_bf16, o_items,
+            )  # fmt: skip
+        elif o_par:
             dense_parallel(
                 o_kernel, o_w, o_row_bytes, heads * dim, hidden, att, att_bf16, tokens, o_bias,
                 y, y_bf16, o_items,
@@ -229,7 +256,10 @@ def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None):
                     )  # fmt: skip
         return DONE
 
-    name = f"attention_block_{qkv_kernel.name}_{o_kernel.name}"
+    name = "attention_block_" + "_".join(
+        ("q8_" if quant else "") + kernel.name
+        for kernel, quant in zip((qkv_kernel, o_kernel), (qkv_q8, o_q8), strict=True)
+    )
     if routes:
         name += f"_route_{route_kernel.name}"
     if computes_experts:

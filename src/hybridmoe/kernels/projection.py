@@ -5,7 +5,10 @@ On the CPU a decode step's few tokens (at most DECODE_MAX_TOKENS) go through the
 long prefill, an accelerator) through torch (kernels/torch_dense.py). Both follow one
 contract (float32 sums of the exact weights, the bias in float32, one rounding), so which one
 ran moves a value only where float32 summation order tips a rounding; and every decode target
-of a CPU machine shares these projections. stack_rows makes several projections of one input
+of a CPU machine shares these projections. A projection with q8 activations
+(set_activation_quant: a format with integer dot products) follows quant/activation_q8.py's
+contract instead, by its numba kernel (kernels/numba_dense_q8.py) for any number of tokens on
+the CPU and torch's reference elsewhere. stack_rows makes several projections of one input
 (a layer's q, k and v) one weight of concatenated rows: one call, one pass.
 """
 
@@ -41,12 +44,25 @@ class DenseProjection:
         self.in_features = weight.shape[-1] if in_features is None else in_features
         self.out_features = weight.shape[0]
         self._host = None  # numba_dense.DenseCall for the CPU kernel, made on first use
+        # "q8": each dot product by activation_q8's contract (set_activation_quant)
+        self.activation_quant = "none"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
         if self.uses_kernel(x):
             return self.kernel(x)
-        return dense_linear_torch(x, self.weight, self.fmt, self.bias)
+        return dense_linear_torch(x, self.weight, self.fmt, self.bias, self.activation_quant)
+
+    def set_activation_quant(self, activation_quant: str) -> None:
+        """Compute with q8 activations from now on where `activation_quant` is "auto" or "q8"
+        and the format has integer dot products (q8_0, q4_0, the k-quants: as llama.cpp
+        computes its quantised matmuls; quant/activation_q8.py), else with float activations
+        ("none", or a float format)."""
+        if activation_quant not in ("auto", "none", "q8"):
+            raise ValueError(f"activation_quant must be auto, none or q8, got {activation_quant!r}")
+        chosen = "none" if activation_quant == "none" or not self.fmt.has_integer_dots else "q8"
+        if chosen != self.activation_quant:
+            self.activation_quant, self._host = chosen, None
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """__call__(x) by the CPU kernel, for an x that uses_kernel accepts (the caller checked:
@@ -78,10 +94,13 @@ class DenseProjection:
         return self.bias is None and self.uses_kernel(x)
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
-        """Whether __call__(x) runs the CPU kernel (else torch)."""
+        """Whether __call__(x) runs the CPU kernel (else torch): a decode step's few tokens, or
+        any number with q8 activations (torch has no integer GEMM: its reference is a slow
+        einsum)."""
         tokens = x.numel() // max(1, x.shape[-1])
         on_cpu = x.is_cpu and self.weight.is_cpu
-        return on_cpu and tokens <= DECODE_MAX_TOKENS and env.dense_kernel()
+        few = tokens <= DECODE_MAX_TOKENS or self.activation_quant == "q8"
+        return on_cpu and few and env.dense_kernel()
 
     def _prepare(self):
         """The CPU kernel's call of this weight (its byte view, the float32 bias, the sizes),
@@ -91,17 +110,22 @@ class DenseProjection:
         bias_f32 = None if self.bias is None else self.bias.float().contiguous().numpy()
         w_bytes = numba_dense.weight_bytes(self.weight)
         self._host = numba_dense.DenseCall(
-            self.fmt, w_bytes, self.out_features, self.in_features, bias_f32
-        )
+            self.fmt, w_bytes, self.out_features, self.in_features, bias_f32,
+            activation_quant=self.activation_quant,
+        )  # fmt: skip
         return self._host
 
-    def quantize(self, fmt: WeightFormat) -> None:
+    def quantize(self, fmt: WeightFormat, dtype: torch.dtype | None = None) -> None:
         """Store the weight in `fmt` from now on (quantised by fmt.quantize from the stored
-        values); the bias stays. ValueError (naming the shape) if a row is not whole blocks."""
-        if self.fmt.is_quantized:
-            raise ValueError(f"a {self.fmt.name} projection is quantised already")
+        values; a quantised weight's (a GGUF file's) dequantised to `dtype` first, float32 if
+        None, as the file's loader would have read it); the bias stays. ValueError (naming the
+        shape) if a row is not whole blocks."""
         fmt.check_row_length(self.in_features, f"a {tuple(self.weight.shape)} projection")
-        self.weight, self.fmt, self._host = fmt.quantize(self.weight), fmt, None
+        weight = self.weight
+        if self.fmt.is_quantized:
+            weight = self.fmt.dequantize(weight, dtype or torch.float32)
+        self.weight, self.fmt, self._host = fmt.quantize(weight), fmt, None
+        self.activation_quant = "none"  # set again for the new format (set_activation_quant)
 
     def to(self, device: torch.device) -> None:
         self.weight = self.weight.to(device)
@@ -122,28 +146,45 @@ def stack_rows(parts: Sequence[DenseProjection]) -> DenseProjection:
     in_features and device and all have a bias or none (ValueError naming what differs).
     Weights stored back to back in one storage (a GGUF's q, k and v: loader/gguf.py) are
     stacked as the view spanning them (adjacent_rows), not copied."""
-    fmt, n, device = parts[0].fmt, parts[0].in_features, parts[0].weight.device
-    for part in parts:
-        if part.fmt != fmt or part.in_features != n or part.weight.device != device:
-            raise ValueError(
-                f"stack_rows: a {part.fmt.name} [{part.out_features}, {part.in_features}] "
-                f"projection on {part.weight.device} beside a {fmt.name} [.., {n}] one on "
-                f"{device}"
-            )
-    biased = {part.bias is not None for part in parts}
-    if len(biased) != 1:
-        raise ValueError("stack_rows: some projections have a bias and some do not")
+    mismatch = _stack_mismatch(parts)
+    if mismatch is not None:
+        raise ValueError(f"stack_rows: {mismatch}")
+    fmt, n, biased = parts[0].fmt, parts[0].in_features, parts[0].bias is not None
     weight = adjacent_rows([part.weight for part in parts])  # [sum of out, row]
     if weight is None:
         weight = torch.cat([part.weight for part in parts])
-    bias = torch.cat([part.bias for part in parts]) if biased == {True} else None
+    bias = torch.cat([part.bias for part in parts]) if biased else None
     first = 0
     for part in parts:
         rows = slice(first, first + part.out_features)
         part.weight, part._host = weight[rows], None
         part.bias = None if bias is None else bias[rows]
         first += part.out_features
-    return DenseProjection(weight, bias, fmt, n)
+    stacked = DenseProjection(weight, bias, fmt, n)
+    stacked.activation_quant = parts[0].activation_quant
+    return stacked
+
+
+def stackable(parts: Sequence[DenseProjection]) -> bool:
+    """Whether stack_rows takes `parts` (a GGUF file may store a layer's q, k and v in
+    different types: a Q4_K_M file's v in Q6_K beside Q4_K q and k)."""
+    return _stack_mismatch(parts) is None
+
+
+def _stack_mismatch(parts: Sequence[DenseProjection]) -> str | None:
+    """What keeps `parts` from one stacked weight, or None."""
+    fmt, n, device = parts[0].fmt, parts[0].in_features, parts[0].weight.device
+    for part in parts:
+        if part.fmt != fmt or part.in_features != n or part.weight.device != device:
+            return (
+                f"a {part.fmt.name} [{part.out_features}, {part.in_features}] projection on "
+                f"{part.weight.device} beside a {fmt.name} [.., {n}] one on {device}"
+            )
+    if len({part.bias is not None for part in parts}) != 1:
+        return "some projections have a bias and some do not"
+    if len({part.activation_quant for part in parts}) != 1:
+        return "some projections have q8 activations and some do not"
+    return None
 
 
 def adjacent_rows(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:

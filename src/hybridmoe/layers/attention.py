@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe.kernels import attention_block, glue
+from hybridmoe.kernels.projection import stackable
 from hybridmoe.layers.batch import ForwardBatch
 from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.norm import rms_norm
@@ -165,12 +166,14 @@ class GroupedQueryAttention:
         routed experts' with `experts` (decode_residual_block)."""
         if not self.q_proj.uses_kernel(x) or batch.kv is None or not batch.is_decode:
             return None
+        stacked = self._stacked_qkv()
+        if stacked is None:  # q, k and v in different formats: the parts' path
+            return None
         cfg = self.cfg
         shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        qkv, o = self._stacked_qkv().stacked, self.o_proj
         return attention_block.decode_block(
-            qkv, o, self.q_norm, self.k_norm, cfg.rms_norm_eps, x, batch, self.layer_idx,
-            self.window, shape, residual, route, experts, self._block_plans,
+            stacked.stacked, self.o_proj, self.q_norm, self.k_norm, cfg.rms_norm_eps, x, batch,
+            self.layer_idx, self.window, shape, residual, route, experts, self._block_plans,
         )  # fmt: skip
 
     def decode_residual_block(
@@ -246,22 +249,30 @@ class GroupedQueryAttention:
         cfg = self.cfg
         B, T, _ = x.shape
         if cfg.qk_norm != "full" and cfg.clip_qkv is None and self.q_proj.uses_kernel(x):
-            return self._stacked_qkv().heads(x, cfg.head_dim)  # views of the one kernel call
+            stacked = self._stacked_qkv()
+            if stacked is not None:
+                return stacked.heads(x, cfg.head_dim)  # views of the one kernel call
         q, k, v = self._project(x)  # [B, T, heads * D] each
         q = q.view(B, T, cfg.num_heads, cfg.head_dim)
         k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)
         return q, k, v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
 
-    def _stacked_qkv(self) -> StackedQKV:
+    def _stacked_qkv(self) -> StackedQKV | None:
+        """q, k and v as one projection (made on first use, again when a part changed); None
+        where they cannot stack (projection.stackable: a GGUF's q, k and v in different
+        types), and the parts then run one by one."""
         parts = (self.q_proj, self.k_proj, self.v_proj)
         if self._qkv is None or not self._qkv.holds(parts):
+            if not stackable(parts):
+                return None
             self._qkv = StackedQKV.of(parts)
         return self._qkv
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        if self.q_proj.uses_kernel(x):  # one kernel call for the three: the same bits
-            q, k, v = self._stacked_qkv()(x)
+        stacked = self._stacked_qkv() if self.q_proj.uses_kernel(x) else None
+        if stacked is not None:  # one kernel call for the three: the same bits
+            q, k, v = stacked(x)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if cfg.qk_norm == "full":

@@ -1,5 +1,6 @@
 """Dense projections. Weights stay views into the memory-mapped checkpoint when dtypes agree
-(unless quantised at load: --dense-format)."""
+(unless quantised at load: --dense-format), and a GGUF file's quantised projections stay in
+its types (GgufWeightSource.stored_projection)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,13 @@ class Linear(DenseProjection):
     def load(
         cls, source: WeightSource, name: str, in_features: int, out_features: int, bias: bool
     ) -> Linear:
-        weight = source.get(f"{name}.weight", (out_features, in_features))
-        return cls(weight, source.get(f"{name}.bias", (out_features,)) if bias else None)
+        bias_t = source.get(f"{name}.bias", (out_features,)) if bias else None
+        offer = getattr(source, "stored_projection", None)  # a GGUF file's
+        found = None if offer is None else offer(f"{name}.weight", (out_features, in_features))
+        if found is not None:
+            stored, fmt = found
+            return cls(stored, bias_t, fmt, in_features)
+        return cls(source.get(f"{name}.weight", (out_features, in_features)), bias_t)
 
     def dense_tensors(self) -> list[torch.Tensor]:
         return self.tensors()

@@ -79,9 +79,10 @@ class StackedQKV:
 
     def holds(self, parts: tuple[DenseProjection, ...]) -> bool:
         """Whether `parts` still compute from this stack (quantize() or to() replace a part's
-        weight: then it must be stacked again)."""
+        weight, set_activation_quant its arithmetic: then it must be stacked again)."""
         (q, k, v), w = parts, self.weights  # asked by every layer's decode step: no generator
-        return q.weight is w[0] and k.weight is w[1] and v.weight is w[2]
+        same = q.weight is w[0] and k.weight is w[1] and v.weight is w[2]
+        return same and q.activation_quant == self.stacked.activation_quant
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [..., H] -> each part's [..., out] (views of one output), for an x the parts'

@@ -2,10 +2,12 @@
 
 The family's name map turns a Hugging Face name (`model.layers.3.self_attn.q_proj.weight`)
 into the GGUF one (`blk.3.attn_q.weight`); `get` returns that tensor dequantised to the compute
-dtype (dense weights: attention, norms, embeddings, routers, shared experts), after the
+dtype (dense weights: norms, embeddings, routers, and the projections below), after the
 family's `restore` undoes what llama.cpp's converter changed (the rotary row permutation of
 llama-arch q/k). Routed experts are not dequantised: `merged_experts` hands the layer's three
-merged tensors over in the file's format, as views of the mapping.
+merged tensors over in the file's format, as views of the mapping; nor are quantised dense
+projections (attention, dense MLPs, shared experts, the output head), which
+`stored_projection` hands over the same way where the family restores nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from tqdm import tqdm
 from hybridmoe.errors import CheckpointError
 from hybridmoe.loader.gguf import GgufFile, GgufTensor
 from hybridmoe.loader.weights import MergedExperts, aligned
+from hybridmoe.quant.formats import WEIGHT_FORMATS, WeightFormat
 
 # checkpoint name -> GGUF tensor name, or None where the file has no counterpart for it; or
 # several names, for a checkpoint tensor the converter split into parts along its rows (their
@@ -92,6 +95,30 @@ class GgufWeightSource:
         if self._restore is not None:
             value = self._restore(name, value)
         return aligned(value) if align else value
+
+    def stored_projection(
+        self, name: str, shape: tuple[int, int]
+    ) -> tuple[torch.Tensor, WeightFormat] | None:
+        """Dense projection weight `name` [out, in] as the file stores it, where that is a
+        quantised type of a registered weight format whose blocks divide its rows: (its bytes
+        [out, row bytes], a view of the mapping, the format), marked read. The dense kernels
+        compute from those bytes as `get`'s dequantised values (the same weights), reading a
+        fraction of their bytes. None where `get` is the way: a float type, a tensor split in
+        parts, a family whose `restore` rewrites tensors, a type without a format, a shape
+        `get` would refuse."""
+        if self._restore is not None:
+            return None
+        parts = self._parts(name)
+        if parts is None or len(parts) != 1 or parts[0].type_name in _FLOAT_TYPES:
+            return None
+        tensor, (out, n) = parts[0], shape
+        fmt = WEIGHT_FORMATS.get(tensor.type_name.lower())
+        if fmt is None or not fmt.is_quantized or n % fmt.block_size:
+            return None
+        if tuple(tensor.shape) != (out, n) or tuple(tensor.data.shape) != (out, fmt.row_bytes(n)):
+            return None
+        self._mark_read(tensor)
+        return tensor.data, fmt
 
     def merged_experts(self, prefix: str, names: tuple[str, str, str]) -> MergedExperts | None:
         """The layer's merged expert tensors, asked for as `prefix`.{gate,up,down name}.weight,

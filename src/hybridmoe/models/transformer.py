@@ -143,21 +143,26 @@ class MoeCausalLM:
         ]
         self.norm_kind = NORMS[family.norm]
         self.norm = self.norm_kind.prepare(source.get(f"{prefix}.norm.weight", (cfg.hidden_size,)))
-        self.lm_head = DenseProjection(self._lm_head(cfg, source))  # [V, H]
+        self.lm_head = self._lm_head(cfg, source)  # [V, H]
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
         self.device = torch.device("cpu")
         # every window some layer attends within (None: full attention), for make_batch
         self._windows = frozenset(cfg.layer_window(i) for i in range(cfg.num_layers))
 
-    def _lm_head(self, cfg: ModelConfig, source: WeightSource) -> torch.Tensor:
+    def _lm_head(self, cfg: ModelConfig, source: WeightSource) -> DenseProjection:
         """The output projection [V, H], as transformers picks it: under tie_word_embeddings the
         embeddings, unless the checkpoint stores an lm_head.weight that differs from them
-        (transformers then unties); otherwise lm_head.weight, which must be present."""
-        tied = cfg.tie_word_embeddings
+        (transformers then unties); otherwise lm_head.weight, which must be present (in a
+        GGUF file's quantised type where it has one: stored_projection)."""
+        tied, shape = cfg.tie_word_embeddings, (cfg.vocab_size, cfg.hidden_size)
         if tied and not source.has("lm_head.weight"):
-            return self.embed
-        head = source.get("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
-        return self.embed if tied and torch.equal(head, self.embed) else head
+            return DenseProjection(self.embed)
+        offer = None if tied else getattr(source, "stored_projection", None)
+        found = None if offer is None else offer("lm_head.weight", shape)
+        if found is not None:
+            return DenseProjection(found[0], None, found[1], cfg.hidden_size)
+        head = source.get("lm_head.weight", shape)
+        return DenseProjection(self.embed if tied and torch.equal(head, self.embed) else head)
 
     def to(self, device: torch.device) -> None:
         """Moves every dense weight to `device`: embeddings, attention, norms, dense MLPs,
@@ -182,6 +187,15 @@ class MoeCausalLM:
             found += layer.attn.dense_tensors() + layer.mlp.dense_tensors()
         return sum(t.nbytes for t in {id(t): t for t in found}.values())
 
+    def set_activation_quant(self, activation_quant: str) -> None:
+        """The dense projections' arithmetic (DenseProjection.set_activation_quant: "auto" and
+        "q8" take q8 activations wherever a projection's format has integer dot products, as
+        the routed experts do under the same --activation-quant; routers stay float)."""
+        for layer in self.layers:
+            for projection in layer.projections():
+                projection.set_activation_quant(activation_quant)
+        self.lm_head.set_activation_quant(activation_quant)
+
     def quantize_dense(self, fmt: WeightFormat, head_fmt: WeightFormat) -> None:
         """Store the dense projections in `fmt` (attention, dense MLPs, shared experts) and the
         output head in `head_fmt`, quantised from the loaded values (call before to()). Norms,
@@ -189,9 +203,10 @@ class MoeCausalLM:
         own quantised copy; the embeddings stay. ValueError if a row is not whole blocks."""
         for layer in self.layers:
             for projection in layer.projections():
-                projection.quantize(fmt)
-        self.lm_head = DenseProjection(self.lm_head.weight)  # never shares a tied head's object
-        self.lm_head.quantize(head_fmt)
+                projection.quantize(fmt, self.dtype)
+        head = self.lm_head  # never shares a tied head's object
+        self.lm_head = DenseProjection(head.weight, None, head.fmt, head.in_features)
+        self.lm_head.quantize(head_fmt, self.dtype)
 
     @property
     def moe_layers(self) -> list[OffloadMoELayer]:

@@ -62,8 +62,9 @@ class OffloadConfig:
     # how expert projections take their input: "q8" (activations quantised per 32-block for
     # q8_0/q4_0, per 256-block for q2_k ... q6_k, integer dot products: quant/activation_q8.py,
     # llama.cpp's arithmetic), "none" (float32 activations, dequantised weights), or "auto"
-    # (q8 for a layer whose experts all have integer dots, else none); on every decode target
-    # and in prefill alike
+    # (q8 for a layer whose experts all have integer dots, else none; the dense projections
+    # take it too, each by its own format: MoeCausalLM.set_activation_quant); on every decode
+    # target and in prefill alike
     activation_quant: str = "auto"
 
     def __post_init__(self) -> None:

@@ -1,0 +1,174 @@
+"""GGUFs whose dense projections are quantised, as downloaded files store them: a Q4_K_M-like
+file (attention q, k and o in Q4_K, v in Q6_K, the output head in Q6_K) and a Q8_0 one. Each
+projection loads in the file's type (GgufWeightSource.stored_projection: the file's bytes, not
+a dequantised copy), q, k and v of different types run one by one where equal ones run as one
+stacked call, and the model gives transformers' greedy tokens (float32, on the dequantised
+float model the file stands for) on every decode target, one set of tokens on every target in
+bfloat16, and --dense-format q8_0 re-quantises them from the values they stand for."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from gguf_checkpoints import write_encoded_checkpoint, write_gguf
+from hf_checkpoints import PROMPT_IDS, hf_greedy, hf_logits, top2_gap, write_custom_checkpoint
+from hybridmoe.engine import Engine, EngineConfig, SamplingParams
+from hybridmoe.models.loading import load_model
+from hybridmoe.moe.backends import DECODE_TARGETS
+from hybridmoe.moe.config import OffloadConfig
+from hybridmoe.quant.formats import weight_format
+from random_weights import random_stored
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+N_GREEDY = 10
+GREEDY = SamplingParams(max_tokens=N_GREEDY, temperature=0.0, ignore_eos=True)
+# per file: the ggml type of each attention projection and of the output head
+FILE_TYPES = {
+    "q4_k_m": {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q4_K",
+               "lm_head": "Q6_K"},
+    "q8_0": {"q_proj": "Q8_0", "k_proj": "Q8_0", "v_proj": "Q8_0", "o_proj": "Q8_0",
+             "lm_head": "Q8_0"},
+}  # fmt: skip
+# rows of whole k-quant super-blocks (256 weights): hidden and q width 256
+WIDE_QWEN3 = dict(
+    hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+    intermediate_size=128, norm_topk_prob=True, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def dense_encoder(types: dict[str, str]):
+    """A DenseEncoder storing the attention projections and the head in `types`: Q8_0 by
+    gguf's quantiser, the k-quants (no quantiser) as seeded random blocks of about the float
+    model's scale (std ~0.06, its 1 / sqrt(256))."""
+
+    def encode(base: str, value: np.ndarray) -> tuple[np.ndarray, QType] | None:
+        type_name = types.get(base.rsplit(".", 1)[-1])
+        if type_name is None:
+            return None
+        if type_name == "Q8_0":
+            return gguf.quants.quantize(value, QType.Q8_0), QType.Q8_0
+        gen = torch.Generator().manual_seed(zlib.crc32(base.encode()))
+        return random_stored(weight_format(type_name.lower()), value.shape, gen, 0.25).numpy(), (
+            QType[type_name]
+        )
+
+    return encode
+
+
+@pytest.fixture(scope="module", params=list(FILE_TYPES))
+def quantised(request, tmp_path_factory: pytest.TempPathFactory):
+    """(the GGUF, transformers' greedy tokens and logits on the float model it stands for, the
+    float checkpoint's directory, its types)."""
+    types = FILE_TYPES[request.param]
+    root = tmp_path_factory.mktemp(f"gguf-dense-{request.param}")
+    hf_dir = write_custom_checkpoint("qwen3_moe", WIDE_QWEN3, root / "hf", seed=0)
+    encoder = dense_encoder(types)
+    float_dir = write_encoded_checkpoint(hf_dir, root / "float", lambda *a: _f32(a[2]), encoder)
+    gguf_path = write_gguf(hf_dir, root / "model.gguf", dense=encoder)
+    tokens = hf_greedy(float_dir, PROMPT_IDS, N_GREEDY)
+    logits = hf_logits(float_dir, PROMPT_IDS + tokens[:-1])
+    gaps = top2_gap(logits[len(PROMPT_IDS) - 1 :])
+    assert gaps.min() >= 1e-3, f"near-tie in the reference: {gaps.tolist()}"
+    assert len(set(tokens)) > 1, tokens
+    return gguf_path, tokens, logits, float_dir, types
+
+
+def _f32(stacked: np.ndarray) -> tuple[np.ndarray, QType]:
+    return stacked, QType.F32
+
+
+def test_projections_keep_the_files_types(quantised) -> None:
+    gguf_path, _, _, _, types = quantised
+    model = load_model(gguf_path)
+    for layer in model.layers:
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            projection = getattr(layer.attn, name)
+            fmt = weight_format(types[name].lower())
+            assert projection.fmt == fmt
+            rows = projection.out_features
+            assert projection.weight.shape == (rows, fmt.row_bytes(projection.in_features))
+    assert model.lm_head.fmt == weight_format(types["lm_head"].lower())
+    stacks = {model.layers[0].attn._stacked_qkv() is None}
+    assert stacks == {types["q_proj"] != types["v_proj"]}
+
+
+@pytest.mark.parametrize("target", list(DECODE_TARGETS))
+def test_quantised_dense_greedy_matches_transformers(quantised, target: str) -> None:
+    gguf_path, tokens, reference_logits, _, _ = quantised
+    offload = OffloadConfig(decode_target=target, activation_quant="none")
+    with Engine.from_pretrained(gguf_path, EngineConfig(dtype="float32", offload=offload)) as e:
+        [ours] = e.generate_ids([PROMPT_IDS], GREEDY)
+        logits = e.model.logits(PROMPT_IDS + tokens[:-1])
+    assert ours == tokens
+    torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_quantised_dense_bfloat16_gives_one_set_of_tokens(quantised) -> None:
+    """bfloat16 activations (float ones: q8's are the next test's) on the file's exact
+    weights: every decode target the resident one's tokens, its logits near transformers'
+    float32 ones."""
+    gguf_path, tokens, reference_logits, _, _ = quantised
+
+    def run(target: str) -> tuple[list[int], torch.Tensor]:
+        offload = OffloadConfig(decode_target=target, activation_quant="none")
+        config = EngineConfig(dtype="bfloat16", offload=offload)
+        with Engine.from_pretrained(gguf_path, config) as engine:
+            [ours] = engine.generate_ids([PROMPT_IDS], GREEDY)
+            return ours, engine.model.logits(PROMPT_IDS + tokens[:-1])
+
+    reference, logits = run("resident")
+    scale = reference_logits.abs().max()
+    torch.testing.assert_close(logits, reference_logits, rtol=0, atol=0.05 * scale)
+    for target in DECODE_TARGETS:
+        if target not in ("resident", "auto"):
+            assert run(target)[0] == reference, target
+
+
+def test_default_q8_activations_give_one_set_of_tokens(quantised) -> None:
+    """With no flags (activation_quant auto) every quantised projection computes by the q8
+    contract (numba_dense_q8's kernel, one CPU call for any number of tokens; the attention
+    block's too): every decode target gives the resident one's tokens, and the logits stay
+    within q8's error of transformers' float ones."""
+    gguf_path, tokens, reference_logits, _, _ = quantised
+
+    def run(target: str) -> tuple[list[int], torch.Tensor]:
+        config = EngineConfig(dtype="float32", offload=OffloadConfig(decode_target=target))
+        with Engine.from_pretrained(gguf_path, config) as engine:
+            model = engine.model
+            projections = [p for layer in model.layers for p in layer.projections()]
+            assert {p.activation_quant for p in [*projections, model.lm_head]} == {"q8"}
+            [ours] = engine.generate_ids([PROMPT_IDS], GREEDY)
+            return ours, model.logits(PROMPT_IDS + tokens[:-1])
+
+    reference, logits = run("resident")
+    scale = reference_logits.abs().max()
+    assert not torch.equal(logits, reference_logits)
+    torch.testing.assert_close(logits, reference_logits, rtol=0, atol=0.05 * scale)
+    for target in DECODE_TARGETS:
+        if target not in ("resident", "auto"):
+            assert run(target)[0] == reference, target
+
+
+def test_dense_format_q8_0_requantises_the_values_the_file_stands_for(quantised) -> None:
+    """--dense-format q8_0 on the GGUF gives the tokens it gives on the float checkpoint the
+    file stands for (both quantise the same float32 values)."""
+    gguf_path, _, _, float_dir, _ = quantised
+
+    def run(path) -> list[int]:
+        config = EngineConfig(dtype="float32", dense_format="q8_0")
+        with Engine.from_pretrained(path, config) as engine:
+            layer = engine.model.layers[0].attn
+            assert layer.q_proj.fmt.name == "q8_0" and layer.v_proj.fmt.name == "q8_0"
+            assert engine.model.lm_head.fmt.name == "q8_0"
+            return engine.generate_ids([PROMPT_IDS], GREEDY)[0]
+
+    assert run(gguf_path) == run(float_dir)

@@ -54,11 +54,12 @@ def _quantize(name: str) -> None:
     ExpertBank(gate_up, down).converted(weight_format(name))
 
 
-def _dense(name: str) -> None:
+def _dense(name: str, activation_quant: str = "none") -> None:
     fmt = weight_format(name)
     cols = whole_blocks(64, name)
     stored = random_stored(fmt, (8, cols), torch.Generator().manual_seed(0))
-    dense_linear(fmt, weight_bytes(stored), 8, torch.ones(1, cols))
+    x = torch.ones(1, cols)
+    dense_linear(fmt, weight_bytes(stored), 8, x, activation_quant=activation_quant)
 
 
 def _attention(dtype: torch.dtype, threads: int) -> None:
@@ -107,6 +108,8 @@ def jobs() -> list[tuple]:
     out += [(_fused, name, "q8") for name in q8]
     out += [(_fused_q8_pair, *pair) for pair in Q8_PAIRS]
     out += [(_dense, name) for name in DENSE_FORMATS if name in WEIGHT_FORMATS]
+    # the q8 kernel (the default for these formats' projections: --activation-quant auto)
+    out += [(_dense, name, "q8") for name in ("q8_0", "q4_0", "q4_k")]
     out += [(_quantize, n) for n, f in WEIGHT_FORMATS.items() if f.is_quantized and f.can_quantize]
     out += [
         (_attention, dtype, threads)

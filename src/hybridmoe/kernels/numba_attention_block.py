@@ -15,9 +15,6 @@ the sources it calls.
 
 from __future__ import annotations
 
-import threading
-
-import numba
 import numpy as np
 from numba.core.dispatcher import Dispatcher
 
@@ -33,7 +30,7 @@ from hybridmoe.kernels import (
     softmax_ir,
 )
 from hybridmoe.kernels.numba_attention import DECODE_ATTENTION, DECODE_ATTENTION_SERIAL
-from hybridmoe.kernels.numba_cache import cached_njit
+from hybridmoe.kernels.numba_cache import EntryCache, cached_njit
 from hybridmoe.kernels.numba_dense import dense_parallel, dense_route, dense_serial
 from hybridmoe.kernels.numba_dense_q8 import dense_q8_parallel, dense_q8_serial
 from hybridmoe.kernels.numba_glue import norm_rotary_rows, norm_rows, widen_bf16
@@ -63,9 +60,7 @@ _SOURCES = (
     llvm_ir.__file__,
     *kernel_sources(),
 )
-_CACHE_DIR = str(env.kernel_cache_dir(*_SOURCES))
-_LOCK = threading.Lock()
-_BLOCKS: dict[tuple, Dispatcher] = {}
+_BLOCKS = EntryCache(str(env.kernel_cache_dir(*_SOURCES)))
 
 
 def block_kernel(
@@ -80,21 +75,14 @@ def block_kernel(
     norm, and with `experts` = (gate/up format, down format, q8 activations) the routed
     experts of a bank of those computed after the routing; `q8`: whether q/k/v's and o's
     projections take q8 activations (numba_dense_q8's kernel); made on first use."""
+    kernels = (WEIGHT_FORMATS[qkv_fmt].kernel, WEIGHT_FORMATS[o_fmt].kernel)
+    route = None if route_fmt is None else WEIGHT_FORMATS[route_fmt].kernel
+    pair = None
+    if experts is not None:
+        gate_up, down, experts_q8 = experts
+        pair = (WEIGHT_FORMATS[gate_up].kernel, WEIGHT_FORMATS[down].kernel, experts_q8)
     key = (qkv_fmt, o_fmt, route_fmt, experts, q8)
-    with _LOCK:
-        if key not in _BLOCKS:
-            previous, numba.config.CACHE_DIR = numba.config.CACHE_DIR, _CACHE_DIR
-            try:  # numba picks the cache directory when a function is decorated
-                kernels = (WEIGHT_FORMATS[qkv_fmt].kernel, WEIGHT_FORMATS[o_fmt].kernel)
-                route = None if route_fmt is None else WEIGHT_FORMATS[route_fmt].kernel
-                if experts is not None:
-                    gate_up, down, experts_q8 = experts
-                    pair = WEIGHT_FORMATS[gate_up].kernel, WEIGHT_FORMATS[down].kernel
-                    experts = (*pair, experts_q8)
-                _BLOCKS[key] = _block_entry(*kernels, route, experts, q8)
-            finally:
-                numba.config.CACHE_DIR = previous
-        return _BLOCKS[key]
+    return _BLOCKS.get(key, lambda: _block_entry(*kernels, route, pair, q8))
 
 
 def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None, q8=(False, False)):

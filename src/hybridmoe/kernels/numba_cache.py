@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections.abc import Callable, Hashable
 
 import numba
 from numba.core.caching import FunctionCache
@@ -54,3 +56,24 @@ def cached_njit(**options):
         return rebuild_damaged(numba.njit(cache=True, **options)(fn))
 
     return decorate
+
+
+class EntryCache:
+    """Kernel entry points made on first use (one per format or pair of formats: numba compiles
+    only what a model uses), each decorated while numba.config.CACHE_DIR is `cache_dir` (numba
+    picks a function's cache directory when it is decorated), under one lock."""
+
+    def __init__(self, cache_dir: str):
+        self._cache_dir, self._lock = cache_dir, threading.Lock()
+        self._entries: dict[Hashable, Dispatcher] = {}
+
+    def get(self, key: Hashable, make: Callable[[], Dispatcher]) -> Dispatcher:
+        """The entry of `key`, make() on its first request."""
+        with self._lock:
+            if key not in self._entries:
+                previous, numba.config.CACHE_DIR = numba.config.CACHE_DIR, self._cache_dir
+                try:
+                    self._entries[key] = make()
+                finally:
+                    numba.config.CACHE_DIR = previous
+            return self._entries[key]

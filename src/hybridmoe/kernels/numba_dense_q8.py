@@ -13,8 +13,6 @@ format, cached on disk as numba_dense's.
 
 from __future__ import annotations
 
-import threading
-
 import numba
 import numpy as np
 from numba import prange
@@ -22,7 +20,7 @@ from numba.core.dispatcher import Dispatcher
 
 from hybridmoe import env
 from hybridmoe.kernels import dense_ir, numba_dense, numba_glue, numba_moe_q8
-from hybridmoe.kernels.numba_cache import cached_njit
+from hybridmoe.kernels.numba_cache import EntryCache, cached_njit
 from hybridmoe.kernels.numba_moe import chunk_size, set_chunk_size
 from hybridmoe.kernels.numba_moe_q8 import _quantized, _tile
 from hybridmoe.quant.formats import WEIGHT_FORMATS
@@ -118,26 +116,16 @@ def _entry(kernel, parallel: bool):
     return cached_njit(**_FLAGS)(dense_q8)
 
 
-_CACHE_DIR = numba.config.CACHE_DIR
-_LOCK = threading.Lock()
-_ENTRIES: dict[tuple[str, bool], Dispatcher] = {}
+_ENTRIES = EntryCache(numba.config.CACHE_DIR)
 
 
 def dense_q8_kernel(fmt_name: str, parallel: bool) -> Dispatcher:
     """The entry point for a format with integer dot products, made on first use; ValueError
     for another."""
-    key = (fmt_name, parallel)
-    with _LOCK:
-        if key not in _ENTRIES:
-            kernel = WEIGHT_FORMATS[fmt_name].kernel
-            if kernel.int8_block_ir is None and kernel.superblock_ints_ir is None:
-                raise ValueError(f"q8 activations need an integer-dot format, got {fmt_name}")
-            previous, numba.config.CACHE_DIR = numba.config.CACHE_DIR, _CACHE_DIR
-            try:  # numba picks the cache directory when a function is decorated
-                _ENTRIES[key] = _entry(kernel, parallel)
-            finally:
-                numba.config.CACHE_DIR = previous
-        return _ENTRIES[key]
+    kernel = WEIGHT_FORMATS[fmt_name].kernel
+    if kernel.int8_block_ir is None and kernel.superblock_ints_ir is None:
+        raise ValueError(f"q8 activations need an integer-dot format, got {fmt_name}")
+    return _ENTRIES.get((fmt_name, parallel), lambda: _entry(kernel, parallel))
 
 
 numba.config.CACHE_DIR = _previous_cache_dir  # every cached function above is decorated

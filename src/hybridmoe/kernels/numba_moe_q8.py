@@ -13,7 +13,6 @@ here; its entry points are made on first use per format pair, cached on disk as 
 from __future__ import annotations
 
 import inspect
-import threading
 
 import numba
 import numpy as np
@@ -23,7 +22,7 @@ from numba.core.dispatcher import Dispatcher
 from hybridmoe import env
 from hybridmoe.kernels import numba_moe as nm
 from hybridmoe.kernels import numba_simd_q8
-from hybridmoe.kernels.numba_cache import cached_njit
+from hybridmoe.kernels.numba_cache import EntryCache, cached_njit
 from hybridmoe.kernels.numba_simd import prefetch_rows
 from hybridmoe.kernels.numba_simd_q8 import tile_dot_q8
 from hybridmoe.quant import activation_q8
@@ -398,26 +397,17 @@ def _entry(kernel: KernelFormat, down_kernel: KernelFormat):
     return cached_njit(**_FLAGS)(fused_moe_q8)
 
 
-_CACHE_DIR = numba.config.CACHE_DIR
-_LOCK = threading.Lock()
-_ENTRIES: dict[tuple[str, str], Dispatcher] = {}
+_ENTRIES = EntryCache(numba.config.CACHE_DIR)
 
 
 def fused_moe_q8_kernel(gate_up_fmt: str, down_fmt: str) -> Dispatcher:
     """The entry point for the pair of format names (both with integer dot products), made on
     first use."""
     key = (gate_up_fmt, down_fmt)
-    with _LOCK:
-        if key not in _ENTRIES:
-            kernels = [WEIGHT_FORMATS[name].kernel for name in key]
-            if any(k.int8_block_ir is None and k.superblock_ints_ir is None for k in kernels):
-                raise ValueError(f"q8 activations need integer-dot formats, got {key}")
-            previous, numba.config.CACHE_DIR = numba.config.CACHE_DIR, _CACHE_DIR
-            try:  # numba picks the cache directory when a function is decorated
-                _ENTRIES[key] = _entry(*kernels)
-            finally:
-                numba.config.CACHE_DIR = previous
-        return _ENTRIES[key]
+    kernels = [WEIGHT_FORMATS[name].kernel for name in key]
+    if any(k.int8_block_ir is None and k.superblock_ints_ir is None for k in kernels):
+        raise ValueError(f"q8 activations need integer-dot formats, got {key}")
+    return _ENTRIES.get(key, lambda: _entry(*kernels))
 
 
 numba.config.CACHE_DIR = _previous_cache_dir  # every cached function above is decorated

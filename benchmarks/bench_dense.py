@@ -36,7 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.kernels import numba_dense
+from hybridmoe.kernels import numba_dense, numba_dense_q8
 from hybridmoe.quant.formats import weight_format
 from hybridmoe.quant.random_blocks import random_stored
 
@@ -138,9 +138,7 @@ def compare(label, shape, fmt_name, tokens, threads, args, dram, baseline) -> No
     }
     if fmt.has_integer_dots:  # the q8 contract's kernel (--activation-quant q8)
         calls["q8"] = (
-            lambda wb: numba_dense.dense_linear(
-                fmt, wb, rows, x, threads=threads, activation_quant="q8"
-            ),
+            lambda wb: numba_dense_q8.dense_linear_q8(fmt, wb, rows, x, threads=threads),
             copies,
         )
     calls["torch"] = (lambda wt: F.linear(x_torch, wt), torch_copies)

@@ -59,7 +59,12 @@ def _dense(name: str, activation_quant: str = "none") -> None:
     cols = whole_blocks(64, name)
     stored = random_stored(fmt, (8, cols), torch.Generator().manual_seed(0))
     x = torch.ones(1, cols)
-    dense_linear(fmt, weight_bytes(stored), 8, x, activation_quant=activation_quant)
+    if activation_quant == "q8":
+        from hybridmoe.kernels.numba_dense_q8 import dense_linear_q8
+
+        dense_linear_q8(fmt, weight_bytes(stored), 8, x)
+    else:
+        dense_linear(fmt, weight_bytes(stored), 8, x)
 
 
 def _attention(dtype: torch.dtype, threads: int) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hybridmoe.kernels import numba_dense
+from hybridmoe.kernels.numba_dense_q8 import dense_linear_q8
 from hybridmoe.kernels.projection import DenseProjection
 from hybridmoe.kernels.torch_dense import dense_linear_torch
 from hybridmoe.quant.formats import WEIGHT_FORMATS, weight_format
@@ -44,10 +45,7 @@ def test_kernel_computes_the_reference(name: str, dtype: torch.dtype) -> None:
         for b in (None, bias):
             expected = dense_linear_torch(x, stored, fmt, b, activation_quant="q8")
             b32 = None if b is None else b.float().numpy()
-            outs = [
-                numba_dense.dense_linear(fmt, w_bytes, ROWS, x, b32, t, activation_quant="q8")
-                for t in (1, 2)
-            ]
+            outs = [dense_linear_q8(fmt, w_bytes, ROWS, x, b32, t) for t in (1, 2)]
             assert outs[0].dtype is dtype and outs[0].shape == (tokens, ROWS)
             assert torch.equal(outs[0], outs[1]), (tokens, "1 vs 2 threads")
             _close(outs[0], expected)
@@ -57,7 +55,7 @@ def test_q8_differs_from_float_activations_by_the_quantisation() -> None:
     stored, fmt = _weight("q4_k"), weight_format("q4_k")
     x = torch.randn(3, N, generator=torch.Generator().manual_seed(5))
     w_bytes = numba_dense.weight_bytes(stored)
-    q8 = numba_dense.dense_linear(fmt, w_bytes, ROWS, x, activation_quant="q8")
+    q8 = dense_linear_q8(fmt, w_bytes, ROWS, x)
     floats = numba_dense.dense_linear(fmt, w_bytes, ROWS, x)
     assert not torch.equal(q8, floats)
     torch.testing.assert_close(q8, floats, rtol=0, atol=0.03 * floats.abs().max().item())
@@ -90,14 +88,10 @@ def test_float_formats_have_no_q8_kernel() -> None:
     w_bytes = numba_dense.weight_bytes(torch.randn(ROWS, N).bfloat16())
     x = torch.randn(1, N).bfloat16()
     with pytest.raises(ValueError, match="integer-dot format, got bf16"):
-        numba_dense.dense_linear(weight_format("bf16"), w_bytes, ROWS, x, activation_quant="q8")
-    with pytest.raises(ValueError, match="activation_quant 'q4': none or q8"):
-        numba_dense.dense_linear(weight_format("bf16"), w_bytes, ROWS, x, activation_quant="q4")
+        dense_linear_q8(weight_format("bf16"), w_bytes, ROWS, x)
 
 
 def test_empty_batch() -> None:
     stored, fmt = _weight("q8_0"), weight_format("q8_0")
-    out = numba_dense.dense_linear(
-        fmt, numba_dense.weight_bytes(stored), ROWS, torch.empty(0, N), activation_quant="q8"
-    )
+    out = dense_linear_q8(fmt, numba_dense.weight_bytes(stored), ROWS, torch.empty(0, N))
     assert out.shape == (0, ROWS) and np.isfinite(out.numpy()).all()

@@ -266,19 +266,16 @@ def dense_linear(
     x: torch.Tensor,
     bias_f32: np.ndarray | None = None,
     threads: int | None = None,
-    activation_quant: str = "none",
 ) -> torch.Tensor:
     """Host x [..., n] (float32 or bfloat16) -> new [..., out_features] in x's dtype: x W^T + b
-    by the contract above (`activation_quant` "q8": each dot product by the q8 contract,
-    kernels/numba_dense_q8.py). W is `out_features` rows of n weights stored in `fmt` as the flat
+    by the contract above. W is `out_features` rows of n weights stored in `fmt` as the flat
     bytes `w_bytes` (weight_bytes); `bias_f32` float32 [out_features] or None. `threads` None:
     torch's intra-op thread count (the user's --threads; threads.kernel_threads), at most
     numba's pool; the calling thread alone for a weight under MIN_PARALLEL_BYTES. The result
     does not depend on the thread count. A caller with a weight to call again prepares its
     call once: DenseCall."""
     _check_dtype(x.dtype)
-    n = x.shape[-1]
-    return DenseCall(fmt, w_bytes, out_features, n, bias_f32, threads, activation_quant)(x)
+    return DenseCall(fmt, w_bytes, out_features, x.shape[-1], bias_f32, threads)(x)
 
 
 def _check_dtype(dtype: torch.dtype) -> None:
@@ -302,7 +299,7 @@ class DenseCall:
         in_features: int,
         bias_f32: np.ndarray | None = None,
         threads: int | None = None,
-        activation_quant: str = "none",
+        q8_entries: tuple | None = None,
     ):
         row_bytes = fmt.row_bytes(in_features)
         if w_bytes.shape[0] != out_features * row_bytes:
@@ -313,15 +310,10 @@ class DenseCall:
         self.fmt, self.out_features, self.in_features = fmt, out_features, in_features
         self._w, self._row_bytes, self._item_rows = w_bytes, row_bytes, item_rows(row_bytes)
         self._bias = _NO_BIAS if bias_f32 is None else bias_f32
-        self.q8 = activation_quant == "q8"
-        if self.q8:  # the q8 contract's entries (numba loads them on first use)
-            from hybridmoe.kernels.numba_dense_q8 import dense_q8_kernel
-
-            self._serial, self._parallel = (dense_q8_kernel(fmt.name, p) for p in (False, True))
-        elif activation_quant == "none":
-            self._serial, self._parallel = DENSE_SERIAL[fmt.name], DENSE[fmt.name]
-        else:
-            raise ValueError(f"dense kernel: activation_quant {activation_quant!r}: none or q8")
+        # q8_entries: numba_dense_q8's (serial, parallel) entries of the format, the same
+        # arguments (its q8_call): each dot product by the q8 contract
+        self.q8 = q8_entries is not None
+        self._serial, self._parallel = q8_entries or (DENSE_SERIAL[fmt.name], DENSE[fmt.name])
         small = w_bytes.shape[0] < MIN_PARALLEL_BYTES
         self._threads = 1 if threads is None and small else threads  # None: per call
 

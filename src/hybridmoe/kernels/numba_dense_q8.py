@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+import torch
 from numba import prange
 from numba.core.dispatcher import Dispatcher
 
@@ -23,7 +24,7 @@ from hybridmoe.kernels import dense_ir, numba_dense, numba_glue, numba_moe_q8
 from hybridmoe.kernels.numba_cache import EntryCache, cached_njit
 from hybridmoe.kernels.numba_moe import chunk_size, set_chunk_size
 from hybridmoe.kernels.numba_moe_q8 import _quantized, _tile
-from hybridmoe.quant.formats import WEIGHT_FORMATS
+from hybridmoe.quant.formats import WEIGHT_FORMATS, WeightFormat
 
 _FLAGS = numba_dense._FLAGS
 
@@ -117,6 +118,35 @@ def _entry(kernel, parallel: bool):
 
 
 _ENTRIES = EntryCache(numba.config.CACHE_DIR)
+
+
+def q8_call(
+    fmt: WeightFormat,
+    w_bytes: np.ndarray,
+    out_features: int,
+    in_features: int,
+    bias_f32: np.ndarray | None = None,
+    threads: int | None = None,
+) -> numba_dense.DenseCall:
+    """numba_dense.DenseCall's call of this weight with q8 activations (its checks, work items
+    and bias; this module's entries); ValueError for a format without integer dot products."""
+    entries = tuple(dense_q8_kernel(fmt.name, parallel) for parallel in (False, True))
+    return numba_dense.DenseCall(
+        fmt, w_bytes, out_features, in_features, bias_f32, threads, q8_entries=entries
+    )
+
+
+def dense_linear_q8(
+    fmt: WeightFormat,
+    w_bytes: np.ndarray,
+    out_features: int,
+    x: torch.Tensor,
+    bias_f32: np.ndarray | None = None,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """numba_dense.dense_linear (the same arguments and result shape) with q8 activations."""
+    numba_dense._check_dtype(x.dtype)
+    return q8_call(fmt, w_bytes, out_features, x.shape[-1], bias_f32, threads)(x)
 
 
 def dense_q8_kernel(fmt_name: str, parallel: bool) -> Dispatcher:

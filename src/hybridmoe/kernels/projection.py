@@ -109,10 +109,10 @@ class DenseProjection:
 
         bias_f32 = None if self.bias is None else self.bias.float().contiguous().numpy()
         w_bytes = numba_dense.weight_bytes(self.weight)
-        self._host = numba_dense.DenseCall(
-            self.fmt, w_bytes, self.out_features, self.in_features, bias_f32,
-            activation_quant=self.activation_quant,
-        )  # fmt: skip
+        call = numba_dense.DenseCall
+        if self.activation_quant == "q8":
+            from hybridmoe.kernels.numba_dense_q8 import q8_call as call
+        self._host = call(self.fmt, w_bytes, self.out_features, self.in_features, bias_f32)
         return self._host
 
     def quantize(self, fmt: WeightFormat, dtype: torch.dtype | None = None) -> None:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from hybridmoe.kernels.projection import DenseProjection
 from hybridmoe.loader.weights import WeightSource
+from hybridmoe.quant.formats import WEIGHT_FORMATS, WeightFormat
 
 
 class Linear(DenseProjection):
@@ -20,15 +21,33 @@ class Linear(DenseProjection):
         cls, source: WeightSource, name: str, in_features: int, out_features: int, bias: bool
     ) -> Linear:
         bias_t = source.get(f"{name}.bias", (out_features,)) if bias else None
-        offer = getattr(source, "stored_projection", None)  # a GGUF file's
-        found = None if offer is None else offer(f"{name}.weight", (out_features, in_features))
+        found = stored_projection(source, f"{name}.weight", out_features, in_features)
         if found is not None:
-            stored, fmt = found
-            return cls(stored, bias_t, fmt, in_features)
+            return cls(found[0], bias_t, found[1], in_features)
         return cls(source.get(f"{name}.weight", (out_features, in_features)), bias_t)
 
     def dense_tensors(self) -> list[torch.Tensor]:
         return self.tensors()
+
+
+def stored_projection(
+    source: WeightSource, name: str, out_features: int, in_features: int
+) -> tuple[torch.Tensor, WeightFormat] | None:
+    """The projection weight `name` [out, in] in the source's quantised type where it offers
+    one (a GGUF file: GgufWeightSource.stored_projection) and that type is a weight format
+    whose blocks divide the rows: (the stored bytes, a view of the file, the format); else
+    None (the caller reads the dequantised values)."""
+    offer = getattr(source, "stored_projection", None)
+    found = None if offer is None else offer(name, (out_features, in_features))
+    if found is None:
+        return None
+    stored, type_name = found
+    fmt = WEIGHT_FORMATS.get(type_name.lower())
+    if fmt is None or not fmt.is_quantized or in_features % fmt.block_size:
+        return None
+    if tuple(stored.shape) != (out_features, fmt.row_bytes(in_features)):
+        return None
+    return stored, fmt
 
 
 class GatedMLP:

@@ -21,7 +21,6 @@ from tqdm import tqdm
 from hybridmoe.errors import CheckpointError
 from hybridmoe.loader.gguf import GgufFile, GgufTensor
 from hybridmoe.loader.weights import MergedExperts, aligned
-from hybridmoe.quant.formats import WEIGHT_FORMATS, WeightFormat
 
 # checkpoint name -> GGUF tensor name, or None where the file has no counterpart for it; or
 # several names, for a checkpoint tensor the converter split into parts along its rows (their
@@ -98,27 +97,23 @@ class GgufWeightSource:
 
     def stored_projection(
         self, name: str, shape: tuple[int, int]
-    ) -> tuple[torch.Tensor, WeightFormat] | None:
+    ) -> tuple[torch.Tensor, str] | None:
         """Dense projection weight `name` [out, in] as the file stores it, where that is a
-        quantised type of a registered weight format whose blocks divide its rows: (its bytes
-        [out, row bytes], a view of the mapping, the format), marked read. The dense kernels
-        compute from those bytes as `get`'s dequantised values (the same weights), reading a
-        fraction of their bytes. None where `get` is the way: a float type, a tensor split in
-        parts, a family whose `restore` rewrites tensors, a type without a format, a shape
-        `get` would refuse."""
+        quantised (block) type: (its bytes [out, row bytes], a view of the mapping, the ggml
+        type name), marked read; the caller (layers/linear.stored_projection) takes it where
+        the type is a weight format whose blocks divide the rows, else reads `get`'s
+        dequantised values. None where `get` is the way: a float type, a tensor split in
+        parts, a family whose `restore` rewrites tensors, a shape `get` would refuse."""
         if self._restore is not None:
             return None
         parts = self._parts(name)
         if parts is None or len(parts) != 1 or parts[0].type_name in _FLOAT_TYPES:
             return None
-        tensor, (out, n) = parts[0], shape
-        fmt = WEIGHT_FORMATS.get(tensor.type_name.lower())
-        if fmt is None or not fmt.is_quantized or n % fmt.block_size:
-            return None
-        if tuple(tensor.shape) != (out, n) or tuple(tensor.data.shape) != (out, fmt.row_bytes(n)):
+        tensor = parts[0]
+        if tuple(tensor.shape) != tuple(shape) or tensor.data.dim() != 2:
             return None
         self._mark_read(tensor)
-        return tensor.data, fmt
+        return tensor.data, tensor.type_name
 
     def merged_experts(self, prefix: str, names: tuple[str, str, str]) -> MergedExperts | None:
         """The layer's merged expert tensors, asked for as `prefix`.{gate,up,down name}.weight,

@@ -11,7 +11,7 @@ from hybridmoe.config.model import ModelConfig
 from hybridmoe.kernels.projection import DenseProjection
 from hybridmoe.layers.attention import create_attention
 from hybridmoe.layers.batch import ForwardBatch, KVStore, build_attention_masks
-from hybridmoe.layers.linear import GatedMLP
+from hybridmoe.layers.linear import GatedMLP, stored_projection
 from hybridmoe.layers.moe import OffloadMoELayer
 from hybridmoe.layers.norm import NORMS
 from hybridmoe.layers.rotary import RotaryEmbedding
@@ -157,8 +157,7 @@ class MoeCausalLM:
         tied, shape = cfg.tie_word_embeddings, (cfg.vocab_size, cfg.hidden_size)
         if tied and not source.has("lm_head.weight"):
             return DenseProjection(self.embed)
-        offer = None if tied else getattr(source, "stored_projection", None)
-        found = None if offer is None else offer("lm_head.weight", shape)
+        found = None if tied else stored_projection(source, "lm_head.weight", *shape)
         if found is not None:
             return DenseProjection(found[0], None, found[1], cfg.hidden_size)
         head = source.get("lm_head.weight", shape)

@@ -157,6 +157,57 @@ def kquant_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_gguf(hf_dir, root / "model.gguf", experts=encode)
 
 
+# attention and head in a Q4_K_M file's types: q, k, o Q4_K, v Q6_K (apart from q and k in
+# the block), the head Q6_K
+DENSE_TYPES = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q4_K",
+               "lm_head": "Q6_K"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dense_kquant_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("block-dense-kquants")
+    hf_dir = write_custom_checkpoint(
+        "qwen3_moe", {**KQUANT_QWEN3, "tie_word_embeddings": False}, root / "hf", seed=0
+    )
+
+    def encode(base: str, value: np.ndarray) -> tuple[np.ndarray, QType] | None:
+        type_name = DENSE_TYPES.get(base.rsplit(".", 1)[-1])
+        if type_name is None:
+            return None
+        gen = torch.Generator().manual_seed(zlib.crc32(base.encode()))
+        fmt = weight_format(type_name.lower())
+        return random_stored(fmt, value.shape, gen, 0.25).numpy(), QType[type_name]
+
+    return write_gguf(hf_dir, root / "model.gguf", dense=encode)
+
+
+@pytest.mark.parametrize("activation_quant", ["none", "q8"])
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_dense_projections_in_a_files_types_give_the_parts_bits(
+    dense_kquant_gguf: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: str,
+    rows: int,
+    parallel: bool,
+    activation_quant: str,
+) -> None:
+    """The file's Q4_K / Q6_K projections (float or q8 activations), v's a second weight in
+    the block, its output the values the attention reads (rows > 1: no copy)."""
+    if parallel:
+        monkeypatch.setattr(numba_dense, "MIN_PARALLEL_BYTES", 0)
+        monkeypatch.setattr(numba_attention, "MIN_PARALLEL_BYTES", 0)
+    prompts = [[5, 17, 30, 42, 7, 8, 9], [9, 10], [3, 4, 5, 6]][:rows]  # in the vocabulary
+    quant = dict(activation_quant=activation_quant)
+    monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+    parts = decode_logits(dense_kquant_gguf, dtype, prompts, **quant)
+    monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
+    calls = block_calls(monkeypatch)
+    assert_same_logits(decode_logits(dense_kquant_gguf, dtype, prompts, **quant), parts)
+    assert calls and set(calls) == {rows}
+
+
 @pytest.mark.parametrize(
     "model, formats",
     [

@@ -1,10 +1,12 @@
 """GGUFs whose dense projections are quantised, as downloaded files store them: a Q4_K_M-like
 file (attention q, k and o in Q4_K, v in Q6_K, the output head in Q6_K) and a Q8_0 one. Each
 projection loads in the file's type (GgufWeightSource.stored_projection: the file's bytes, not
-a dequantised copy), q, k and v of different types run one by one where equal ones run as one
-stacked call, and the model gives transformers' greedy tokens (float32, on the dequantised
-float model the file stands for) on every decode target, one set of tokens on every target in
-bfloat16, and --dense-format q8_0 re-quantises them from the values they stand for."""
+a dequantised copy), a v of another type than q and k runs as its own call beside their
+stacked one (in the attention block too), and the model gives transformers' greedy tokens
+(float32, on the dequantised float model the file stands for, float activations) on every
+decode target, one set of tokens on every target in bfloat16 and with the default q8
+activations (as llama.cpp computes), and --dense-format q8_0 re-quantises the projections from
+the values they stand for."""
 
 from __future__ import annotations
 
@@ -97,8 +99,9 @@ def test_projections_keep_the_files_types(quantised) -> None:
             rows = projection.out_features
             assert projection.weight.shape == (rows, fmt.row_bytes(projection.in_features))
     assert model.lm_head.fmt == weight_format(types["lm_head"].lower())
-    stacks = {model.layers[0].attn._stacked_qkv() is None}
-    assert stacks == {types["q_proj"] != types["v_proj"]}
+    stacked = model.layers[0].attn._stacked_qkv()  # q and k as one, v apart where it differs
+    assert (stacked.v is not None) == (types["q_proj"] != types["v_proj"])
+    assert stacked.stacked.fmt == weight_format(types["q_proj"].lower())
 
 
 @pytest.mark.parametrize("target", list(DECODE_TARGETS))

@@ -33,6 +33,8 @@ _NO_ROUTE = (
     (0, 0, 0, 0, 0, 0, False, False),
 )
 _NO_I64 = np.empty(0, np.int64)
+# the block's v arguments where q, k and v are one weight (numba_attention_block's v_w ... v_meta)
+_NO_V = (_NO_U8, _NO_F32, _NO_F32, _NO_BF16, (0, 0, False))
 # the plans a layer keeps (_plan): each holds its step's arrays (~1.3 MB a Qwen3-30B-A3B layer
 # at 16 rows), so a server whose batch size moves keeps a few, not one for every size
 MAX_PLANS = 3
@@ -64,6 +66,7 @@ def decode_block(
     route: tuple | None = None,
     experts: tuple | None = None,
     plans: dict | None = None,
+    v: DenseProjection | None = None,
 ) -> torch.Tensor | tuple | None:
     """o(attention(norm_rotary(q, k), v)) for the normed input x [B, 1, H] of a decode step,
     with q/k/v = qkv(x) (heads, kv_heads, D = `shape`; the KV cache `batch.kv` written at the
@@ -95,7 +98,7 @@ def decode_block(
     delta = None if residual is None else residual[0]
     if delta is not None and not (delta.is_cpu and delta.is_contiguous()):
         return None
-    plan = _plan(plans, qkv, o, q_norm, k_norm, x, shape, residual, route, experts)
+    plan = _plan(plans, qkv, o, q_norm, k_norm, x, shape, residual, route, experts, v)
     if not plan.fits:
         return None
     heads, kv_heads, dim = shape
@@ -140,18 +143,22 @@ class _Plan:
     __slots__ = (
         "parts", "fits", "lanes", "route", "experts", "threads", "qkv_call", "o_call",
         "qkv_par", "o_par", "kernel", "sizes", "qk_norms", "norm_flags", "scales", "routing",
-        "outputs", "args",
+        "outputs", "args", "v_call", "v_par",
     )  # fmt: skip
 
-    def __init__(self, qkv, o, q_norm, k_norm, x, shape, residual, route, experts, checked=False):
-        self.parts = _parts(qkv, o, q_norm, k_norm, residual, route, experts)
+    def __init__(
+        self, qkv, o, q_norm, k_norm, x, shape, residual, route, experts, checked=False, v=None
+    ):
+        self.parts = _parts(qkv, o, q_norm, k_norm, residual, route, experts, v)
         self.outputs = self.args = None  # _launch_args', made on the plan's first step
         self.lanes = glue.softmax_lanes()
         self.threads = min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
         if checked:  # _run's caller checked the step: its route and experts as given
             self.fits, self.route, self.experts = True, route, experts
         else:
-            self.fits = self.lanes is not None and _fits(qkv, o, q_norm, k_norm, x, shape, residual)
+            self.fits = self.lanes is not None and _fits(
+                qkv, o, q_norm, k_norm, x, shape, residual, v
+            )
             self.route = self.experts = None
             if self.fits and route is not None and residual is not None:
                 gate, top_k, _, weights_dtype = route  # gate.route of the post-attention
@@ -160,9 +167,9 @@ class _Plan:
             if self.route is not None and experts is not None and experts[3] == self.threads:
                 self.experts = experts  # one launch: one thread count
         if self.fits:
-            self._arguments(qkv, o, q_norm, k_norm, x, shape, residual)
+            self._arguments(qkv, o, q_norm, k_norm, x, shape, residual, v)
 
-    def _arguments(self, qkv, o, q_norm, k_norm, x, shape, residual) -> None:
+    def _arguments(self, qkv, o, q_norm, k_norm, x, shape, residual, v) -> None:
         from hybridmoe.kernels.numba_attention_block import block_kernel
 
         heads, kv_heads, dim = shape
@@ -170,6 +177,8 @@ class _Plan:
         self.qkv_call, self.o_call = qkv.host_call(), o.host_call()
         self.qkv_par = self.qkv_call.threads(self.threads) > 1
         self.o_par = self.o_call.threads(self.threads) > 1
+        self.v_call = None if v is None else v.host_call()  # v apart from q and k
+        self.v_par = v is not None and self.v_call.threads(self.threads) > 1
         self.sizes = (hidden, heads, kv_heads, dim), (
             self.qkv_call.row_bytes, self.qkv_call.rows_per_item, self.o_call.row_bytes,
             self.o_call.rows_per_item,
@@ -193,17 +202,18 @@ class _Plan:
         if self.experts is not None:
             formats = self.experts[0]
         q8 = (self.qkv_call.q8, self.o_call.q8)
+        v_kind = None if v is None else (self.v_call.fmt.name, self.v_call.q8)
         self.kernel = block_kernel(
-            self.qkv_call.fmt.name, self.o_call.fmt.name, gate_fmt, formats, q8
+            self.qkv_call.fmt.name, self.o_call.fmt.name, gate_fmt, formats, q8, v_kind
         )
 
-    def holds(self, qkv, o, q_norm, k_norm, residual, route, experts) -> bool:
+    def holds(self, qkv, o, q_norm, k_norm, residual, route, experts, v=None) -> bool:
         """Whether it was made of these parts (the same objects and kernel calls)."""
-        parts = _parts(qkv, o, q_norm, k_norm, residual, route, experts)
+        parts = _parts(qkv, o, q_norm, k_norm, residual, route, experts, v)
         return all(map(operator.is_, parts, self.parts))  # the same length: _parts
 
 
-def _parts(qkv, o, q_norm, k_norm, residual, route, experts) -> tuple:
+def _parts(qkv, o, q_norm, k_norm, residual, route, experts, v=None) -> tuple:
     """What a _Plan is made of: the objects, and the projections' kernel calls (which a
     weight's change replaces)."""
     scales = (None, None) if residual is None else residual[1:]
@@ -212,11 +222,12 @@ def _parts(qkv, o, q_norm, k_norm, residual, route, experts) -> tuple:
         qkv.host_call() if qkv.weight.is_cpu else None,
         o.host_call() if o.weight.is_cpu else None,
         gate.host_call() if gate is not None and gate.weight.is_cpu else None,
+        v.host_call() if v is not None and v.weight.is_cpu else None,
     )
-    return (qkv, o, q_norm, k_norm, *scales, route, experts, *calls)
+    return (qkv, o, q_norm, k_norm, *scales, route, experts, v, *calls)
 
 
-def _plan(plans, qkv, o, q_norm, k_norm, x, shape, residual, route, experts) -> _Plan:
+def _plan(plans, qkv, o, q_norm, k_norm, x, shape, residual, route, experts, v=None) -> _Plan:
     """The step's _Plan from `plans` (None: made for this step alone); made again where its
     parts changed, and then the layer's other plans go too (made of the old parts)."""
     delta = None if residual is None else residual[0]
@@ -226,10 +237,10 @@ def _plan(plans, qkv, o, q_norm, k_norm, x, shape, residual, route, experts) -> 
     )  # fmt: skip
     plan = None if plans is None else plans.get(key)
     if plan is not None:
-        if plan.holds(qkv, o, q_norm, k_norm, residual, route, experts):
+        if plan.holds(qkv, o, q_norm, k_norm, residual, route, experts, v):
             return plan
         plans.clear()
-    plan = _Plan(qkv, o, q_norm, k_norm, x, shape, residual, route, experts)
+    plan = _Plan(qkv, o, q_norm, k_norm, x, shape, residual, route, experts, v=v)
     if plans is not None:
         if len(plans) >= MAX_PLANS:  # the oldest goes: a server's batch sizes come and go
             del plans[next(iter(plans))]
@@ -237,8 +248,9 @@ def _plan(plans, qkv, o, q_norm, k_norm, x, shape, residual, route, experts) -> 
     return plan
 
 
-def _fits(qkv, o, q_norm, k_norm, x, shape, residual) -> bool:
-    """decode_block's checks of the layer's parts against the step's x (its dtype and shape)."""
+def _fits(qkv, o, q_norm, k_norm, x, shape, residual, v=None) -> bool:
+    """decode_block's checks of the layer's parts against the step's x (its dtype and shape);
+    `v`: v's projection apart from q and k's (`qkv` then q and k's rows only)."""
     heads, kv_heads, dim = shape
     B, T, hidden = x.shape
     if x.dtype not in _DTYPES or T != 1 or B > DECODE_MAX_TOKENS or q_norm is None:
@@ -250,8 +262,12 @@ def _fits(qkv, o, q_norm, k_norm, x, shape, residual) -> bool:
             return False
     if q_norm.shape != (dim,) or k_norm.shape != (dim,):
         return False
-    if qkv.out_features != (heads + 2 * kv_heads) * dim or qkv.in_features != hidden:
+    width = (heads + (2 if v is None else 1) * kv_heads) * dim
+    if qkv.out_features != width or qkv.in_features != hidden:
         return False
+    if v is not None:
+        if v.out_features != kv_heads * dim or v.in_features != hidden or not v.uses_kernel(x):
+            return False
     if o.in_features != heads * dim or o.out_features != hidden:
         return False
     return residual is None or _residual_fits(x, *residual)
@@ -383,9 +399,15 @@ def _launch_args(plan, x, shape, residual) -> tuple[tuple, list]:
         if plan.experts is not None:
             computing = _expert_args(plan.experts, h, routes, bf16)
             partial = torch.from_numpy(computing[-1]).view(B, 1, hidden)
+    apart = _NO_V  # v's projection apart from q and k's (numba_attention_block's v_w ... v_meta)
+    if plan.v_call is not None:
+        v_call, v_out = plan.v_call, np.empty(B * kv_heads * dim, np_dtype)
+        outputs = (_NO_F32, v_out) if bf16 else (v_out, _NO_BF16)
+        meta = (v_call.row_bytes, v_call.rows_per_item, plan.v_par)
+        apart = (v_call.weight, v_call.bias, *outputs, meta)
     args = [
         *arrays, scratch, plan.qkv_call.weight, plan.qkv_call.bias, plan.o_call.weight,
         plan.o_call.bias, None, None, None, None, None, None, None, None,
-        np.float32(1.0 / math.sqrt(dim)), (0,) * 7, plan.norm_flags, *routing, *computing,
+        np.float32(1.0 / math.sqrt(dim)), (0,) * 7, plan.norm_flags, *routing, *computing, *apart,
     ]  # fmt: skip
     return (out, after, post_normed, routes, partial, summed), args

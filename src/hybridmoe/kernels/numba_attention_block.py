@@ -69,28 +69,33 @@ def block_kernel(
     route_fmt: str | None = None,
     experts: tuple[str, str, bool] | None = None,
     q8: tuple[bool, bool] = (False, False),
+    v: tuple[str, bool] | None = None,
 ) -> Dispatcher:
     """The attention block's entry for q/k/v weights in format `qkv_fmt` and o's in `o_fmt`
     (names), with `route_fmt` a router's gate in that format routed after the post-attention
     norm, and with `experts` = (gate/up format, down format, q8 activations) the routed
     experts of a bank of those computed after the routing; `q8`: whether q/k/v's and o's
-    projections take q8 activations (numba_dense_q8's kernel); made on first use."""
+    projections take q8 activations (numba_dense_q8's kernel); `v` = (format, q8) of v's
+    projection where it is a weight apart from q and k's (q/k/v's weight then q and k's rows
+    only); made on first use."""
     kernels = (WEIGHT_FORMATS[qkv_fmt].kernel, WEIGHT_FORMATS[o_fmt].kernel)
     route = None if route_fmt is None else WEIGHT_FORMATS[route_fmt].kernel
     pair = None
     if experts is not None:
         gate_up, down, experts_q8 = experts
         pair = (WEIGHT_FORMATS[gate_up].kernel, WEIGHT_FORMATS[down].kernel, experts_q8)
-    key = (qkv_fmt, o_fmt, route_fmt, experts, q8)
-    return _BLOCKS.get(key, lambda: _block_entry(*kernels, route, pair, q8))
+    v_kind = None if v is None else (WEIGHT_FORMATS[v[0]].kernel, v[1])
+    key = (qkv_fmt, o_fmt, route_fmt, experts, q8, v)
+    return _BLOCKS.get(key, lambda: _block_entry(*kernels, route, pair, q8, v_kind))
 
 
-def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None, q8=(False, False)):
+def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None, q8=(False, False), v=None):
     """The block for these two KernelFormats (and a router's gate in `route_kernel`, None:
     none; and with `experts` = (gate/up KernelFormat, down KernelFormat, q8 activations) the
     routed experts, numba_moe.moe_parallel's or numba_moe_q8.moe_q8_parallel's call, after
     a route_kernel block's routing; `q8` (q/k/v's, o's): the projection by numba_dense_q8's
-    kernel, the same arguments). Arguments:
+    kernel, the same arguments; `v` = (KernelFormat, q8) of v's own weight, apart from q and
+    k's). Arguments:
     x, x_bf16: the normed input [tokens * hidden] (float32, or bfloat16 bits; the other empty),
     qkv, qkv_bf16: the q/k/v projection's output [tokens * (heads + 2 kv_heads) * D], written,
     att, att_bf16: the attention's output [tokens * heads * D], written,
@@ -120,6 +125,10 @@ def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None, q8=(Fals
     moe_w_bf16, widened into moe_w); bank: (gate, up, expert rows, down, hidden, inter,
     experts) and moe: (act_bf16, act, gate/up bias, down bias), numba_moe._fused_moe's
     arguments; moe_y: float32 [tokens * hidden], zeros, the experts' partial (written).
+    v_w, v_bias, v_y, v_y_bf16, v_meta: with `v`, v's weight bytes and float32 bias (empty:
+    none), its output [tokens * kv_heads * D] (float32, or bfloat16 bits; the other empty),
+    (row bytes, work-item rows, parallel); q/k/v's weight is then q and k's rows alone, its
+    output rows (heads + kv_heads) * D wide; without `v` empty and unread.
     Returns DONE, TIE (dense_route left the routing to torch: the experts not computed) or
     an expert id >= the bank's experts (its kernel's answer). A block computing the experts
     routes with `any_order` (numba_glue._topk_row): its kernels' sum does not depend on the
@@ -129,6 +138,8 @@ def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None, q8=(Fals
     gate_kernel = qkv_kernel if route_kernel is None else route_kernel  # compiled, not run
     computes_experts = experts is not None
     qkv_q8, o_q8 = q8
+    has_v = v is not None
+    v_kernel, v_q8 = (qkv_kernel, False) if v is None else v
     gate_up_kernel, down_kernel, q8 = (
         (qkv_kernel, qkv_kernel, False) if experts is None else experts
     )
@@ -137,12 +148,14 @@ def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None, q8=(Fals
         x, x_bf16, qkv, qkv_bf16, att, att_bf16, y, y_bf16, scratch, qkv_w, qkv_bias, o_w,
         o_bias, sizes, flags, norms, kc, vc, rows, pos, eps, scale, residual, residual_flags,
         normed, normed_bf16, logits, logits_bf16, route_w, route_bias, route, moe_x, moe_ids,
-        moe_w, moe_w_bf16, bank, moe, moe_y,
+        moe_w, moe_w_bf16, bank, moe, moe_y, v_w, v_bias, v_y, v_y_bf16, v_meta,
     ):  # fmt: skip
         hidden, heads, kv_heads, dim, slots, kv_len, lanes, tokens = sizes[:8]
         qkv_row_bytes, qkv_items, o_row_bytes, o_items, ring, window = sizes[8:]
         qkv_par, o_par, attn_par, bf16 = flags
         width = (heads + 2 * kv_heads) * dim
+        if has_v:  # q/k/v's output holds q and k, v's its own
+            width = (heads + kv_heads) * dim
         stream, previous, summed, in_scale, after, post_normed, post_scale = residual
         in_flags, post_flags, pre, post = residual_flags
         if pre:  # the input norm (with the residual add before it) writes x
@@ -168,6 +181,30 @@ def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None, q8=(Fals
                 qkv_kernel, qkv_w, qkv_row_bytes, hidden, width, x, x_bf16, tokens, qkv_bias,
                 qkv, qkv_bf16, qkv_items,
             )  # fmt: skip
+        if has_v:
+            v_row_bytes, v_items, v_par = v_meta
+            v_rows = kv_heads * dim
+            if v_q8:
+                if v_par:
+                    dense_q8_parallel(
+                        v_kernel, v_w, v_row_bytes, hidden, v_rows, x, x_bf16, tokens, v_bias,
+                        v_y, v_y_bf16, v_items,
+                    )  # fmt: skip
+                else:
+                    dense_q8_serial(
+                        v_kernel, v_w, v_row_bytes, hidden, v_rows, x, x_bf16, tokens, v_bias,
+                        v_y, v_y_bf16, v_items,
+                    )  # fmt: skip
+            elif v_par:
+                dense_parallel(
+                    v_kernel, v_w, v_row_bytes, hidden, v_rows, x, x_bf16, tokens, v_bias, v_y,
+                    v_y_bf16, v_items,
+                )  # fmt: skip
+            else:
+                dense_serial(
+                    v_kernel, v_w, v_row_bytes, hidden, v_rows, x, x_bf16, tokens, v_bias, v_y,
+                    v_y_bf16, v_items,
+                )  # fmt: skip
         size = 2 if bf16 else 4
         base = np.int64(qkv_bf16.ctypes.data if bf16 else qkv.ctypes.data)
         q_rot = np.int64(scratch.ctypes.data)
@@ -177,7 +214,9 @@ def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None, q8=(Fals
             norms[1], norms[2], norms[3], q_rot, k_rot, tokens, eps, bf16,
         )  # fmt: skip
         v = base + (heads + kv_heads) * dim * size
-        if tokens > 1:  # the values contiguous, as the attention kernel reads k and v alike
+        if has_v:  # its own output: contiguous rows already
+            v = np.int64(v_y_bf16.ctypes.data if bf16 else v_y.ctypes.data)
+        elif tokens > 1:  # the values contiguous, as the attention kernel reads k and v alike
             row = kv_heads * dim * size
             at = k_rot + tokens * heads * dim * size
             source = qkv_bf16.view(np.uint8) if bf16 else qkv.view(np.uint8)
@@ -250,6 +289,8 @@ def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None, q8=(Fals
     )
     if routes:
         name += f"_route_{route_kernel.name}"
+    if has_v:
+        name += f"_v_{'q8_' if v_q8 else ''}{v_kernel.name}"
     if computes_experts:
         name += f"_experts_{'q8_' if q8 else ''}{gate_up_kernel.name}_{down_kernel.name}"
     attention_block.__name__ = attention_block.__qualname__ = name  # own cache files

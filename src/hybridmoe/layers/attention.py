@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe.kernels import attention_block, glue
-from hybridmoe.kernels.projection import stackable
 from hybridmoe.layers.batch import ForwardBatch
 from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.norm import rms_norm
@@ -167,13 +166,14 @@ class GroupedQueryAttention:
         if not self.q_proj.uses_kernel(x) or batch.kv is None or not batch.is_decode:
             return None
         stacked = self._stacked_qkv()
-        if stacked is None:  # q, k and v in different formats: the parts' path
+        if stacked is None:  # q and k in different formats: the parts' path
             return None
         cfg = self.cfg
         shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         return attention_block.decode_block(
             stacked.stacked, self.o_proj, self.q_norm, self.k_norm, cfg.rms_norm_eps, x, batch,
             self.layer_idx, self.window, shape, residual, route, experts, self._block_plans,
+            stacked.v,
         )  # fmt: skip
 
     def decode_residual_block(
@@ -258,13 +258,11 @@ class GroupedQueryAttention:
         return q, k, v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
 
     def _stacked_qkv(self) -> StackedQKV | None:
-        """q, k and v as one projection (made on first use, again when a part changed); None
-        where they cannot stack (projection.stackable: a GGUF's q, k and v in different
-        types), and the parts then run one by one."""
+        """q, k and v as one projection, or q and k as one and v apart (StackedQKV.of: made on
+        first use, again when a part changed); None where q and k cannot stack, and the parts
+        then run one by one."""
         parts = (self.q_proj, self.k_proj, self.v_proj)
         if self._qkv is None or not self._qkv.holds(parts):
-            if not stackable(parts):
-                return None
             self._qkv = StackedQKV.of(parts)
         return self._qkv
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.kernels.projection import DenseProjection, stack_rows
+from hybridmoe.kernels.projection import DenseProjection, stack_rows, stackable
 from hybridmoe.layers.batch import ForwardBatch
 from hybridmoe.layers.norm import rms_norm
 from hybridmoe.layers.rotary import apply_rotary, apply_rotary_signed
@@ -66,16 +66,26 @@ def joint_qk_weight(q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int, 
 @dataclass(eq=False)
 class StackedQKV:
     """q, k and v's projections as one (kernels/projection.stack_rows: the parts' weights
-    become views of its rows), for the CPU kernel: one call instead of three."""
+    become views of its rows), for the CPU kernel: one call instead of three. Where v cannot
+    stack with q and k (another format: a Q4_K_M file's v in Q6_K beside Q4_K q and k),
+    `stacked` is q and k's and `v` v's own projection: two calls."""
 
     stacked: DenseProjection
     weights: tuple[torch.Tensor, ...]  # the parts' weights when stacked (holds() checks them)
     sizes: tuple[int, ...]  # each part's out_features
+    v: DenseProjection | None = None
 
     @classmethod
-    def of(cls, parts: tuple[DenseProjection, ...]) -> StackedQKV:
-        stacked = stack_rows(parts)
-        return cls(stacked, tuple(p.weight for p in parts), tuple(p.out_features for p in parts))
+    def of(cls, parts: tuple[DenseProjection, ...]) -> StackedQKV | None:
+        """The parts stacked, all three or q and k (v apart); None where q and k cannot stack
+        (projection.stackable)."""
+        q, k, v = parts
+        apart = not stackable(parts)
+        if apart and not stackable((q, k)):
+            return None
+        stacked = stack_rows((q, k) if apart else parts)  # the parts' weights become its views
+        weights, sizes = tuple(p.weight for p in parts), tuple(p.out_features for p in parts)
+        return cls(stacked, weights, sizes, v if apart else None)
 
     def holds(self, parts: tuple[DenseProjection, ...]) -> bool:
         """Whether `parts` still compute from this stack (quantize() or to() replace a part's
@@ -87,6 +97,9 @@ class StackedQKV:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [..., H] -> each part's [..., out] (views of one output), for an x the parts'
         uses_kernel accepts (attention checks it before calling): the kernel at once."""
+        if self.v is not None:
+            q, k = self.stacked.kernel(x).split(self.sizes[:2], dim=-1)
+            return q, k, self.v.kernel(x)
         return self.stacked.kernel(x).split(self.sizes, dim=-1)
 
     def heads(self, x: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, ...]:
@@ -94,4 +107,8 @@ class StackedQKV:
         and one split of the output (2 aten ops, not a split and a view per part)."""
         y = self.stacked.kernel(x)
         counts = [size // head_dim for size in self.sizes]
+        if self.v is not None:
+            q, k = y.view(*y.shape[:-1], sum(counts[:2]), head_dim).split(counts[:2], dim=-2)
+            v = self.v.kernel(x)
+            return q, k, v.view(*v.shape[:-1], counts[2], head_dim)
         return y.view(*y.shape[:-1], sum(counts), head_dim).split(counts, dim=-2)

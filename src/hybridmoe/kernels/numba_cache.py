@@ -67,6 +67,12 @@ class EntryCache:
         self._cache_dir, self._lock = cache_dir, threading.Lock()
         self._entries: dict[Hashable, Dispatcher] = {}
 
+    def values(self) -> list[Dispatcher]:
+        """The entries made so far (a dict's values, as benchmarks/bench_decode_overhead.py
+        reads them to tell the kernels' launches apart)."""
+        with self._lock:
+            return list(self._entries.values())
+
     def get(self, key: Hashable, make: Callable[[], Dispatcher]) -> Dispatcher:
         """The entry of `key`, make() on its first request."""
         with self._lock:

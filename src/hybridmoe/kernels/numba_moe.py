@@ -26,12 +26,11 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
-from numba.core.dispatcher import Dispatcher
 from numba.extending import intrinsic
 
 from hybridmoe import env
 from hybridmoe.kernels import llvm_ir, numba_simd
-from hybridmoe.kernels.numba_cache import cached_njit
+from hybridmoe.kernels.numba_cache import EntryCache, cached_njit
 from hybridmoe.kernels.numba_simd import load_weight, prefetch_rows, tile_dot
 from hybridmoe.quant.formats import WEIGHT_FORMATS, KernelFormat
 
@@ -448,8 +447,7 @@ def _fused_moe_entry(kernel: KernelFormat, down_kernel: KernelFormat):
 # One entry point a format, for banks whose projections share it (the usual case).
 FUSED_MOE = {name: _fused_moe_entry(fmt.kernel, fmt.kernel) for name, fmt in WEIGHT_FORMATS.items()}
 _CACHE_DIR = numba.config.CACHE_DIR  # the hashed directory (above); mixed pairs go there too
-_MIXED_LOCK = threading.Lock()
-_MIXED: dict[tuple[str, str], Dispatcher] = {}
+_MIXED = EntryCache(_CACHE_DIR)
 
 
 def fused_moe_kernel(gate_up_fmt: str, down_fmt: str):
@@ -458,16 +456,8 @@ def fused_moe_kernel(gate_up_fmt: str, down_fmt: str):
     model uses are compiled and cached), in the same on-disk cache directory."""
     if gate_up_fmt == down_fmt:
         return FUSED_MOE[gate_up_fmt]
-    key = (gate_up_fmt, down_fmt)
-    with _MIXED_LOCK:
-        if key not in _MIXED:
-            kernels = (WEIGHT_FORMATS[name].kernel for name in key)
-            previous, numba.config.CACHE_DIR = numba.config.CACHE_DIR, _CACHE_DIR
-            try:  # numba picks the cache directory when a function is decorated
-                _MIXED[key] = _fused_moe_entry(*kernels)
-            finally:
-                numba.config.CACHE_DIR = previous
-        return _MIXED[key]
+    kernels = (WEIGHT_FORMATS[gate_up_fmt].kernel, WEIGHT_FORMATS[down_fmt].kernel)
+    return _MIXED.get((gate_up_fmt, down_fmt), lambda: _fused_moe_entry(*kernels))
 
 
 # Numba's OpenMP layer streams ~2x faster than its portable 'workqueue' layer here, but an

@@ -68,7 +68,7 @@ def test_projection_takes_q8_where_its_format_has_integer_dots() -> None:
         quantised.set_activation_quant(mode)
         floats.set_activation_quant(mode)
         assert (quantised.activation_quant, floats.activation_quant) == (expected, "none")
-    with pytest.raises(ValueError, match="activation_quant must be auto, none or q8"):
+    with pytest.raises(ValueError, match="must be one of auto, none, q8, got 'q4'"):
         quantised.set_activation_quant("q4")
 
 

@@ -20,6 +20,7 @@ import torch
 
 from hybridmoe import env
 from hybridmoe.kernels.torch_dense import dense_linear_torch
+from hybridmoe.quant.activation_q8 import ACTIVATION_QUANTS
 from hybridmoe.quant.formats import WeightFormat, dense_format
 
 # tokens up to which the CPU kernel beats torch's GEMM (benchmarks/bench_dense.py)
@@ -58,8 +59,11 @@ class DenseProjection:
         and the format has integer dot products (q8_0, q4_0, the k-quants: as llama.cpp
         computes its quantised matmuls; quant/activation_q8.py), else with float activations
         ("none", or a float format)."""
-        if activation_quant not in ("auto", "none", "q8"):
-            raise ValueError(f"activation_quant must be auto, none or q8, got {activation_quant!r}")
+        if activation_quant not in ACTIVATION_QUANTS:  # OffloadConfig's choices and words
+            raise ValueError(
+                f"activation_quant must be one of {', '.join(ACTIVATION_QUANTS)}, "
+                f"got {activation_quant!r}"
+            )
         chosen = "none" if activation_quant == "none" or not self.fmt.has_integer_dots else "q8"
         if chosen != self.activation_quant:
             self.activation_quant, self._host = chosen, None

@@ -84,11 +84,15 @@ def write_dequantized_checkpoint(hf_dir: Path, out_dir: Path, expert_type: str) 
 
 
 def write_encoded_checkpoint(
-    hf_dir: Path, out_dir: Path, experts: ExpertEncoder, dense: DenseEncoder | None = None
+    hf_dir: Path,
+    out_dir: Path,
+    experts: ExpertEncoder | None = None,
+    dense: DenseEncoder | None = None,
 ) -> Path:
     """A copy of `hf_dir` whose routed experts (and dense weights `dense` encodes) are the
     values `experts` (`dense`) stores for them, dequantised by gguf.quants: the float model a
-    GGUF written with them stands for."""
+    GGUF written with them stands for (`experts` None: kept, as write_gguf's F32)."""
+    experts = experts or _quantizer(QType.F32)
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in hf_dir.iterdir():
         if f.name != "model.safetensors":

@@ -278,6 +278,20 @@ def _hf_greedy_cached(model: torch.nn.Module, prompt_ids: list[int], n: int) -> 
     return tokens
 
 
+def greedy_reference(
+    directory: Path, prompt_ids: list[int], n: int, min_gap: float
+) -> tuple[list[int], torch.Tensor]:
+    """`transformers`' `n` greedy tokens after `prompt_ids` (float32, hf_greedy) and its logits
+    [T, V] of the prompt and the tokens but the last (hf_logits): an oracle's reference,
+    asserted free of near-ties (top-2 gap >= `min_gap` at each generated position), where
+    float noise could pick another token."""
+    tokens = hf_greedy(directory, prompt_ids, n)
+    logits = hf_logits(directory, prompt_ids + tokens[:-1])
+    gaps = top2_gap(logits[len(prompt_ids) - 1 :])
+    assert gaps.min() >= min_gap, f"near-tie in the reference: {gaps.tolist()}"
+    return tokens, logits
+
+
 def top2_gap(logits: torch.Tensor) -> torch.Tensor:
     """Per row of [T, V] logits, the distance from the best to the second best logit."""
     top2 = logits.topk(2, dim=-1).values  # [T, 2]

@@ -20,7 +20,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from gguf_checkpoints import write_encoded_checkpoint, write_gguf
-from hf_checkpoints import PROMPT_IDS, hf_greedy, hf_logits, top2_gap, write_custom_checkpoint
+from hf_checkpoints import PROMPT_IDS, greedy_reference, write_custom_checkpoint
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.models.loading import load_model
 from hybridmoe.moe.backends import DECODE_TARGETS
@@ -74,18 +74,11 @@ def quantised(request, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp(f"gguf-dense-{request.param}")
     hf_dir = write_custom_checkpoint("qwen3_moe", WIDE_QWEN3, root / "hf", seed=0)
     encoder = dense_encoder(types)
-    float_dir = write_encoded_checkpoint(hf_dir, root / "float", lambda *a: _f32(a[2]), encoder)
+    float_dir = write_encoded_checkpoint(hf_dir, root / "float", dense=encoder)
     gguf_path = write_gguf(hf_dir, root / "model.gguf", dense=encoder)
-    tokens = hf_greedy(float_dir, PROMPT_IDS, N_GREEDY)
-    logits = hf_logits(float_dir, PROMPT_IDS + tokens[:-1])
-    gaps = top2_gap(logits[len(PROMPT_IDS) - 1 :])
-    assert gaps.min() >= 1e-3, f"near-tie in the reference: {gaps.tolist()}"
+    tokens, logits = greedy_reference(float_dir, PROMPT_IDS, N_GREEDY, 1e-3)
     assert len(set(tokens)) > 1, tokens
     return gguf_path, tokens, logits, float_dir, types
-
-
-def _f32(stacked: np.ndarray) -> tuple[np.ndarray, QType]:
-    return stacked, QType.F32
 
 
 def test_projections_keep_the_files_types(quantised) -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gguf_checkpoints import GGUF_ARCH, write_dequantized_checkpoint, write_gguf
-from hf_checkpoints import ORACLE_CASES, PROMPT_IDS, hf_greedy, hf_logits, top2_gap
+from hf_checkpoints import ORACLE_CASES, PROMPT_IDS, greedy_reference
 from hf_checkpoints import write_hf_checkpoint as write_hf
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.models.loading import load_model
@@ -59,10 +59,7 @@ def make_case(root: Path, family: str, variant: str, expert_type: str) -> Case:
     if expert_type != "F32":
         float_dir = write_dequantized_checkpoint(hf_dir, root / "float", expert_type)
     gguf_path = write_gguf(hf_dir, root / f"model-{expert_type}.gguf", expert_type)
-    tokens = hf_greedy(float_dir, PROMPT_IDS, N_GREEDY)
-    logits = hf_logits(float_dir, PROMPT_IDS + tokens[:-1])
-    gaps = top2_gap(logits[len(PROMPT_IDS) - 1 :])
-    assert gaps.min() >= MIN_REFERENCE_GAP, f"near-tie in the reference: {gaps.tolist()}"
+    tokens, logits = greedy_reference(float_dir, PROMPT_IDS, N_GREEDY, MIN_REFERENCE_GAP)
     return Case(float_dir, gguf_path, tokens, logits)
 
 

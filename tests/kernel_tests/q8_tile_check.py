@@ -13,7 +13,7 @@ import numba
 import numpy as np
 import torch
 
-from hybridmoe.kernels.numba_moe_q8 import group_sums, quantize_rows
+from hybridmoe.kernels.numba_moe_q8 import group_sums, quantize_rows, quantize_rows_reference
 from hybridmoe.kernels.numba_simd_q8 import dot_path, tile_dot_q8
 from hybridmoe.quant.activation_q8 import q8_linear
 from hybridmoe.quant.formats import weight_format
@@ -64,8 +64,26 @@ def _check(fmt, tile, wrows: int, xrows: int, blocks: int) -> list[str]:
     return [] if np.array_equal(out, expected) else [f"{fmt.name} {wrows}x{xrows} nb={blocks}"]
 
 
+def _quantiser_check(width: int) -> list[str]:
+    """quantize_rows' vectors against quantize_rows_reference, bit for bit, on this path:
+    random scales, a zero block, exact ties."""
+    gen = torch.Generator().manual_seed(width)
+    scales = torch.logspace(-20, 3, 24).repeat_interleave(width)
+    ties = torch.randint(-254, 255, (width,), generator=gen) / 2.0
+    ties[0] = 127.0
+    x = torch.cat([torch.randn(24 * width, generator=gen) * scales, torch.zeros(width), ties])
+    x = x.numpy().astype(np.float32)
+    n = x.size
+    got = np.empty(n, np.int8), np.empty(n // width, np.float32)
+    want = np.empty(n, np.int8), np.empty(n // width, np.float32)
+    quantize_rows(x, n, *got, width)
+    quantize_rows_reference(x, n, *want, width)
+    same = np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    return [] if same else [f"quantize_rows, {width}-blocks"]
+
+
 def main() -> None:
-    failures = []
+    failures = _quantiser_check(32) + _quantiser_check(256)
     for name in INT8_BLOCKS + SUPER_BLOCKS:
         for tile, wrows, xrows in _tiles(weight_format(name).kernel):
             for blocks in (1, 8, 11, 19) if name in INT8_BLOCKS else (1, 3, 8, 9):

@@ -105,6 +105,32 @@ def test_numba_quantiser_inside_a_fastmath_caller() -> None:
     assert np.array_equal(d, ref_d.numpy())
 
 
+@pytest.mark.parametrize("block", [32, 256])
+def test_vector_quantiser_gives_the_scalar_references_bits(block: int) -> None:
+    """quantize_rows (vectors: numba_simd_q8.quantize_block) against quantize_rows_reference
+    (one value at a time) on blocks of every scale, an all-zero block and blocks of exact
+    ties (x * (1 / d) at k + 0.5, which roundf takes away from zero)."""
+    from hybridmoe.kernels.numba_moe_q8 import quantize_rows, quantize_rows_reference
+
+    rng = np.random.default_rng(block)
+    blocks = [rng.standard_normal(block) * 10.0 ** rng.uniform(-30, 4) for _ in range(60)]
+    blocks.append(np.zeros(block))
+    ties = rng.integers(-254, 255, block) / 2.0  # max |x| 127: d = 1, every half a tie
+    ties[:3] = (127.0, 2.5, -2.5)
+    blocks.append(ties)
+    x = np.concatenate(blocks).astype(np.float32)
+    n = x.size
+    got = np.empty(n, np.int8), np.empty(n // block, np.float32)
+    want = np.empty(n, np.int8), np.empty(n // block, np.float32)
+    quantize_rows(x, n, *got, block)
+    quantize_rows_reference(x, n, *want, block)
+    assert np.array_equal(got[0], want[0])
+    assert np.array_equal(got[1].view(np.uint32), want[1].view(np.uint32))
+    tie = (len(blocks) - 1) * block
+    assert list(got[0][tie : tie + 3]) == [127, 3, -3]  # halves away from zero
+    assert not got[0][tie - block : tie].any() and got[1][-2] == 0  # the zero block
+
+
 def _bank(stacked: bool) -> ExpertBank:
     gen = torch.Generator().manual_seed(3)
     gate_up = Q4_0.quantize(torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen))

@@ -24,7 +24,7 @@ from hybridmoe.kernels import numba_moe as nm
 from hybridmoe.kernels import numba_simd_q8
 from hybridmoe.kernels.numba_cache import EntryCache, cached_njit
 from hybridmoe.kernels.numba_simd import prefetch_rows
-from hybridmoe.kernels.numba_simd_q8 import tile_dot_q8
+from hybridmoe.kernels.numba_simd_q8 import quantize_block, tile_dot_q8
 from hybridmoe.quant import activation_q8
 from hybridmoe.quant.formats import WEIGHT_FORMATS, KernelFormat
 
@@ -58,8 +58,21 @@ def _round_away(v):
 
 @cached_njit(**_EXACT)
 def quantize_rows(x, n, q, d, block=32):
-    """The contract's step 1 for x[:n] (float32, n a multiple of `block`, 32 or 256): q[:n]
-    int8 and d[:n / block] float32, block by block: d = max|x| / 127, q = roundf(x * (1 / d))."""
+    """The contract's step 1 for x[:n] (float32, finite, n a multiple of `block`, 32 or 256):
+    q[:n] int8 and d[:n / block] float32, block by block: d = max|x| / 127, q = roundf(x * (1
+    / d)); in vectors (numba_simd_q8.quantize_block), quantize_rows_reference's bits."""
+    if block == 32:
+        for b in range(n // 32):
+            quantize_block(x, b * 32, q, d, b, 32)
+    else:
+        for b in range(n // 256):
+            quantize_block(x, b * 256, q, d, b, 256)
+
+
+@cached_njit(**_EXACT)
+def quantize_rows_reference(x, n, q, d, block=32):
+    """quantize_rows one value at a time (its reference: tests/kernel_tests/
+    test_activation_q8.py compares them)."""
     for b in range(n // block):
         amax = np.float32(0.0)
         for j in range(b * block, b * block + block):

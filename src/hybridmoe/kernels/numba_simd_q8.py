@@ -32,6 +32,13 @@ from the activations' 16-weight sums (`vpmaddwd`). The S and M vectors of 4 (wei
 activation row) pairs are reduced together, exactly, by one transpose-add tree, then
 converted and scaled as one vector; each pair's product is added into lane (super-block
 mod 8) of its accumulator, the lanes of 4 pairs held side by side (one vector add).
+
+The activations' quantisation (the contract's step 1, `quantize_block`) runs in vectors of 16
+floats with generic LLVM operations (every target): the block's max |x| by `maxnum` (exact in
+any order), then per lane the scalar reference's product and its rounding (truncate, compare
+the exact fraction with +-0.5). The scalar loop it replaces cost 4.5 us per 2048 floats on the
+AVX-512 EPYC, 1.0 vectorised; it ran on the calling thread before every q8 projection's
+parallel loop, and in prefill over every token's row (a 384-token prefill 1.17x faster).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from hybridmoe.kernels.llvm_ir import (
     i64,
     load,
     pairwise_sum,
+    splat,
     target_has,
 )
 from hybridmoe.kernels.numba_simd import LINE_BYTES, PREFETCH_LOCALITY, TILES, prefetch_distance
@@ -603,3 +611,75 @@ def tile_dot_q8(
         return None
     args = (weights, w_off, row_bytes, nblocks, xq, xd, xs, x_offs, first, out, out_off, out_stride)
     return types.void(fmt, wrows, xrows, *args), _tile_codegen(fmt.kernel, *shape)
+
+
+QUANT_LANES = 16  # floats a step of quantize_block reads: one AVX-512 register, two AVX2 ones
+
+
+def _quantize_codegen(weights: int):
+    """quantize_block's code for blocks of `weights` (32 or 256) floats."""
+    steps = weights // QUANT_LANES
+    vf = ir.VectorType(F32, QUANT_LANES)
+    vi = ir.VectorType(I32, QUANT_LANES)
+
+    def codegen(context, builder, sig, args):
+        x_ty, _, q_ty, d_ty, _, _ = sig.args
+        x, first, q, d, block, _ = args
+        x_data = builder.gep(context.make_array(x_ty)(context, builder, x).data, [first])
+        q_data = builder.gep(context.make_array(q_ty)(context, builder, q).data, [first])
+        d_at = builder.gep(context.make_array(d_ty)(context, builder, d).data, [block])
+        fabs = declare(builder, "llvm.fabs.v16f32", vf, [vf])
+        maxnum = declare(builder, "llvm.maxnum.v16f32", vf, [vf, vf])
+        trunc = declare(builder, "llvm.trunc.v16f32", vf, [vf])
+        values = [
+            load(builder, builder.gep(x_data, [i64(s * QUANT_LANES)]), vf, align=4)
+            for s in range(steps)
+        ]
+        amax = ir.Constant(vf, None)  # zeros: max |x| of finite x, the order immaterial
+        for v in values:
+            amax = builder.call(maxnum, [amax, builder.call(fabs, [v])])
+        width = QUANT_LANES
+        while width > 1:  # the lanes' max by halves
+            width //= 2
+            low = builder.shuffle_vector(amax, amax, const_vec(I32, list(range(width))))
+            high = builder.shuffle_vector(amax, amax, const_vec(I32, list(range(width, 2 * width))))
+            amax = builder.call(_maxnum(builder, width), [low, high])
+        amax = builder.extract_element(amax, ir.Constant(I32, 0))
+        scale = builder.fdiv(amax, ir.Constant(F32, 127.0))
+        zero = ir.Constant(F32, 0.0)
+        nonzero = builder.fcmp_ordered("!=", scale, zero)
+        inverse = builder.select(nonzero, builder.fdiv(ir.Constant(F32, 1.0), scale), zero)
+        builder.store(scale, d_at)
+        inv = splat(builder, inverse, QUANT_LANES)
+        half, minus_half = (ir.Constant(vf, [v] * QUANT_LANES) for v in (0.5, -0.5))
+        for s, v in enumerate(values):
+            scaled = builder.fmul(v, inv)  # each product rounded, as the scalar step's
+            whole = builder.call(trunc, [scaled])
+            frac = builder.fsub(scaled, whole)  # exact
+            up = builder.zext(builder.fcmp_ordered(">=", frac, half), vi)
+            down = builder.zext(builder.fcmp_ordered("<=", frac, minus_half), vi)
+            rounded = builder.sub(builder.add(builder.fptosi(whole, vi), up), down)
+            at = builder.gep(q_data, [i64(s * QUANT_LANES)])
+            ptr = builder.bitcast(at, ir.VectorType(I8, QUANT_LANES).as_pointer())
+            builder.store(builder.trunc(rounded, ir.VectorType(I8, QUANT_LANES)), ptr, align=1)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _maxnum(builder: ir.IRBuilder, width: int) -> ir.Function:
+    """llvm.maxnum of two <width x float>."""
+    ty = ir.VectorType(F32, width)
+    return declare(builder, f"llvm.maxnum.v{width}f32", ty, [ty, ty])
+
+
+@intrinsic
+def quantize_block(typingctx, x, first, q, d, block, weights):
+    """Step 1 of the q8 contract (quant/activation_q8.py) for the block of `weights` (a
+    literal: 32, or 256 a super-block) floats x[first:]: q[first:first + weights] int8 and
+    d[block] float32, as numba_moe_q8.quantize_rows_reference computes them (d = max|x| / 127,
+    q = roundf(x * (1 / d)), halves away from zero), with vectors of QUANT_LANES floats: the
+    max in any order (exact), each product and rounding lane by lane. x finite."""
+    if not isinstance(weights, types.IntegerLiteral) or weights.literal_value not in (32, 256):
+        return None
+    return types.void(x, first, q, d, block, weights), _quantize_codegen(weights.literal_value)

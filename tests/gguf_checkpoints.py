@@ -55,7 +55,7 @@ def write_gguf(
 ) -> Path:
     """`hf_dir`'s model as a GGUF at `path`, experts in ggml type `expert_type` (or as
     `experts` encodes each merged tensor), dense tensors F32 (or as `dense` encodes each
-    `.weight`; not for llama-arch files, whose q/k rows the converter permutes).
+    `.weight`: llama-arch q/k as the converter stores them, rows permuted).
     `tokenizer`: a tokenizer.json dict (with `pre`, the tokenizer.ggml.pre name, added); None:
     a byte-alphabet vocabulary of the model's size without merges."""
     config = json.loads((hf_dir / "config.json").read_text())
@@ -67,8 +67,6 @@ def write_gguf(
     if chat_template is not None:
         writer.add_chat_template(chat_template)
     encoder = experts or _quantizer(QType[expert_type])
-    if dense is not None and arch == "llama":
-        raise ValueError("write_gguf: `dense` encodes the rows as given, not llama's permuted q/k")
     for name, data, qtype in _gguf_tensors(arch, config, tensors, encoder, dense):
         writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()
@@ -104,12 +102,15 @@ def write_encoded_checkpoint(
         values = torch.from_numpy(gguf.quants.dequantize(stored, qtype).copy())  # [E, rows, cols]
         for e in sorted(by_expert):
             tensors[f"{layer}.{e}.{proj}.weight"] = values[e].clone()
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = GGUF_ARCH.get(config["model_type"])  # None: a family written by its own test module
     for name, value in list(tensors.items()):
-        found = None
+        found, base = None, name.removesuffix(".weight")
         if dense is not None and name.endswith(".weight") and not _EXPERT.match(name):
-            found = dense(name.removesuffix(".weight"), value.float().numpy())
-        if found is not None:
+            found = dense(base, _permuted(arch, config, base, value.float().numpy()))
+        if found is not None:  # what the file's rows stand for, in the checkpoint's order
             stored = gguf.quants.dequantize(found[0], found[1])
+            stored = _permuted(arch, config, base, stored, inverse=True)
             tensors[name] = torch.from_numpy(stored.copy()).to(value.dtype)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
@@ -238,16 +239,16 @@ def _gguf_tensors(
         yield f"{gguf_name(f'{layer}.{proj}')}.weight", data, qtype
 
 
-def _permuted(arch: str, config: dict, base: str, value: np.ndarray) -> np.ndarray:
-    """llama.cpp's LlamaModel.permute of q/k rows (interleaved rotary pairs)."""
+def _permuted(
+    arch: str | None, config: dict, base: str, value: np.ndarray, inverse: bool = False
+) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute of q/k rows (interleaved rotary pairs); `inverse`: its
+    undoing (the stored rows back in the checkpoint's order)."""
     if arch != "llama" or not base.endswith(("q_proj", "k_proj")):
         return value
     heads = config["num_attention_heads"]
     if base.endswith("k_proj"):
         heads = config.get("num_key_value_heads") or heads
     rows = value.shape[0]
-    return (
-        value.reshape(heads, 2, rows // heads // 2, *value.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(value.shape)
-    )
+    split = (heads, rows // heads // 2, 2) if inverse else (heads, 2, rows // heads // 2)
+    return value.reshape(*split, *value.shape[1:]).swapaxes(1, 2).reshape(value.shape)

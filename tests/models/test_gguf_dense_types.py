@@ -6,7 +6,8 @@ stacked one (in the attention block too), and the model gives transformers' gree
 (float32, on the dequantised float model the file stands for, float activations) on every
 decode target, one set of tokens on every target in bfloat16 and with the default q8
 activations (as llama.cpp computes), and --dense-format q8_0 re-quantises the projections from
-the values they stand for."""
+the values they stand for. A llama-arch (Mixtral) file, whose q and k rows the converter
+permutes, keeps them quantised too, its rows reordered as bytes."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
+from safetensors.torch import load_file
 
 from gguf_checkpoints import write_encoded_checkpoint, write_gguf
 from hf_checkpoints import PROMPT_IDS, greedy_reference, write_custom_checkpoint
@@ -168,3 +170,54 @@ def test_dense_format_q8_0_requantises_the_values_the_file_stands_for(quantised)
             return engine.generate_ids([PROMPT_IDS], GREEDY)[0]
 
     assert run(gguf_path) == run(float_dir)
+
+
+# a llama-arch (Mixtral) file: llama.cpp's converter stores q and k with their rows permuted
+WIDE_MIXTRAL = dict(
+    hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128,
+    tie_word_embeddings=False,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mixtral_quantised(tmp_path_factory: pytest.TempPathFactory):
+    """(the Q4_K_M-like Mixtral GGUF, transformers' greedy tokens and logits, the float
+    checkpoint it stands for)."""
+    root = tmp_path_factory.mktemp("gguf-dense-mixtral")
+    hf_dir = write_custom_checkpoint("mixtral", WIDE_MIXTRAL, root / "hf", seed=1)
+    encoder = dense_encoder(FILE_TYPES["q4_k_m"])
+    float_dir = write_encoded_checkpoint(hf_dir, root / "float", dense=encoder)
+    gguf_path = write_gguf(hf_dir, root / "model.gguf", dense=encoder)
+    tokens, logits = greedy_reference(float_dir, PROMPT_IDS, N_GREEDY, 1e-3)
+    assert len(set(tokens)) > 1, tokens
+    return gguf_path, tokens, logits, float_dir
+
+
+def test_mixtral_permuted_rows_stay_in_the_files_types(mixtral_quantised) -> None:
+    """q and k, whose rows the file holds permuted (llama's rotary layout), load in their
+    quantised type with the rows reordered as bytes (models/mixtral.py's RowRestore): each
+    projection's values are the float checkpoint's, exactly."""
+    gguf_path, _, _, float_dir = mixtral_quantised
+    model = load_model(gguf_path)
+    floats = load_file(str(float_dir / "model.safetensors"))
+    types = FILE_TYPES["q4_k_m"]
+    for i, layer in enumerate(model.layers):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            projection = getattr(layer.attn, name)
+            assert projection.fmt == weight_format(types[name].lower()), name
+            values = projection.fmt.dequantize(projection.weight, torch.float32)
+            expected = floats[f"model.layers.{i}.self_attn.{name}.weight"]
+            assert torch.equal(values.reshape(expected.shape), expected), (i, name)
+    assert model.lm_head.fmt == weight_format(types["lm_head"].lower())
+
+
+@pytest.mark.parametrize("target", list(DECODE_TARGETS))
+def test_mixtral_quantised_dense_greedy_matches_transformers(mixtral_quantised, target) -> None:
+    gguf_path, tokens, reference_logits, _ = mixtral_quantised
+    offload = OffloadConfig(decode_target=target, activation_quant="none")
+    with Engine.from_pretrained(gguf_path, EngineConfig(dtype="float32", offload=offload)) as e:
+        [ours] = e.generate_ids([PROMPT_IDS], GREEDY)
+        logits = e.model.logits(PROMPT_IDS + tokens[:-1])
+    assert ours == tokens
+    torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=1e-4)

@@ -7,7 +7,8 @@ family's `restore` undoes what llama.cpp's converter changed (the rotary row per
 llama-arch q/k). Routed experts are not dequantised: `merged_experts` hands the layer's three
 merged tensors over in the file's format, as views of the mapping; nor are quantised dense
 projections (attention, dense MLPs, shared experts, the output head), which
-`stored_projection` hands over the same way where the family restores nothing.
+`stored_projection` hands over the same way where the family restores nothing or only reorders
+rows (`RowRestore`: llama-arch q/k, their quantised rows reordered as bytes).
 """
 
 from __future__ import annotations
@@ -28,6 +29,22 @@ from hybridmoe.loader.weights import MergedExperts, aligned
 GgufNameMap = Callable[[str], "str | tuple[str, ...] | None"]
 # (checkpoint name, dequantised float32 tensor) -> the tensor as the checkpoint held it
 Restore = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+class RowRestore:
+    """A Restore that only reorders rows: `order(name, rows)` gives the checkpoint's row order
+    of tensor `name` as indices into the file's rows (restored = stored[order]), or None for a
+    tensor it leaves as stored. A row is a projection's output, whole in any weight format, so
+    quantised rows move as bytes: stored_projection keeps them in the file's type (llama-arch
+    q/k, whose rows llama.cpp's converter permutes for its rotary layout)."""
+
+    def __init__(self, order: Callable[[str, int], torch.Tensor | None]):
+        self.order = order
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        order = self.order(name, tensor.shape[0]) if tensor.dim() else None
+        return tensor if order is None else tensor[order]
+
 
 # ggml types stored as one float a value: read as torch views, no gguf.quants call
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -103,8 +120,10 @@ class GgufWeightSource:
         type name), marked read; the caller (layers/linear.stored_projection) takes it where
         the type is a weight format whose blocks divide the rows, else reads `get`'s
         dequantised values. None where `get` is the way: a float type, a tensor split in
-        parts, a family whose `restore` rewrites tensors, a shape `get` would refuse."""
-        if self._restore is not None:
+        parts, a family whose `restore` rewrites values (a RowRestore's rows are reordered
+        here, bytes and all: a copy, not a view), a shape `get` would refuse."""
+        restore = self._restore
+        if restore is not None and not isinstance(restore, RowRestore):
             return None
         parts = self._parts(name)
         if parts is None or len(parts) != 1 or parts[0].type_name in _FLOAT_TYPES:
@@ -112,8 +131,12 @@ class GgufWeightSource:
         tensor = parts[0]
         if tuple(tensor.shape) != tuple(shape) or tensor.data.dim() != 2:
             return None
+        data = tensor.data
+        order = None if restore is None else restore.order(name, data.shape[0])
+        if order is not None:
+            data = data[order]
         self._mark_read(tensor)
-        return tensor.data, tensor.type_name
+        return data, tensor.type_name
 
     def merged_experts(self, prefix: str, names: tuple[str, str, str]) -> MergedExperts | None:
         """The layer's merged expert tensors, asked for as `prefix`.{gate,up,down name}.weight,

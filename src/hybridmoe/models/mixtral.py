@@ -14,7 +14,7 @@ import torch
 
 from hybridmoe.config.model import HfConfigReader, ModelConfig
 from hybridmoe.loader.gguf import GgufFile
-from hybridmoe.loader.gguf_weights import Restore
+from hybridmoe.loader.gguf_weights import RowRestore
 from hybridmoe.models.gguf_config import GgufKeys, GgufSpec, decoder_fields, unpermute_rope_rows
 from hybridmoe.models.parsing import decoder_config
 from hybridmoe.models.registry import ModelFamily, WeightNames, register
@@ -63,17 +63,18 @@ def mixtral_config(gguf: GgufFile) -> dict:
     }
 
 
-def mixtral_restore(cfg: ModelConfig) -> Restore:
-    """llama.cpp's converter permutes llama-arch q/k rows for its rotary layout: undo it."""
+def mixtral_restore(cfg: ModelConfig) -> RowRestore:
+    """llama.cpp's converter permutes llama-arch q/k rows for its rotary layout: undo it, as a
+    row order (a quantised q or k stays in the file's type, its rows reordered)."""
     heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}
 
-    def restore(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        projection = name.rsplit(".", 2)[-2]
-        if projection not in heads:
-            return tensor
-        return unpermute_rope_rows(tensor, heads[projection])
+    def order(name: str, rows: int) -> torch.Tensor | None:
+        parts = name.rsplit(".", 2)
+        if len(parts) < 3 or parts[-2] not in heads:
+            return None
+        return unpermute_rope_rows(torch.arange(rows), heads[parts[-2]])
 
-    return restore
+    return RowRestore(order)
 
 
 MIXTRAL = register(

@@ -98,10 +98,21 @@ def _round_trip(name: str, x: torch.Tensor, dense_type: str) -> torch.Tensor:
         return (-stored).log()
     if _is_offset_norm(name):
         return (x + 1) - 1
-    if x.ndim >= 2 and dense_type != "F32" and not name.endswith(_KEPT_F32):
-        stored = gguf.quants.quantize(x.numpy(), QType[dense_type])
-        return torch.from_numpy(gguf.quants.dequantize(stored, QType[dense_type]).copy())
+    qtype = _stored_type(name, x, dense_type)
+    if qtype is not None:
+        stored = gguf.quants.quantize(x.numpy(), qtype)
+        return torch.from_numpy(gguf.quants.dequantize(stored, qtype).copy())
     return x
+
+
+def _stored_type(name: str, x: torch.Tensor, dense_type: str) -> QType | None:
+    """The ggml type a dense tensor is stored in, None for F32: `dense_type` for a matrix
+    whose rows are whole blocks of it (the converter keeps others as they are)."""
+    if x.ndim < 2 or dense_type == "F32" or name.endswith(_KEPT_F32):
+        return None
+    qtype = QType[dense_type]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    return qtype if x.shape[-1] % block == 0 else None
 
 
 def _is_offset_norm(name: str) -> bool:
@@ -168,9 +179,11 @@ def _hybrid_tensors(arch: str, config: dict, tensors: dict, dense_type: str, enc
         if _EXPERT.match(name):
             continue
         for part_name, part in _converted(arch, config, name, value.float()):
-            data, qtype = part.numpy(), QType.F32
-            if part.ndim >= 2 and dense_type != "F32" and not name.endswith(_KEPT_F32):
-                data, qtype = gguf.quants.quantize(data, QType[dense_type]), QType[dense_type]
+            data, qtype = part.numpy(), _stored_type(name, part, dense_type)
+            if qtype is None:
+                qtype = QType.F32
+            else:
+                data = gguf.quants.quantize(data, qtype)
             yield gguf_name(part_name), data, qtype
     for (layer, proj), by_expert in _merged_experts(tensors).items():
         stacked = np.stack([by_expert[e].float().numpy() for e in sorted(by_expert)])

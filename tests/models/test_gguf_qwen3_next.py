@@ -9,7 +9,8 @@ every decode target for prompts of 1, 7 and 64 tokens (the prefill's chunk; the 
 files: 7), logits within tolerance, and requests of those lengths batched. Two kinds of file
 per family: F32 (Qwen3.5's with a multi-token-prediction block to leave unread), and a
 Q4_K_M-like one: dense tensors BF16, experts seeded random Q4_K / Q5_K / Q6_K blocks (rows of
-256 weights), dequantised by gguf.quants for transformers.
+256 weights), dequantised by gguf.quants for transformers; and a Qwen3-Next file whose dense
+matrices are Q8_0, its attention, shared experts and head kept in that type.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from gguf_hybrid_checkpoints import write_hybrid_gguf, write_hybrid_reference
 from hybrid_checkpoints import hf_greedy, hf_model, write_checkpoint
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.errors import CheckpointError, UnsupportedConfigError
+from hybridmoe.layers.gated_deltanet import GatedDeltaNet
 from hybridmoe.loader.gguf import GgufFile
 from hybridmoe.loader.gguf_tokenizer import gguf_tokenizer
 from hybridmoe.models.loading import load_model
@@ -62,6 +64,7 @@ CASES = {
     "qwen35moe-F32-mtp": ("qwen3_5_moe", "F32", False, 1),
     "qwen3next-BF16-kquant": ("qwen3_next_wide", "BF16", True, 0),
     "qwen35moe-BF16-kquant-mtp": ("qwen3_5_moe_wide", "BF16", True, 1),
+    "qwen3next-Q8_0-kquant": ("qwen3_next_wide", "Q8_0", True, 0),
 }
 SSM_KEYS = ("conv_kernel", "state_size", "group_count", "time_step_rank", "inner_size")
 
@@ -79,6 +82,7 @@ class Case:
     gguf_path: Path
     float_dir: Path  # the float checkpoint the GGUF stands for
     kquant: bool
+    dense_type: str  # the ggml type of its dense matrices
     tokens: dict[int, list[int]]  # prompt length -> transformers' greedy tokens
     logits: dict[int, torch.Tensor]  # prompt length -> [T + N_GREEDY - 1, V]
 
@@ -99,7 +103,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         top2 = logits[n][n - 1 :].topk(2, dim=-1).values
         gaps = top2[:, 0] - top2[:, 1]
         assert gaps.min() >= MIN_REFERENCE_GAP, f"prompt {n}: near-tie {gaps.tolist()}"
-    return Case(gguf_path, float_dir, kquant, tokens, logits)
+    return Case(gguf_path, float_dir, kquant, dense_type, tokens, logits)
 
 
 def _engine(path: Path, offload: OffloadConfig) -> Engine:
@@ -118,6 +122,27 @@ def test_config_is_the_safetensors_loads(case: Case) -> None:
         bank = layer.experts.store  # the file's types, not dequantised
         assert bank.gate_up_fmt == weight_format(gate.lower()), i
         assert bank.down_fmt == weight_format(down.lower()), i
+
+
+def test_quantised_dense_projections_stay_in_the_files_type(case: Case) -> None:
+    """A Q8_0 file's attention, shared-expert and dense-MLP projections and its output head
+    load as Q8_0 bytes (the family's restore rewrites norms, A_log and the linear attention's
+    input projection, not these; a matrix whose rows are not whole blocks the file keeps in
+    F32); the linear attention's projections are read by `get`, as floats."""
+    if case.dense_type != "Q8_0":
+        pytest.skip("a float-dense file")
+    model = load_model(case.gguf_path)
+    q8_0 = weight_format("q8_0")
+    assert model.lm_head.fmt == q8_0
+    stored = []
+    for layer in model.layers:
+        if isinstance(layer.attn, GatedDeltaNet):
+            assert not any(p.fmt.is_quantized for p in layer.attn.projections())
+        else:
+            stored += layer.attn.projections()
+        stored += layer.mlp.projections()
+    formats = {p.fmt.name for p in stored if p.in_features % 32 == 0}
+    assert len(stored) > 8 and formats == {"q8_0"}, formats
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -32,18 +32,31 @@ Restore = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 class RowRestore:
-    """A Restore that only reorders rows: `order(name, rows)` gives the checkpoint's row order
-    of tensor `name` as indices into the file's rows (restored = stored[order]), or None for a
-    tensor it leaves as stored. A row is a projection's output, whole in any weight format, so
-    quantised rows move as bytes: stored_projection keeps them in the file's type (llama-arch
-    q/k, whose rows llama.cpp's converter permutes for its rotary layout)."""
+    """A Restore that says per tensor what it does: `order(name, rows)` gives the checkpoint's
+    row order of tensor `name` as indices into the file's rows (restored = stored[order]),
+    None for a tensor it leaves as stored, or REWRITTEN for one whose values `values(name,
+    tensor)` rewrites. A row is a projection's output, whole in any weight format, so
+    stored_projection keeps a quantised projection in the file's type where its rows are
+    reordered or left (llama-arch q/k, whose rows llama.cpp's converter permutes for its
+    rotary layout; every projection of a family that rewrites only norms and the like)."""
 
-    def __init__(self, order: Callable[[str, int], torch.Tensor | None]):
-        self.order = order
+    def __init__(
+        self,
+        order: Callable[[str, int], torch.Tensor | str | None],
+        values: Restore | None = None,
+    ):
+        self.order, self.values = order, values
 
     def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        order = self.order(name, tensor.shape[0]) if tensor.dim() else None
-        return tensor if order is None else tensor[order]
+        order = self.order(name, tensor.shape[0] if tensor.dim() else 0)
+        if order is None:
+            return tensor
+        if isinstance(order, str):  # REWRITTEN
+            return self.values(name, tensor)
+        return tensor[order]
+
+
+REWRITTEN = "rewritten"  # RowRestore.order's answer for a tensor whose values it rewrites
 
 
 # ggml types stored as one float a value: read as torch views, no gguf.quants call
@@ -120,8 +133,9 @@ class GgufWeightSource:
         type name), marked read; the caller (layers/linear.stored_projection) takes it where
         the type is a weight format whose blocks divide the rows, else reads `get`'s
         dequantised values. None where `get` is the way: a float type, a tensor split in
-        parts, a family whose `restore` rewrites values (a RowRestore's rows are reordered
-        here, bytes and all: a copy, not a view), a shape `get` would refuse."""
+        parts, a tensor whose values the family's `restore` rewrites (a RowRestore's row order
+        is applied here, bytes and all: a copy, not a view; any other Restore: every tensor),
+        a shape `get` would refuse."""
         restore = self._restore
         if restore is not None and not isinstance(restore, RowRestore):
             return None
@@ -133,6 +147,8 @@ class GgufWeightSource:
             return None
         data = tensor.data
         order = None if restore is None else restore.order(name, data.shape[0])
+        if isinstance(order, str):  # REWRITTEN: its values change, as `get` computes them
+            return None
         if order is not None:
             data = data[order]
         self._mark_read(tensor)

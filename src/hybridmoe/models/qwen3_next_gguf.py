@@ -36,7 +36,7 @@ import torch
 from hybridmoe.config.model import LinearAttentionConfig, ModelConfig
 from hybridmoe.errors import CheckpointError
 from hybridmoe.loader.gguf import GgufFile
-from hybridmoe.loader.gguf_weights import GgufNameMap, Restore
+from hybridmoe.loader.gguf_weights import REWRITTEN, GgufNameMap, RowRestore
 from hybridmoe.models.gguf_config import (
     GgufKeys,
     GgufSpec,
@@ -99,29 +99,51 @@ def hybrid_name_map(cfg: ModelConfig) -> GgufNameMap:
     return name_map
 
 
-def qwen3next_restore(cfg: ModelConfig) -> Restore:
+def qwen3next_restore(cfg: ModelConfig) -> RowRestore:
+    """The tensors below rewritten; every other one (attention, the experts' and shared
+    experts' projections, the output head) as stored, so quantised ones keep the file's
+    type."""
+
+    def rewrites(name: str) -> bool:
+        return name.endswith("linear_attn.in_proj_qkvz.weight") or _scalar(name)
+
     def restore(name: str, value: torch.Tensor) -> torch.Tensor:
         if name.endswith("linear_attn.in_proj_qkvz.weight"):
             return _grouped_qkvz(value, cfg.linear_attention)
         return _restore_scalars(name, value)
 
-    return restore
+    return RowRestore(lambda name, rows: REWRITTEN if rewrites(name) else None, restore)
 
 
-def qwen35moe_restore(cfg: ModelConfig) -> Restore:
+def qwen35moe_restore(cfg: ModelConfig) -> RowRestore:
+    """As qwen3next_restore; the linear attention's tensors rewritten where value heads are
+    tiled (more value heads than key heads)."""
     spec = cfg.linear_attention
+    tiled = spec.num_value_heads != spec.num_key_heads
+
+    def rewrites(name: str) -> bool:
+        return (tiled and ".linear_attn." in name) or _scalar(name)
 
     def restore(name: str, value: torch.Tensor) -> torch.Tensor:
-        if ".linear_attn." in name and spec.num_value_heads != spec.num_key_heads:
+        if tiled and ".linear_attn." in name:
             value = _grouped_value_heads(name, value, spec)
         return _restore_scalars(name, value)
 
-    return restore
+    return RowRestore(lambda name, rows: REWRITTEN if rewrites(name) else None, restore)
+
+
+def _scalar(name: str) -> bool:
+    """Whether _restore_scalars rewrites tensor `name`."""
+    return _offset_norm(name) or name.endswith(".A_log")
+
+
+def _offset_norm(name: str) -> bool:
+    return name == "model.norm.weight" or name.endswith(_OFFSET_NORMS)
 
 
 def _restore_scalars(name: str, value: torch.Tensor) -> torch.Tensor:
     """Undo `1 + w` on the offset norms and `-exp(A_log)` (computed in float32)."""
-    if name == "model.norm.weight" or name.endswith(_OFFSET_NORMS):
+    if _offset_norm(name):
         return (value.float() - 1).to(value.dtype)
     if name.endswith(".A_log"):
         bad = ~(value <= 0)  # positive or NaN

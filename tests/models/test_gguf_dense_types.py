@@ -102,6 +102,11 @@ def test_projections_keep_the_files_types(quantised) -> None:
 @pytest.mark.parametrize("target", list(DECODE_TARGETS))
 def test_quantised_dense_greedy_matches_transformers(quantised, target: str) -> None:
     gguf_path, tokens, reference_logits, _, _ = quantised
+    _assert_transformers_greedy(gguf_path, tokens, reference_logits, target)
+
+
+def _assert_transformers_greedy(gguf_path, tokens, reference_logits, target: str) -> None:
+    """float32, float activations (transformers' arithmetic): its greedy tokens, its logits."""
     offload = OffloadConfig(decode_target=target, activation_quant="none")
     with Engine.from_pretrained(gguf_path, EngineConfig(dtype="float32", offload=offload)) as e:
         [ours] = e.generate_ids([PROMPT_IDS], GREEDY)
@@ -215,9 +220,4 @@ def test_mixtral_permuted_rows_stay_in_the_files_types(mixtral_quantised) -> Non
 @pytest.mark.parametrize("target", list(DECODE_TARGETS))
 def test_mixtral_quantised_dense_greedy_matches_transformers(mixtral_quantised, target) -> None:
     gguf_path, tokens, reference_logits, _ = mixtral_quantised
-    offload = OffloadConfig(decode_target=target, activation_quant="none")
-    with Engine.from_pretrained(gguf_path, EngineConfig(dtype="float32", offload=offload)) as e:
-        [ours] = e.generate_ids([PROMPT_IDS], GREEDY)
-        logits = e.model.logits(PROMPT_IDS + tokens[:-1])
-    assert ours == tokens
-    torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=1e-4)
+    _assert_transformers_greedy(gguf_path, tokens, reference_logits, target)

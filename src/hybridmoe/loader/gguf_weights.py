@@ -7,8 +7,9 @@ family's `restore` undoes what llama.cpp's converter changed (the rotary row per
 llama-arch q/k). Routed experts are not dequantised: `merged_experts` hands the layer's three
 merged tensors over in the file's format, as views of the mapping; nor are quantised dense
 projections (attention, dense MLPs, shared experts, the output head), which
-`stored_projection` hands over the same way where the family restores nothing or only reorders
-rows (`RowRestore`: llama-arch q/k, their quantised rows reordered as bytes).
+`stored_projection` hands over the same way where the family's restore leaves them as stored
+or only reorders their rows (`RowRestore`: llama-arch q/k, their quantised rows reordered as
+bytes; Qwen3-Next's restore rewrites norms and its linear attention's tensors, not these).
 """
 
 from __future__ import annotations

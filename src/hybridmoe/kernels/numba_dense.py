@@ -126,6 +126,21 @@ def _finish(fmt, w, row_bytes, n, nrows, r0, rows, x, tokens, bias, y, y_bf16):
 
 
 @cached_njit(inline="always", **_FLAGS)
+def float32_io(x, x_bf16, y, n_in, n_out):
+    """(the input, the output) a dense kernel computes in: x and y as given for float32
+    activations; for bf16 ones (x_bf16 not empty) x_bf16's n_in values widened to float32
+    (the high half of the bits, exact) and a float32 array of n_out for the output, which
+    _finish rounds into y_bf16."""
+    if not x_bf16.shape[0]:
+        return x, y
+    widened = np.empty(n_in, np.float32)
+    bits = widened.view(np.uint32)
+    for i in range(n_in):
+        bits[i] = np.uint32(x_bf16[i]) << np.uint32(16)
+    return widened, np.empty(n_out, np.float32)
+
+
+@cached_njit(inline="always", **_FLAGS)
 def _dense(fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows):
     """y[t * nrows + r] = row r of w · x[t * n : (t + 1) * n] + bias[r] (no bias when `bias`
     is empty); r < nrows, t < tokens. w uint8: nrows rows of row_bytes bytes, n weights each,
@@ -133,12 +148,7 @@ def _dense(fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item
     activations: x f32 [tokens * n] -> y f32 [tokens * nrows] (x_bf16, y_bf16 empty); bf16
     ones: x_bf16 uint16 [tokens * n] (bf16 bits) -> y_bf16 uint16 [tokens * nrows], rounded
     once (x, y empty)."""
-    if x_bf16.shape[0]:  # bf16 bits -> float32: the high half
-        x = np.empty(tokens * n, np.float32)
-        x_bits = x.view(np.uint32)
-        for i in range(tokens * n):
-            x_bits[i] = np.uint32(x_bf16[i]) << np.uint32(16)
-        y = np.empty(tokens * nrows, np.float32)
+    x, y = float32_io(x, x_bf16, y, tokens * n, tokens * nrows)
     if streams(fmt, tokens):
         item_rows *= STREAM_ITEMS  # one stream a thread, restarted less often
     items = (nrows + item_rows - 1) // item_rows

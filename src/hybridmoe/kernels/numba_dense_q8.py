@@ -65,12 +65,7 @@ def _rows_q8(fmt, w, w_off, row_bytes, blocks, nrows, xq, xd, xs, x_offs, tokens
 def _dense_q8(fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows):
     """numba_dense._dense's contract (the same arguments), each dot product by the q8
     contract instead of float32 sums of the dequantised weights."""
-    if x_bf16.shape[0]:  # bf16 bits -> float32: the high half, exact
-        x = np.empty(tokens * n, np.float32)
-        x_bits = x.view(np.uint32)
-        for i in range(tokens * n):
-            x_bits[i] = np.uint32(x_bf16[i]) << np.uint32(16)
-        y = np.empty(tokens * nrows, np.float32)
+    x, y = numba_dense.float32_io(x, x_bf16, y, tokens * n, tokens * nrows)
     xq, xd, xs = _quantized(fmt, x, tokens * n)  # every token's row, its own blocks
     x_offs = np.arange(tokens) * n
     blocks = n // fmt.block_weights

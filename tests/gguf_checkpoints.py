@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 from safetensors.torch import load_file, save_file
+
+from hybridmoe.quant.formats import weight_format
+from random_weights import random_stored
 
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe"}
 _MODEL_ARCH = {
@@ -114,6 +118,24 @@ def write_encoded_checkpoint(
             tensors[name] = torch.from_numpy(stored.copy()).to(value.dtype)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+def random_dense_encoder(types: dict[str, str]) -> DenseEncoder:
+    """A DenseEncoder storing each projection named in `types` (its last name part: q_proj,
+    lm_head, ...) in that ggml type: Q8_0 by gguf's quantiser, the k-quants (no quantiser) as
+    seeded random blocks of about a float model's scale (std ~0.06, 1 / sqrt(256))."""
+
+    def encode(base: str, value: np.ndarray) -> tuple[np.ndarray, QType] | None:
+        type_name = types.get(base.rsplit(".", 1)[-1])
+        if type_name is None:
+            return None
+        if type_name == "Q8_0":
+            return gguf.quants.quantize(value, QType.Q8_0), QType.Q8_0
+        gen = torch.Generator().manual_seed(zlib.crc32(base.encode()))
+        stored = random_stored(weight_format(type_name.lower()), value.shape, gen, 0.25)
+        return stored.numpy(), QType[type_name]
+
+    return encode
 
 
 def _quantizer(qtype: QType) -> ExpertEncoder:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from gguf_checkpoints import write_gguf
+from gguf_checkpoints import random_dense_encoder, write_gguf
 from hf_checkpoints import PROMPT_IDS, write_custom_checkpoint
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.kernels import attention_block, numba_attention, numba_dense
@@ -169,16 +169,7 @@ def dense_kquant_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     hf_dir = write_custom_checkpoint(
         "qwen3_moe", {**KQUANT_QWEN3, "tie_word_embeddings": False}, root / "hf", seed=0
     )
-
-    def encode(base: str, value: np.ndarray) -> tuple[np.ndarray, QType] | None:
-        type_name = DENSE_TYPES.get(base.rsplit(".", 1)[-1])
-        if type_name is None:
-            return None
-        gen = torch.Generator().manual_seed(zlib.crc32(base.encode()))
-        fmt = weight_format(type_name.lower())
-        return random_stored(fmt, value.shape, gen, 0.25).numpy(), QType[type_name]
-
-    return write_gguf(hf_dir, root / "model.gguf", dense=encode)
+    return write_gguf(hf_dir, root / "model.gguf", dense=random_dense_encoder(DENSE_TYPES))
 
 
 @pytest.mark.parametrize("activation_quant", ["none", "q8"])

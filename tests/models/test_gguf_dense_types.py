@@ -12,23 +12,18 @@ permutes, keeps them quantised too, its rows reordered as bytes."""
 from __future__ import annotations
 
 import os
-import zlib
 
-import gguf
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as QType
 from safetensors.torch import load_file
 
-from gguf_checkpoints import write_encoded_checkpoint, write_gguf
+from gguf_checkpoints import random_dense_encoder, write_encoded_checkpoint, write_gguf
 from hf_checkpoints import PROMPT_IDS, greedy_reference, write_custom_checkpoint
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.models.loading import load_model
 from hybridmoe.moe.backends import DECODE_TARGETS
 from hybridmoe.moe.config import OffloadConfig
 from hybridmoe.quant.formats import weight_format
-from random_weights import random_stored
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -49,25 +44,6 @@ WIDE_QWEN3 = dict(
 )  # fmt: skip
 
 
-def dense_encoder(types: dict[str, str]):
-    """A DenseEncoder storing the attention projections and the head in `types`: Q8_0 by
-    gguf's quantiser, the k-quants (no quantiser) as seeded random blocks of about the float
-    model's scale (std ~0.06, its 1 / sqrt(256))."""
-
-    def encode(base: str, value: np.ndarray) -> tuple[np.ndarray, QType] | None:
-        type_name = types.get(base.rsplit(".", 1)[-1])
-        if type_name is None:
-            return None
-        if type_name == "Q8_0":
-            return gguf.quants.quantize(value, QType.Q8_0), QType.Q8_0
-        gen = torch.Generator().manual_seed(zlib.crc32(base.encode()))
-        return random_stored(weight_format(type_name.lower()), value.shape, gen, 0.25).numpy(), (
-            QType[type_name]
-        )
-
-    return encode
-
-
 @pytest.fixture(scope="module", params=list(FILE_TYPES))
 def quantised(request, tmp_path_factory: pytest.TempPathFactory):
     """(the GGUF, transformers' greedy tokens and logits on the float model it stands for, the
@@ -75,7 +51,7 @@ def quantised(request, tmp_path_factory: pytest.TempPathFactory):
     types = FILE_TYPES[request.param]
     root = tmp_path_factory.mktemp(f"gguf-dense-{request.param}")
     hf_dir = write_custom_checkpoint("qwen3_moe", WIDE_QWEN3, root / "hf", seed=0)
-    encoder = dense_encoder(types)
+    encoder = random_dense_encoder(types)
     float_dir = write_encoded_checkpoint(hf_dir, root / "float", dense=encoder)
     gguf_path = write_gguf(hf_dir, root / "model.gguf", dense=encoder)
     tokens, logits = greedy_reference(float_dir, PROMPT_IDS, N_GREEDY, 1e-3)
@@ -191,7 +167,7 @@ def mixtral_quantised(tmp_path_factory: pytest.TempPathFactory):
     checkpoint it stands for)."""
     root = tmp_path_factory.mktemp("gguf-dense-mixtral")
     hf_dir = write_custom_checkpoint("mixtral", WIDE_MIXTRAL, root / "hf", seed=1)
-    encoder = dense_encoder(FILE_TYPES["q4_k_m"])
+    encoder = random_dense_encoder(FILE_TYPES["q4_k_m"])
     float_dir = write_encoded_checkpoint(hf_dir, root / "float", dense=encoder)
     gguf_path = write_gguf(hf_dir, root / "model.gguf", dense=encoder)
     tokens, logits = greedy_reference(float_dir, PROMPT_IDS, N_GREEDY, 1e-3)

@@ -30,6 +30,7 @@ read (gguf_config.nextn_prefixes), as safetensors' `mtp.` tensors are not.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -100,36 +101,41 @@ def hybrid_name_map(cfg: ModelConfig) -> GgufNameMap:
 
 
 def qwen3next_restore(cfg: ModelConfig) -> RowRestore:
-    """The tensors below rewritten; every other one (attention, the experts' and shared
-    experts' projections, the output head) as stored, so quantised ones keep the file's
-    type."""
-
-    def rewrites(name: str) -> bool:
-        return name.endswith("linear_attn.in_proj_qkvz.weight") or _scalar(name)
-
-    def restore(name: str, value: torch.Tensor) -> torch.Tensor:
-        if name.endswith("linear_attn.in_proj_qkvz.weight"):
-            return _grouped_qkvz(value, cfg.linear_attention)
-        return _restore_scalars(name, value)
-
-    return RowRestore(lambda name, rows: REWRITTEN if rewrites(name) else None, restore)
+    """in_proj_qkvz regrouped by key head, the offset norms and A_log undone; every other
+    tensor (attention, the experts' and shared experts' projections, the output head) as
+    stored, so quantised ones keep the file's type."""
+    return _restore(
+        lambda name: name.endswith("linear_attn.in_proj_qkvz.weight"),
+        lambda name, value: _grouped_qkvz(value, cfg.linear_attention),
+    )
 
 
 def qwen35moe_restore(cfg: ModelConfig) -> RowRestore:
-    """As qwen3next_restore; the linear attention's tensors rewritten where value heads are
+    """As qwen3next_restore; the linear attention's tensors regrouped where value heads are
     tiled (more value heads than key heads)."""
     spec = cfg.linear_attention
     tiled = spec.num_value_heads != spec.num_key_heads
+    return _restore(
+        lambda name: tiled and ".linear_attn." in name,
+        lambda name, value: _grouped_value_heads(name, value, spec),
+    )
 
-    def rewrites(name: str) -> bool:
-        return (tiled and ".linear_attn." in name) or _scalar(name)
 
-    def restore(name: str, value: torch.Tensor) -> torch.Tensor:
-        if tiled and ".linear_attn." in name:
-            value = _grouped_value_heads(name, value, spec)
+def _restore(
+    regrouped: Callable[[str], bool], regroup: Callable[[str, torch.Tensor], torch.Tensor]
+) -> RowRestore:
+    """A family's RowRestore: the tensors `regrouped` names regrouped by `regroup`, then
+    _restore_scalars; every tensor neither rewrites passes as stored."""
+
+    def order(name: str, rows: int) -> str | None:
+        return REWRITTEN if regrouped(name) or _scalar(name) else None
+
+    def values(name: str, value: torch.Tensor) -> torch.Tensor:
+        if regrouped(name):
+            value = regroup(name, value)
         return _restore_scalars(name, value)
 
-    return RowRestore(lambda name, rows: REWRITTEN if rewrites(name) else None, restore)
+    return RowRestore(order, values)
 
 
 def _scalar(name: str) -> bool:

@@ -95,6 +95,11 @@ def parse_args() -> argparse.Namespace:
         help="hybridmoe's --attention-kernel (when the numba decode attention runs, not SDPA)",
     )
     parser.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="hybridmoe's --huge-pages (its GGUF copied onto transparent huge pages at load)",
+    )
+    parser.add_argument(
         "--busy-cores", type=float, default=0.5, help="others' cores that make a round busy"
     )
     parser.add_argument("--json", type=Path, default=None, help="write every round here")
@@ -141,6 +146,7 @@ def run_worker(engine: str, path: Path, threads: int, args: argparse.Namespace) 
     command += ["--batch", str(args.batch), "--prefill-tokens", str(args.prefill_tokens)]
     command += ["--activation-quant", args.activation_quant]
     command += ["--attention-kernel", args.attention_kernel]
+    command += ["--huge-pages"] if args.huge_pages else []
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:

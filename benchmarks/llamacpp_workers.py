@@ -90,7 +90,11 @@ def _peak_rss_mib() -> float:
 
 
 def hybridmoe_config(
-    threads: int, batch: int, activation_quant: str = "auto", attention_kernel: str = "auto"
+    threads: int,
+    batch: int,
+    activation_quant: str = "auto",
+    attention_kernel: str = "auto",
+    huge_pages: bool = False,
 ):
     """The EngineConfig the bench runs hybridmoe with: `--decode-target cpu`, bf16, no prefix
     cache (llama.cpp's KV is cleared before every request, so each prefills it all); nothing
@@ -98,7 +102,7 @@ def hybridmoe_config(
     as --activation-quant (auto, hybridmoe's default, and q8: experts with integer blocks by
     integer dots, as llama.cpp computes; none: float activations),
     `attention_kernel` as --attention-kernel (auto, on, off: when the numba decode attention
-    runs instead of SDPA)."""
+    runs instead of SDPA), `huge_pages` as --huge-pages."""
     from hybridmoe.engine import EngineConfig
     from hybridmoe.moe.config import OffloadConfig
 
@@ -111,6 +115,7 @@ def hybridmoe_config(
         max_batch=max(batch, 1),
         prefix_cache_tokens=0,
         attention_kernel=attention_kernel,
+        huge_pages=huge_pages,
         offload=offload,
     )
 
@@ -121,7 +126,9 @@ def load_hybridmoe(path: Path, threads: int, args):
     from hybridmoe.engine import Engine, SamplingParams
 
     torch.set_num_threads(threads)
-    config = hybridmoe_config(threads, args.batch, args.activation_quant, args.attention_kernel)
+    config = hybridmoe_config(
+        threads, args.batch, args.activation_quant, args.attention_kernel, args.huge_pages
+    )
     engine = Engine.from_pretrained(path, config)
 
     def generate(batch_prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -276,6 +283,7 @@ def parse_worker_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.add_argument(flag, type=int, required=True)
     parser.add_argument("--activation-quant", choices=("auto", "none", "q8"), default="auto")
     parser.add_argument("--attention-kernel", default="auto")
+    parser.add_argument("--huge-pages", action="store_true")
     return parser.parse_args(argv)
 
 

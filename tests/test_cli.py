@@ -139,3 +139,12 @@ def test_bad_cpu_threads_is_a_usage_error(cache_dir):
     assert result.returncode == 2
     assert "cpu_threads" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_huge_pages_flag_reaches_the_loader(cache_dir):
+    """`--huge-pages` on the demo model (a Hugging Face checkpoint): the loader's refusal,
+    in one line (its GGUF loads: tests/loader/test_huge_pages.py)."""
+    result = run_cli(GENERATE + ["--huge-pages"], cache_dir)
+    assert result.returncode != 0
+    assert "--huge-pages applies to GGUF files" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -120,6 +120,10 @@ FLAG_DOCS: dict[str, FlagDoc] = {
         "the GGUF in --model's directory or Hugging Face repo: its file name or a part of it "
         "such as Q4_K_M"
     ),
+    "huge_pages": FlagDoc(
+        "copy a GGUF's weights onto transparent huge pages at load (Linux): faster CPU "
+        "decode, the file's size in RAM instead of memory-mapped"
+    ),
     "device": FlagDoc(DEVICE_HELP),
     "gpu_memory": FlagDoc(
         "GiB of device memory to use; expert slots fill what the dense weights and KV "

@@ -59,6 +59,9 @@ class EngineConfig:
     # tokens; on also elsewhere (float32: within SDPA's tolerance, a greedy decode may part
     # from transformers' at a near-tie); off: SDPA
     attention_kernel: str = "auto"
+    # a GGUF's mapping moved onto anonymous transparent huge pages at load (loader/
+    # huge_pages.py): 0-8 % less time a CPU decode step, the file's bytes in the process's RSS
+    huge_pages: bool = False
     offload: OffloadConfig = field(default_factory=OffloadConfig)  # where experts decode
 
     def __post_init__(self) -> None:

@@ -89,7 +89,7 @@ class Engine:
             torch.set_num_threads(config.threads)
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
         model, tokenizer = load_checkpoint(
-            resolve_model(str(path), config.gguf_file), dtype, config.progress
+            resolve_model(str(path), config.gguf_file), dtype, config.progress, config.huge_pages
         )
         if config.dense_format != "auto":
             head_format = weight_format(HEAD_FORMATS[config.dense_format])

@@ -90,12 +90,17 @@ def is_gguf(path: Path) -> bool:
 class GgufFile:
     """The metadata (from the first part) and the tensors (of every part) of one GGUF model."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, huge_pages: bool = False, progress: bool = False):
+        """`huge_pages`: every part's mapping moved onto transparent huge pages
+        (loader/huge_pages.py; CheckpointError where the system cannot), a progress bar with
+        `progress`."""
         self.paths = find_gguf_files(Path(path))
         self.path = self.paths[0]
         readers = [_open_reader(p) for p in self.paths]
         self.fields = readers[0].fields  # key -> GgufField
         self._check_split(readers)
+        if huge_pages:
+            _move_to_huge_pages(readers, self.paths, progress)
         self.tensors: dict[str, GgufTensor] = {}
         for reader, part in zip(readers, self.paths, strict=True):
             whole = torch.from_numpy(reader.mapped)  # uint8 [file bytes], one storage
@@ -166,6 +171,28 @@ def _float32_type():
 def _field(reader, key: str) -> Any:
     field = reader.fields.get(key)
     return None if field is None else field.value
+
+
+def _move_to_huge_pages(readers, paths: list[Path], progress: bool) -> None:
+    """Each part's mapping onto huge pages, before any tensor is made of it."""
+    from tqdm import tqdm
+
+    from hybridmoe.loader.huge_pages import huge_pages_supported, move_to_huge_pages
+
+    if not huge_pages_supported():
+        raise CheckpointError(
+            "--huge-pages: this system has no transparent huge pages (Linux, with "
+            "/sys/kernel/mm/transparent_hugepage/enabled not [never])"
+        )
+    total = sum(reader.mapped.nbytes for reader in readers)
+    with tqdm(
+        total=total, desc="huge pages", unit="B", unit_scale=True, disable=not progress
+    ) as bar:
+        for reader, path in zip(readers, paths, strict=True):
+            if not move_to_huge_pages(reader.mapped, bar.update):
+                raise CheckpointError(
+                    f"{path}: --huge-pages: the kernel refused to move the mapping"
+                )
 
 
 def _open_reader(path: Path):

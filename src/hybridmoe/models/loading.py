@@ -33,14 +33,22 @@ def load_model(
 
 
 def load_checkpoint(
-    path: str | Path, dtype: torch.dtype | None = torch.float32, progress: bool = False
+    path: str | Path,
+    dtype: torch.dtype | None = torch.float32,
+    progress: bool = False,
+    huge_pages: bool = False,
 ) -> tuple[MoeCausalLM, Tokenizer | None]:
     """The model and the tokenizer of the checkpoint at `path`: a GGUF's own, or a Hugging Face
-    directory's tokenizer.json (None without one)."""
+    directory's tokenizer.json (None without one). `huge_pages`: a GGUF's mapping moved onto
+    transparent huge pages first (GgufFile); CheckpointError for another checkpoint."""
     path = Path(path)
     if is_gguf(path):
-        gguf = GgufFile(path)
+        gguf = GgufFile(path, huge_pages, progress)
         return load_gguf_model(gguf, dtype, progress), gguf_tokenizer(gguf)
+    if huge_pages:
+        raise CheckpointError(
+            f"{path}: --huge-pages applies to GGUF files; this is a Hugging Face checkpoint"
+        )
     model = load_hf_model(path, dtype, progress)
     return model, Tokenizer.from_dir(path) if (path / TOKENIZER_FILE).exists() else None
 

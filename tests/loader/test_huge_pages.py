@@ -1,0 +1,121 @@
+"""loader/huge_pages.py (`--huge-pages`): a GGUF's mapping moved onto anonymous memory in
+place. The views made before the move read the file's bytes after it, the addresses no longer
+map the file, a model loaded so computes what the mapped one does, and a system or checkpoint
+that cannot is refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gguf_checkpoints import write_gguf
+from hf_checkpoints import write_hf_checkpoint
+from hybridmoe.engine import Engine, EngineConfig, SamplingParams
+from hybridmoe.errors import CheckpointError
+from hybridmoe.loader import gguf as gguf_module
+from hybridmoe.loader import huge_pages
+from hybridmoe.loader.gguf import GgufFile
+from hybridmoe.models.loading import load_checkpoint
+
+needs_huge_pages = pytest.mark.skipif(
+    not huge_pages.huge_pages_supported(), reason="no transparent huge pages on this system"
+)
+
+
+def _mapped_files(start: int, end: int) -> set[str]:
+    """The paths /proc/self/maps names for mappings overlapping [start, end) ('' anonymous)."""
+    names = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        low, high = (int(a, 16) for a in fields[0].split("-"))
+        if low < end and start < high:
+            names.add(fields[5].strip() if len(fields) > 5 else "")
+    return names
+
+
+@needs_huge_pages
+@pytest.mark.parametrize("size", [1, 4096 * 3 + 5, (5 << 20) + 123])  # < a page, pages, > 2 MiB
+def test_move_keeps_every_view_and_leaves_the_file(tmp_path: Path, size: int) -> None:
+    path = tmp_path / "blob.bin"
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    mapped = np.memmap(path, mode="c").view(np.ndarray)
+    view = mapped[size // 3 :]  # made before the move, as GgufFile's tensors are
+    start = mapped.ctypes.data
+    assert _mapped_files(start, start + size) == {str(path)}
+    seen = []
+    assert huge_pages.move_to_huge_pages(mapped, seen.append)
+    assert sum(seen) == size
+    assert mapped.ctypes.data == start
+    assert np.array_equal(mapped, data) and np.array_equal(view, data[size // 3 :])
+    assert str(path) not in _mapped_files(start, start + size)
+    mapped[0] ^= 0xFF  # private memory: the file keeps its bytes
+    assert path.read_bytes() == data.tobytes()
+
+
+@pytest.mark.parametrize("target", [0, 4096, (2 << 20) - 4096, (7 << 20) + 8192])
+@pytest.mark.parametrize("reserved", [4096, 2 << 20, (3 << 20) + 4096 * 5])
+def test_copy_address_agrees_with_the_target_mod_a_huge_page(reserved: int, target: int) -> None:
+    copy = huge_pages.aligned_like(reserved, target)
+    assert reserved <= copy < reserved + huge_pages.HUGE_PAGE_BYTES
+    assert (copy - target) % huge_pages.HUGE_PAGE_BYTES == 0
+
+
+def test_empty_mapping_is_not_moved() -> None:
+    assert not huge_pages.move_to_huge_pages(np.empty(0, np.uint8))
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("gguf_huge_pages")
+    hf = write_hf_checkpoint("qwen3_moe", "mha_tied_top1", root / "hf")
+    return write_gguf(hf, root / "model.gguf", "Q4_0")
+
+
+@needs_huge_pages
+def test_gguf_on_huge_pages_decodes_as_mapped(model_file: Path) -> None:
+    """Every tensor of the file reads the copy, and the engine's greedy tokens and logits are
+    the mapped file's (the default decode target and kernels)."""
+    moved = GgufFile(model_file, huge_pages=True)
+    storage = next(iter(moved.tensors.values())).data.untyped_storage()
+    start = storage.data_ptr()
+    assert str(model_file) not in _mapped_files(start, start + storage.nbytes())
+    mapped = GgufFile(model_file)
+    for name, tensor in moved.tensors.items():
+        assert torch.equal(tensor.data, mapped.tensors[name].data), name
+    mapped_config = EngineConfig(device="cpu", max_batch=1, max_seq_len=64)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = []
+    for config in (mapped_config, dataclasses.replace(mapped_config, huge_pages=True)):
+        engine = Engine.from_pretrained(model_file, config)
+        try:
+            ids = engine.generate_ids([[3, 14, 15, 9, 2]], params)
+            outputs.append((ids, engine.model.logits([3, 14, 15, 9, 2])))
+        finally:
+            engine.close()
+    assert outputs[0][0] == outputs[1][0]
+    assert torch.equal(outputs[0][1], outputs[1][1])
+
+
+def test_system_without_huge_pages_is_refused(model_file: Path, monkeypatch) -> None:
+    monkeypatch.setattr(huge_pages, "huge_pages_supported", lambda: False)
+    with pytest.raises(CheckpointError, match="--huge-pages: this system has no transparent"):
+        GgufFile(model_file, huge_pages=True)
+
+
+def test_refused_move_is_an_error(model_file: Path, monkeypatch) -> None:
+    monkeypatch.setattr(huge_pages, "huge_pages_supported", lambda: True)
+    monkeypatch.setattr(huge_pages, "move_to_huge_pages", lambda *a: False)
+    with pytest.raises(CheckpointError, match="model.gguf: --huge-pages: the kernel refused"):
+        GgufFile(model_file, huge_pages=True)
+    assert gguf_module.GgufFile(model_file).tensors  # the plain load is untouched
+
+
+def test_huge_pages_refused_for_a_hugging_face_checkpoint(tmp_path: Path) -> None:
+    hf = write_hf_checkpoint("qwen3_moe", "mha_tied_top1", tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="--huge-pages applies to GGUF files"):
+        load_checkpoint(hf, huge_pages=True)

@@ -20,10 +20,25 @@ from hybridmoe.loader import gguf as gguf_module
 from hybridmoe.loader import huge_pages
 from hybridmoe.loader.gguf import GgufFile
 from hybridmoe.models.loading import load_checkpoint
+from hybridmoe.quant.bank import ExpertBank
+from hybridmoe.quant.formats import weight_format
 
 needs_huge_pages = pytest.mark.skipif(
     not huge_pages.huge_pages_supported(), reason="no transparent huge pages on this system"
 )
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The VmFlags of the mapping holding `address` (/proc/self/smaps; "hg": MADV_HUGEPAGE)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(a, 16) for a in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "VmFlags:":
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def _mapped_files(start: int, end: int) -> set[str]:
@@ -53,6 +68,7 @@ def test_move_keeps_every_view_and_leaves_the_file(tmp_path: Path, size: int) ->
     assert mapped.ctypes.data == start
     assert np.array_equal(mapped, data) and np.array_equal(view, data[size // 3 :])
     assert str(path) not in _mapped_files(start, start + size)
+    assert "hg" in _vm_flags(start)  # advised before the copy; moved with it
     mapped[0] ^= 0xFF  # private memory: the file keeps its bytes
     assert path.read_bytes() == data.tobytes()
 
@@ -119,3 +135,17 @@ def test_huge_pages_refused_for_a_hugging_face_checkpoint(tmp_path: Path) -> Non
     hf = write_hf_checkpoint("qwen3_moe", "mha_tied_top1", tmp_path / "hf")
     with pytest.raises(CheckpointError, match="--huge-pages applies to GGUF files"):
         load_checkpoint(hf, huge_pages=True)
+
+
+@needs_huge_pages
+@pytest.mark.parametrize("fmt", ["bf16", "q4_0"])
+def test_host_bank_storage_is_advised_onto_huge_pages(fmt: str) -> None:
+    """A bank's storage made at load (stacked, quantised) asks for huge pages on every whole
+    2 MiB page inside it, before it is written; a tensor spanning none is left alone."""
+    bank = ExpertBank.empty_like_tensor(weight_format(fmt), (8, 512, 2048), "cpu")  # 8-16 MiB
+    start = bank.data_ptr()
+    first = -(-start // huge_pages.HUGE_PAGE_BYTES) * huge_pages.HUGE_PAGE_BYTES
+    assert "hg" in _vm_flags(first)
+    assert "hg" in _vm_flags(start + bank.nbytes - huge_pages.HUGE_PAGE_BYTES - 1)
+    small = ExpertBank.empty_like_tensor(weight_format(fmt), (1, 4, 256), "cpu")
+    assert "hg" not in _vm_flags(small.data_ptr())

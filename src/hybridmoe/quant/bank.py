@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from hybridmoe.loader.huge_pages import advise_huge_pages
 from hybridmoe.quant import activation_q8
 from hybridmoe.quant.expert_math import (
     SILU,
@@ -423,8 +424,12 @@ class ExpertBank:
 
     @staticmethod
     def empty_like_tensor(fmt: WeightFormat, shape: Sequence[int], device) -> torch.Tensor:
-        """Uninitialised storage for a float weight of `shape` [..., n] in `fmt`."""
-        return torch.empty(fmt.stored_shape(tuple(shape)), dtype=fmt.storage_dtype, device=device)
+        """Uninitialised storage for a float weight of `shape` [..., n] in `fmt`; on the host
+        advised onto huge pages (loader/huge_pages.advise_huge_pages: a bank is written whole
+        at load, then streamed by every decode step)."""
+        empty = torch.empty(fmt.stored_shape(tuple(shape)), dtype=fmt.storage_dtype, device=device)
+        advise_huge_pages(empty)
+        return empty
 
     @classmethod
     def stack(cls, experts: ExpertWeights, fmt: WeightFormat | None = None) -> ExpertBank:

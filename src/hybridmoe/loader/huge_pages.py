@@ -6,9 +6,10 @@ A decode step streams every expert and dense weight it uses; mapped from the fil
 CONFIG_READ_ONLY_THP_FOR_FS), one TLB entry per 4 KiB read: the step's weights evict every
 other translation, and the Python between the kernels pays for that too. On 2 MiB pages the
 same bytes need 512x fewer. Measured (AMD EPYC VM, 2 threads, the 4-layer Qwen3-30B-A3B-shaped
-GGUFs of benchmarks/bench_vs_llamacpp.py, 200 greedy tokens, huge pages and the mapped file
-alternating in fresh processes, 3 pairs a file): q4_k_m_all 1.5-4.6 % less time a token,
-q4_k_m 0-3.9 %, q4_0 6-8 %.
+GGUFs of benchmarks/bench_vs_llamacpp.py; two engines in one process, one mapped and one on
+huge pages, 8 alternating rounds of 100 greedy tokens, the median of the pairs' ratios): a
+token in 0.897x the time for q4_k_m_all (every pair 0.83-0.92x), 0.965x for q4_0, 1.005x for
+q4_k_m (whose bf16 attention dominates; pairs 0.85-1.04x).
 
 A bank made at load (experts stacked from a Hugging Face checkpoint's per-expert tensors, or
 quantised by --expert-format) is the process's own memory anyway: advised before it is written
@@ -18,8 +19,9 @@ checkpoint, 8 alternating rounds of 100 tokens: q4_0 experts 0.885x the time a t
 
 For a mapped GGUF the cost is the copy: the file's bytes become the process's own memory (its
 RSS grows by the file; the page cache still holds the file until the kernel needs the room),
-and the load reads the whole file once (0.12 s for 1.45 GB into memory the VM had backed
-before, 2.2-3.5 s into memory it had not). So it is opt-in.
+and the load reads the whole file once (the same runs: load 0.41 -> 3.13 s for the 1.45 GB
+q4_k_m_all file; the copy itself 0.12 s into memory the VM had backed before). So it is
+opt-in.
 
 How: the mapping's bytes are copied into an anonymous private region advised MADV_HUGEPAGE
 whose address has the mapping's offset within 2 MiB, then mremap(MREMAP_FIXED) moves that

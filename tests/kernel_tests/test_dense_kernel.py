@@ -28,6 +28,9 @@ CASES = [
     ("q4_0", torch.bfloat16, 70, 96),
     ("q4_0", torch.float32, 31, 160),
     ("q4_k", torch.bfloat16, 18, 512),
+    # rows longer than numba_dense.STREAM_MAX_ROW_BYTES: one token's bf16 / f16 rows in groups
+    ("bf16", torch.bfloat16, 9, 4111),
+    ("f16", torch.float32, 6, 4200),
 ]
 
 

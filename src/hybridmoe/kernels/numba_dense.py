@@ -54,6 +54,12 @@ MIN_PARALLEL_BYTES = 1 << 20
 # q_proj / o_proj 0.86-0.93x the time of 64 KB items, 2 threads; q8_0 at T = 4 1.13x: not
 # for the others)
 STREAM_ITEMS = 4
+# ... for rows of at most this many bytes: longer ones are read in 4-row groups with software
+# prefetch as the other formats' (AMD EPYC, 2 threads, bf16 [rows, n] from DRAM, alternating
+# builds: n = 6144 / 8192 / 16384 took 693-733 / 729-745 / 769-785 µs one row at a time, 540-557
+# / 482-497 / 482-506 in groups, while n <= 4096 streamed at the DRAM rate: an o_proj of 64
+# heads of 128, Qwen3-235B-A22B's, is such a row)
+STREAM_MAX_ROW_BYTES = 8192
 _FLAGS = dict(nogil=True, fastmath={"contract", "arcp"})
 
 # cached under a hash of every source these kernels inline (see numba_moe.py)
@@ -64,10 +70,17 @@ numba.config.CACHE_DIR = str(
 
 
 @cached_njit(inline="always", **_FLAGS)
+def _streams(fmt, tokens, row_bytes):
+    """Whether rows of `row_bytes` are read one at a time (numba_moe.streams), up to
+    STREAM_MAX_ROW_BYTES."""
+    return streams(fmt, tokens) and row_bytes <= STREAM_MAX_ROW_BYTES
+
+
+@cached_njit(inline="always", **_FLAGS)
 def _rows(fmt, tokens, w, w_off, row_bytes, blocks, nrows, x, n, y, y_off, y_stride):
     """dense_rows over `nrows` rows for `tokens` <= 4 tokens, in the widest groups that fit;
     one token's bf16 and f16 rows one at a time (numba_moe.streams)."""
-    if streams(fmt, tokens):
+    if _streams(fmt, tokens, row_bytes):
         dense_rows(fmt, 1, 1, w, w_off, row_bytes, blocks, nrows, x, n, y, y_off, y_stride)
     elif tokens == 1:
         g4 = nrows // 4
@@ -149,7 +162,7 @@ def _dense(fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item
     ones: x_bf16 uint16 [tokens * n] (bf16 bits) -> y_bf16 uint16 [tokens * nrows], rounded
     once (x, y empty)."""
     x, y = float32_io(x, x_bf16, y, tokens * n, tokens * nrows)
-    if streams(fmt, tokens):
+    if _streams(fmt, tokens, row_bytes):
         item_rows *= STREAM_ITEMS  # one stream a thread, restarted less often
     items = (nrows + item_rows - 1) // item_rows
     previous = set_chunk_size(chunk_size(items))

@@ -6,6 +6,7 @@ that cannot is refused by name."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.errors import CheckpointError
 from hybridmoe.loader import gguf as gguf_module
 from hybridmoe.loader import huge_pages
-from hybridmoe.loader.gguf import GgufFile
+from hybridmoe.loader.gguf import GgufFile, streamed_whole
 from hybridmoe.models.loading import load_checkpoint
 from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.formats import weight_format
@@ -149,3 +150,37 @@ def test_host_bank_storage_is_advised_onto_huge_pages(fmt: str) -> None:
     assert "hg" in _vm_flags(start + bank.nbytes - huge_pages.HUGE_PAGE_BYTES - 1)
     small = ExpertBank.empty_like_tensor(weight_format(fmt), (1, 4, 256), "cpu")
     assert "hg" not in _vm_flags(small.data_ptr())
+
+
+@needs_huge_pages
+def test_default_load_moves_what_every_step_reads_whole(model_file: Path) -> None:
+    """Without --huge-pages: the tensors a decode step reads whole (attention, norms, router,
+    the tied embeddings that are the head) no longer map the file; the routed experts'
+    pages still do (mapped, as issue 15's RSS rule asks)."""
+    tensors = GgufFile(model_file).tensors
+    names = set(tensors)
+    experts = [n for n in names if not streamed_whole(n, names)]
+    assert experts and all("_exps." in n for n in experts)
+    assert streamed_whole("token_embd.weight", names)  # this file's head is the embeddings
+    page, checked = os.sysconf("SC_PAGE_SIZE"), 0
+    for name, tensor in tensors.items():
+        start, end = tensor.data.data_ptr(), tensor.data.data_ptr() + tensor.data.nbytes
+        if name in experts:  # its whole pages (a page it shares with a moved tensor moves)
+            first, last = -(-start // page) * page, end // page * page
+            if last > first:
+                assert _mapped_files(first, last) == {str(model_file)}, name
+                checked += 1
+        else:
+            assert str(model_file) not in _mapped_files(start, end), name
+    assert checked  # some expert tensor spans whole pages
+
+
+def test_streamed_whole_keeps_experts_and_untied_embeddings_mapped() -> None:
+    names = {"token_embd.weight", "output.weight", "blk.0.ffn_up_exps.weight"}
+    assert not streamed_whole("blk.0.ffn_up_exps.weight", names)
+    assert not streamed_whole("blk.3.ffn_gate_exps.bias", names)
+    assert not streamed_whole("token_embd.weight", names)
+    assert streamed_whole("token_embd.weight", names - {"output.weight"})
+    for dense in ("output.weight", "blk.0.attn_q.weight", "blk.0.ffn_gate_inp.weight"):
+        assert streamed_whole(dense, names)
+    assert streamed_whole("blk.0.ffn_up_shexp.weight", names)  # a shared expert: every step

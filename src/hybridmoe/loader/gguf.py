@@ -93,7 +93,8 @@ class GgufFile:
     def __init__(self, path: str | Path, huge_pages: bool = False, progress: bool = False):
         """`huge_pages`: every part's mapping moved onto transparent huge pages
         (loader/huge_pages.py; CheckpointError where the system cannot), a progress bar with
-        `progress`."""
+        `progress`; else the pages of the tensors every decode step reads whole, where the
+        system has huge pages (_move_streamed_to_huge_pages)."""
         self.paths = find_gguf_files(Path(path))
         self.path = self.paths[0]
         readers = [_open_reader(p) for p in self.paths]
@@ -101,6 +102,8 @@ class GgufFile:
         self._check_split(readers)
         if huge_pages:
             _move_to_huge_pages(readers, self.paths, progress)
+        else:
+            _move_streamed_to_huge_pages(readers)
         self.tensors: dict[str, GgufTensor] = {}
         for reader, part in zip(readers, self.paths, strict=True):
             whole = torch.from_numpy(reader.mapped)  # uint8 [file bytes], one storage
@@ -193,6 +196,35 @@ def _move_to_huge_pages(readers, paths: list[Path], progress: bool) -> None:
                 raise CheckpointError(
                     f"{path}: --huge-pages: the kernel refused to move the mapping"
                 )
+
+
+def streamed_whole(name: str, names: set[str]) -> bool:
+    """Whether a decode step reads tensor `name` whole (of a file holding `names`): every
+    tensor but the routed experts' (`blk.N.ffn_*_exps.*`: a step reads the routed ones) and the
+    token embeddings where an output head of its own exists (a step reads one row of them)."""
+    if "_exps." in name:
+        return False
+    return name != "token_embd.weight" or "output.weight" not in names
+
+
+def _move_streamed_to_huge_pages(readers) -> None:
+    """The pages of the tensors every decode step reads whole (streamed_whole: attention, the
+    head, norms, routers, shared experts) moved onto huge pages, where the system has them;
+    the routed experts stay mapped from the file (loader/huge_pages.py: a copy of what the
+    step reads anyway, RSS that was the file's pages)."""
+    from hybridmoe.loader.huge_pages import huge_pages_supported, move_ranges_to_huge_pages
+
+    if not huge_pages_supported():
+        return
+    names = {tensor.name for reader in readers for tensor in reader.tensors}
+    for reader in readers:
+        base = reader.mapped.ctypes.data
+        ranges = [
+            (tensor.data.ctypes.data - base, tensor.data.ctypes.data - base + tensor.data.nbytes)
+            for tensor in reader.tensors
+            if streamed_whole(tensor.name, names)
+        ]
+        move_ranges_to_huge_pages(reader.mapped, ranges)
 
 
 def _open_reader(path: Path):

@@ -1,5 +1,7 @@
-"""Weights on transparent huge pages: a file mapping moved onto them in place (`--huge-pages`),
-and the expert banks made at load advised onto them (always: advise_huge_pages).
+"""Weights on transparent huge pages: a file mapping moved onto them in place (a GGUF's whole
+mapping with `--huge-pages`; by default the ranges of the tensors every decode step reads
+whole: move_ranges_to_huge_pages, loader/gguf.py), and the expert banks made at load advised
+onto them (always: advise_huge_pages).
 
 A decode step streams every expert and dense weight it uses; mapped from the file they sit on
 4 KiB pages (Linux maps a regular file's page cache 4 KiB at a time unless the kernel has
@@ -127,6 +129,27 @@ def move_to_huge_pages(mapped: np.ndarray, progress: Callable[[int], None] | Non
     libc.munmap(reserved, copy - reserved)
     libc.munmap(copy + size, reserved + span - (copy + size))
     return True
+
+
+def move_ranges_to_huge_pages(
+    mapped: np.ndarray, ranges: list[tuple[int, int]], progress: Callable[[int], None] | None = None
+) -> int:
+    """move_to_huge_pages for the byte ranges [start, end) of `mapped` (a whole-file mapping
+    from a page-aligned start), each widened to whole pages and merged with those it touches;
+    the bytes moved (0 where the system cannot)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    merged: list[list[int]] = []
+    for start, end in sorted(ranges):
+        low, high = start // page * page, min(-(-end // page) * page, mapped.nbytes)
+        if merged and low <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], high)
+        else:
+            merged.append([low, high])
+    moved = 0
+    for low, high in merged:
+        if high > low and move_to_huge_pages(mapped[low:high], progress):
+            moved += high - low
+    return moved
 
 
 def aligned_like(reserved: int, target: int) -> int:

@@ -97,7 +97,7 @@ def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_gguf_on_huge_pages_decodes_as_mapped(model_file: Path) -> None:
     """Every tensor of the file reads the copy, and the engine's greedy tokens and logits are
     the mapped file's (the default decode target and kernels)."""
-    moved = GgufFile(model_file, huge_pages=True)
+    moved = GgufFile(model_file, huge_pages="all")
     storage = next(iter(moved.tensors.values())).data.untyped_storage()
     start = storage.data_ptr()
     assert str(model_file) not in _mapped_files(start, start + storage.nbytes())
@@ -121,21 +121,21 @@ def test_gguf_on_huge_pages_decodes_as_mapped(model_file: Path) -> None:
 def test_system_without_huge_pages_is_refused(model_file: Path, monkeypatch) -> None:
     monkeypatch.setattr(huge_pages, "huge_pages_supported", lambda: False)
     with pytest.raises(CheckpointError, match="--huge-pages: this system has no transparent"):
-        GgufFile(model_file, huge_pages=True)
+        GgufFile(model_file, huge_pages="all")
 
 
 def test_refused_move_is_an_error(model_file: Path, monkeypatch) -> None:
     monkeypatch.setattr(huge_pages, "huge_pages_supported", lambda: True)
     monkeypatch.setattr(huge_pages, "move_to_huge_pages", lambda *a: False)
     with pytest.raises(CheckpointError, match="model.gguf: --huge-pages: the kernel refused"):
-        GgufFile(model_file, huge_pages=True)
+        GgufFile(model_file, huge_pages="all")
     assert gguf_module.GgufFile(model_file).tensors  # the plain load is untouched
 
 
 def test_huge_pages_refused_for_a_hugging_face_checkpoint(tmp_path: Path) -> None:
     hf = write_hf_checkpoint("qwen3_moe", "mha_tied_top1", tmp_path / "hf")
     with pytest.raises(CheckpointError, match="--huge-pages applies to GGUF files"):
-        load_checkpoint(hf, huge_pages=True)
+        load_checkpoint(hf, huge_pages="all")
 
 
 @needs_huge_pages
@@ -153,11 +153,11 @@ def test_host_bank_storage_is_advised_onto_huge_pages(fmt: str) -> None:
 
 
 @needs_huge_pages
-def test_default_load_moves_what_every_step_reads_whole(model_file: Path) -> None:
-    """Without --huge-pages: the tensors a decode step reads whole (attention, norms, router,
-    the tied embeddings that are the head) no longer map the file; the routed experts'
-    pages still do (mapped, as issue 15's RSS rule asks)."""
-    tensors = GgufFile(model_file).tensors
+def test_streamed_tensors_move_the_experts_stay_mapped(model_file: Path) -> None:
+    """The cpu device's default (engine._huge_pages): the tensors a decode step reads whole
+    (attention, norms, router, the tied embeddings that are the head) no longer map the file;
+    the routed experts' pages still do (mapped, as issue 15's RSS rule asks)."""
+    tensors = GgufFile(model_file, huge_pages="streamed").tensors
     names = set(tensors)
     experts = [n for n in names if not streamed_whole(n, names)]
     assert experts and all("_exps." in n for n in experts)
@@ -184,3 +184,24 @@ def test_streamed_whole_keeps_experts_and_untied_embeddings_mapped() -> None:
     for dense in ("output.weight", "blk.0.attn_q.weight", "blk.0.ffn_gate_inp.weight"):
         assert streamed_whole(dense, names)
     assert streamed_whole("blk.0.ffn_up_shexp.weight", names)  # a shared expert: every step
+
+
+def test_engine_moves_streamed_tensors_on_the_cpu_device_only(monkeypatch) -> None:
+    """--huge-pages: all; else the streamed tensors where the host computes on them (the
+    cpu device), nothing where an accelerator takes the dense weights."""
+    from hybridmoe.engine import engine as engine_module
+
+    cpu = EngineConfig(device="cpu")
+    assert engine_module._huge_pages(cpu) == "streamed"
+    assert engine_module._huge_pages(dataclasses.replace(cpu, huge_pages=True)) == "all"
+    monkeypatch.setattr(engine_module, "resolve_device", lambda spec: torch.device("cuda", 0))
+    assert engine_module._huge_pages(EngineConfig(device="cuda")) == "none"
+
+
+def test_plain_file_stays_mapped(model_file: Path) -> None:
+    tensors = GgufFile(model_file).tensors  # huge_pages="none"
+    storage = next(iter(tensors.values())).data.untyped_storage()
+    start = storage.data_ptr()
+    assert _mapped_files(start, start + storage.nbytes()) == {str(model_file)}
+    with pytest.raises(ValueError, match="huge_pages must be one of"):
+        GgufFile(model_file, huge_pages="some")

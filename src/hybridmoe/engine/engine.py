@@ -24,10 +24,20 @@ from hybridmoe.loader.hub import resolve_model
 from hybridmoe.loader.tokenizer import Tokenizer
 from hybridmoe.models.loading import load_checkpoint
 from hybridmoe.models.transformer import MoeCausalLM
-from hybridmoe.platform.base import Platform, create_platform
+from hybridmoe.platform.base import Platform, create_platform, resolve_device
 from hybridmoe.quant.formats import weight_format
 
 log = logging.getLogger(__name__)
+
+
+def _huge_pages(config: EngineConfig) -> str:
+    """What of a GGUF's mapping goes onto huge pages (loader/gguf.GgufFile): all with
+    --huge-pages, else the tensors every decode step reads whole where the host computes on
+    them (the cpu device; an accelerator copies them once and the host's would stay
+    resident for nothing)."""
+    if config.huge_pages:
+        return "all"
+    return "streamed" if resolve_device(config.device).type == "cpu" else "none"
 
 
 class Engine:
@@ -89,7 +99,7 @@ class Engine:
             torch.set_num_threads(config.threads)
         dtype = None if config.dtype == "auto" else parse_dtype(config.dtype)
         model, tokenizer = load_checkpoint(
-            resolve_model(str(path), config.gguf_file), dtype, config.progress, config.huge_pages
+            resolve_model(str(path), config.gguf_file), dtype, config.progress, _huge_pages(config)
         )
         if config.dense_format != "auto":
             head_format = weight_format(HEAD_FORMATS[config.dense_format])

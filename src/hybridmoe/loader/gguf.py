@@ -87,22 +87,28 @@ def is_gguf(path: Path) -> bool:
     return path.suffix == GGUF_SUFFIX
 
 
+HUGE_PAGE_MODES = ("none", "streamed", "all")  # what GgufFile moves onto huge pages
+
+
 class GgufFile:
     """The metadata (from the first part) and the tensors (of every part) of one GGUF model."""
 
-    def __init__(self, path: str | Path, huge_pages: bool = False, progress: bool = False):
-        """`huge_pages`: every part's mapping moved onto transparent huge pages
-        (loader/huge_pages.py; CheckpointError where the system cannot), a progress bar with
-        `progress`; else the pages of the tensors every decode step reads whole, where the
-        system has huge pages (_move_streamed_to_huge_pages)."""
+    def __init__(self, path: str | Path, huge_pages: str = "none", progress: bool = False):
+        """`huge_pages` (HUGE_PAGE_MODES): "all", every part's mapping moved onto transparent
+        huge pages (loader/huge_pages.py; CheckpointError where the system cannot), a progress
+        bar with `progress`; "streamed", the pages of the tensors every decode step reads
+        whole, where the system has huge pages (for dense weights the host computes on:
+        _move_streamed_to_huge_pages); "none", all mapped from the file."""
+        if huge_pages not in HUGE_PAGE_MODES:
+            raise ValueError(f"huge_pages must be one of {HUGE_PAGE_MODES}, got {huge_pages!r}")
         self.paths = find_gguf_files(Path(path))
         self.path = self.paths[0]
         readers = [_open_reader(p) for p in self.paths]
         self.fields = readers[0].fields  # key -> GgufField
         self._check_split(readers)
-        if huge_pages:
+        if huge_pages == "all":
             _move_to_huge_pages(readers, self.paths, progress)
-        else:
+        elif huge_pages == "streamed":
             _move_streamed_to_huge_pages(readers)
         self.tensors: dict[str, GgufTensor] = {}
         for reader, part in zip(readers, self.paths, strict=True):

@@ -36,16 +36,17 @@ def load_checkpoint(
     path: str | Path,
     dtype: torch.dtype | None = torch.float32,
     progress: bool = False,
-    huge_pages: bool = False,
+    huge_pages: str = "none",
 ) -> tuple[MoeCausalLM, Tokenizer | None]:
     """The model and the tokenizer of the checkpoint at `path`: a GGUF's own, or a Hugging Face
-    directory's tokenizer.json (None without one). `huge_pages`: a GGUF's mapping moved onto
-    transparent huge pages first (GgufFile); CheckpointError for another checkpoint."""
+    directory's tokenizer.json (None without one). `huge_pages`: what of a GGUF's mapping is
+    moved onto transparent huge pages first (GgufFile's modes); "all" (--huge-pages) is a
+    CheckpointError for another checkpoint."""
     path = Path(path)
     if is_gguf(path):
         gguf = GgufFile(path, huge_pages, progress)
         return load_gguf_model(gguf, dtype, progress), gguf_tokenizer(gguf)
-    if huge_pages:
+    if huge_pages == "all":
         raise CheckpointError(
             f"{path}: --huge-pages applies to GGUF files; this is a Hugging Face checkpoint"
         )

@@ -59,8 +59,9 @@ class EngineConfig:
     # tokens; on also elsewhere (float32: within SDPA's tolerance, a greedy decode may part
     # from transformers' at a near-tie); off: SDPA
     attention_kernel: str = "auto"
-    # a GGUF's mapping moved onto anonymous transparent huge pages at load (loader/
-    # huge_pages.py): 0-8 % less time a CPU decode step, the file's bytes in the process's RSS
+    # a GGUF's whole mapping moved onto anonymous transparent huge pages at load (loader/
+    # huge_pages.py), the experts too: 0-10 % less time a CPU decode step, the file's bytes in
+    # the process's RSS (without it the cpu device moves only the dense tensors: engine.py)
     huge_pages: bool = False
     offload: OffloadConfig = field(default_factory=OffloadConfig)  # where experts decode
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -148,8 +149,25 @@ def test_host_bank_storage_is_advised_onto_huge_pages(fmt: str) -> None:
     first = -(-start // huge_pages.HUGE_PAGE_BYTES) * huge_pages.HUGE_PAGE_BYTES
     assert "hg" in _vm_flags(first)
     assert "hg" in _vm_flags(start + bank.nbytes - huge_pages.HUGE_PAGE_BYTES - 1)
-    small = ExpertBank.empty_like_tensor(weight_format(fmt), (1, 4, 256), "cpu")
-    assert "hg" not in _vm_flags(small.data_ptr())
+
+
+def test_advice_covers_the_whole_huge_pages_inside_a_tensor(monkeypatch) -> None:
+    """One madvise over the 2 MiB pages inside the storage; none for a tensor spanning none
+    (the calls recorded: where small tensors land in the heap is the allocator's choice)."""
+    calls = []
+    monkeypatch.setattr(huge_pages, "huge_pages_supported", lambda: True)
+    monkeypatch.setattr(
+        huge_pages, "_libc", lambda: SimpleNamespace(madvise=lambda *a: calls.append(a))
+    )
+    huge_pages.advise_huge_pages(torch.empty(100, dtype=torch.uint8))
+    assert calls == []
+    big = torch.empty(6 << 20, dtype=torch.uint8)
+    huge_pages.advise_huge_pages(big)
+    ((address, length, advice),) = calls
+    size = huge_pages.HUGE_PAGE_BYTES
+    assert advice == 14 and address % size == 0 and length >= 2 * size and length % size == 0
+    assert big.data_ptr() <= address and address + length <= big.data_ptr() + big.nbytes
+    assert address - big.data_ptr() < size and big.data_ptr() + big.nbytes - address - length < size
 
 
 @needs_huge_pages

@@ -172,25 +172,26 @@ def test_advice_covers_the_whole_huge_pages_inside_a_tensor(monkeypatch) -> None
 
 @needs_huge_pages
 def test_streamed_tensors_move_the_experts_stay_mapped(model_file: Path) -> None:
-    """The cpu device's default (engine._huge_pages): the tensors a decode step reads whole
-    (attention, norms, router, the tied embeddings that are the head) no longer map the file;
-    the routed experts' pages still do (mapped, as issue 15's RSS rule asks)."""
+    """The cpu device's default (engine._huge_pages): the whole pages of the tensors a decode
+    step reads whole (attention, norms, router, the tied embeddings that are the head) no
+    longer map the file; every byte of the routed experts still does (mapped, as issue 15's
+    RSS rule asks: tests/benchmarks/test_bench_kquants.py checks it through the engine)."""
     tensors = GgufFile(model_file, huge_pages="streamed").tensors
     names = set(tensors)
     experts = [n for n in names if not streamed_whole(n, names)]
     assert experts and all("_exps." in n for n in experts)
     assert streamed_whole("token_embd.weight", names)  # this file's head is the embeddings
-    page, checked = os.sysconf("SC_PAGE_SIZE"), 0
+    page, moved = os.sysconf("SC_PAGE_SIZE"), 0
     for name, tensor in tensors.items():
         start, end = tensor.data.data_ptr(), tensor.data.data_ptr() + tensor.data.nbytes
-        if name in experts:  # its whole pages (a page it shares with a moved tensor moves)
-            first, last = -(-start // page) * page, end // page * page
-            if last > first:
-                assert _mapped_files(first, last) == {str(model_file)}, name
-                checked += 1
-        else:
-            assert str(model_file) not in _mapped_files(start, end), name
-    assert checked  # some expert tensor spans whole pages
+        if name in experts:
+            assert _mapped_files(start, end) == {str(model_file)}, name
+            continue
+        first, last = -(-start // page) * page, end // page * page
+        if last > first:  # its whole pages (with its run's neighbours: more may move)
+            assert str(model_file) not in _mapped_files(first, last), name
+            moved += 1
+    assert moved  # some streamed tensor spans whole pages
 
 
 def test_streamed_whole_keeps_experts_and_untied_embeddings_mapped() -> None:

@@ -215,9 +215,10 @@ def streamed_whole(name: str, names: set[str]) -> bool:
 
 def _move_streamed_to_huge_pages(readers) -> None:
     """The pages of the tensors every decode step reads whole (streamed_whole: attention, the
-    head, norms, routers, shared experts) moved onto huge pages, where the system has them;
-    the routed experts stay mapped from the file (loader/huge_pages.py: a copy of what the
-    step reads anyway, RSS that was the file's pages)."""
+    head, norms, routers, shared experts) moved onto huge pages, where the system has them:
+    each run of such tensors in file order as one range, its whole pages (huge_pages.
+    move_ranges_to_huge_pages); every page holding a routed expert's bytes stays mapped from
+    the file. A copy of what the step reads anyway, RSS that was the file's pages."""
     from hybridmoe.loader.huge_pages import huge_pages_supported, move_ranges_to_huge_pages
 
     if not huge_pages_supported():
@@ -225,12 +226,17 @@ def _move_streamed_to_huge_pages(readers) -> None:
     names = {tensor.name for reader in readers for tensor in reader.tensors}
     for reader in readers:
         base = reader.mapped.ctypes.data
-        ranges = [
-            (tensor.data.ctypes.data - base, tensor.data.ctypes.data - base + tensor.data.nbytes)
-            for tensor in reader.tensors
-            if streamed_whole(tensor.name, names)
-        ]
-        move_ranges_to_huge_pages(reader.mapped, ranges)
+        runs: list[list[int]] = []  # [start, end) byte ranges of consecutive streamed tensors
+        previous = False
+        for tensor in sorted(reader.tensors, key=lambda t: t.data.ctypes.data):
+            start = tensor.data.ctypes.data - base
+            streamed = streamed_whole(tensor.name, names)
+            if streamed and previous:
+                runs[-1][1] = start + tensor.data.nbytes
+            elif streamed:
+                runs.append([start, start + tensor.data.nbytes])
+            previous = streamed
+        move_ranges_to_huge_pages(reader.mapped, [(a, b) for a, b in runs])
 
 
 def _open_reader(path: Path):

@@ -134,19 +134,14 @@ def move_to_huge_pages(mapped: np.ndarray, progress: Callable[[int], None] | Non
 def move_ranges_to_huge_pages(
     mapped: np.ndarray, ranges: list[tuple[int, int]], progress: Callable[[int], None] | None = None
 ) -> int:
-    """move_to_huge_pages for the byte ranges [start, end) of `mapped` (a whole-file mapping
-    from a page-aligned start), each widened to whole pages and merged with those it touches;
-    the bytes moved (0 where the system cannot)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    merged: list[list[int]] = []
-    for start, end in sorted(ranges):
-        low, high = start // page * page, min(-(-end // page) * page, mapped.nbytes)
-        if merged and low <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], high)
-        else:
-            merged.append([low, high])
-    moved = 0
-    for low, high in merged:
+    """move_to_huge_pages for the whole pages inside each byte range [start, end) of `mapped`
+    (a whole-file mapping from a page-aligned start; a range ending at the file's end keeps
+    its last, partial page): a page a range shares with bytes outside it stays mapped. The
+    bytes moved (0 where the system cannot)."""
+    page, moved = os.sysconf("SC_PAGE_SIZE"), 0
+    for start, end in ranges:
+        low = -(-start // page) * page
+        high = mapped.nbytes if end >= mapped.nbytes else end // page * page
         if high > low and move_to_huge_pages(mapped[low:high], progress):
             moved += high - low
     return moved

@@ -163,7 +163,10 @@ class OffloadMoeCache:
         shape, copied without blocking: reusing it is safe because every call starts with the
         `tolist()` read of ids that the compute stream produced after the last copy."""
         if topk_ids.device.type == "cpu":
-            topk_ids.copy_(torch.tensor(rewritten, dtype=topk_ids.dtype).view(topk_ids.shape))
+            if topk_ids.is_contiguous():  # through numpy: no aten op (~13 -> ~2 µs warm)
+                topk_ids.numpy().reshape(-1)[:] = rewritten
+            else:
+                topk_ids.copy_(torch.tensor(rewritten, dtype=topk_ids.dtype).view(topk_ids.shape))
             return
         key = (topk_ids.numel(), topk_ids.dtype)
         ids_pinned = self._ids_pinned.get(key)

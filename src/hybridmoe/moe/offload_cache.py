@@ -237,11 +237,12 @@ class OffloadMoeCache:
         self, layer_idx: int, counts: Counter[int], hits: list[int], fetched: list[int]
     ) -> None:
         stats = self.stats_by_layer[layer_idx]
-        on_slot = set(hits) | set(fetched)
-        stats.routes += sum(counts.values())
-        stats.hits += sum(counts[e] for e in hits)
-        stats.fetched_routes += sum(counts[e] for e in fetched)
-        stats.cpu_routes += sum(n for e, n in counts.items() if e not in on_slot)
+        routes, hit_routes = sum(counts.values()), sum(counts[e] for e in hits)
+        fetched_routes = sum(counts[e] for e in fetched)  # fetched: misses, none a hit
+        stats.routes += routes
+        stats.hits += hit_routes
+        stats.fetched_routes += fetched_routes
+        stats.cpu_routes += routes - hit_routes - fetched_routes
         stats.fetched += len(fetched)
         stats.bytes_copied += len(fetched) * self.banks[layer_idx].expert_nbytes
 

@@ -629,7 +629,7 @@ def _quantize_codegen(weights: int):
         q_data = builder.gep(context.make_array(q_ty)(context, builder, q).data, [first])
         d_at = builder.gep(context.make_array(d_ty)(context, builder, d).data, [block])
         fabs = declare(builder, "llvm.fabs.v16f32", vf, [vf])
-        maxnum = declare(builder, "llvm.maxnum.v16f32", vf, [vf, vf])
+        maxnum = _maxnum(builder, QUANT_LANES)
         trunc = declare(builder, "llvm.trunc.v16f32", vf, [vf])
         values = [
             load(builder, builder.gep(x_data, [i64(s * QUANT_LANES)]), vf, align=4)

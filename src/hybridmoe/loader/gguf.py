@@ -236,7 +236,7 @@ def _move_streamed_to_huge_pages(readers) -> None:
             elif streamed:
                 runs.append([start, start + tensor.data.nbytes])
             previous = streamed
-        move_ranges_to_huge_pages(reader.mapped, [(a, b) for a, b in runs])
+        move_ranges_to_huge_pages(reader.mapped, runs)
 
 
 def _open_reader(path: Path):

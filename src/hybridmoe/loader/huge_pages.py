@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +57,10 @@ _MREMAP_MAYMOVE_FIXED = 0x1 | 0x2
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
+    """libc with the calls below typed (loaded once: a model's load moves a range per run of
+    streamed tensors and advises every bank)."""
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [
@@ -71,6 +75,7 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
+@functools.cache
 def huge_pages_supported() -> bool:
     """Whether this system can move a mapping (Linux with transparent huge pages not off)."""
     if not sys.platform.startswith("linux"):
@@ -132,7 +137,9 @@ def move_to_huge_pages(mapped: np.ndarray, progress: Callable[[int], None] | Non
 
 
 def move_ranges_to_huge_pages(
-    mapped: np.ndarray, ranges: list[tuple[int, int]], progress: Callable[[int], None] | None = None
+    mapped: np.ndarray,
+    ranges: Sequence[Sequence[int]],
+    progress: Callable[[int], None] | None = None,
 ) -> int:
     """move_to_huge_pages for the whole pages inside each byte range [start, end) of `mapped`
     (a whole-file mapping from a page-aligned start; a range ending at the file's end keeps

@@ -22,6 +22,7 @@ from hybridmoe.loader import gguf as gguf_module
 from hybridmoe.loader import huge_pages
 from hybridmoe.loader.gguf import GgufFile, streamed_whole
 from hybridmoe.models.loading import load_checkpoint
+from hybridmoe.moe.config import OffloadConfig
 from hybridmoe.quant.bank import ExpertBank
 from hybridmoe.quant.formats import weight_format
 
@@ -95,9 +96,8 @@ def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @needs_huge_pages
-def test_gguf_on_huge_pages_decodes_as_mapped(model_file: Path) -> None:
-    """Every tensor of the file reads the copy, and the engine's greedy tokens and logits are
-    the mapped file's (the default decode target and kernels)."""
+def test_gguf_on_huge_pages_reads_the_files_bytes(model_file: Path) -> None:
+    """Every tensor of the file reads the copy: the mapped file's bytes, elsewhere."""
     moved = GgufFile(model_file, huge_pages="all")
     storage = next(iter(moved.tensors.values())).data.untyped_storage()
     start = storage.data_ptr()
@@ -105,18 +105,41 @@ def test_gguf_on_huge_pages_decodes_as_mapped(model_file: Path) -> None:
     mapped = GgufFile(model_file)
     for name, tensor in moved.tensors.items():
         assert torch.equal(tensor.data, mapped.tensors[name].data), name
-    mapped_config = EngineConfig(device="cpu", max_batch=1, max_seq_len=64)
+
+
+TARGETS = {
+    "cpu": OffloadConfig(decode_target="cpu"),
+    "hybrid": OffloadConfig(decode_target="hybrid", expert_cache_slots=2, max_fetch=1),
+    "offload": OffloadConfig(decode_target="offload"),
+    "gpu": OffloadConfig(decode_target="gpu"),
+}
+
+
+@needs_huge_pages
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_mode_decodes_as_mapped(model_file: Path, monkeypatch, target: str, dtype: str):
+    """The engine's greedy tokens and logits with the file all mapped, its streamed tensors
+    moved (the cpu device's default) and all of it moved (--huge-pages): the same bits, on
+    every decode target, in float32 and bfloat16."""
+    from hybridmoe.engine import engine as engine_module
+
+    config = EngineConfig(
+        device="cpu", dtype=dtype, max_batch=1, max_seq_len=64, offload=TARGETS[target]
+    )
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outputs = []
-    for config in (mapped_config, dataclasses.replace(mapped_config, huge_pages=True)):
+    for mode in ("none", "streamed", "all"):
+        monkeypatch.setattr(engine_module, "_huge_pages", lambda config, mode=mode: mode)
         engine = Engine.from_pretrained(model_file, config)
         try:
             ids = engine.generate_ids([[3, 14, 15, 9, 2]], params)
             outputs.append((ids, engine.model.logits([3, 14, 15, 9, 2])))
         finally:
             engine.close()
-    assert outputs[0][0] == outputs[1][0]
-    assert torch.equal(outputs[0][1], outputs[1][1])
+    for ids, logits in outputs[1:]:
+        assert ids == outputs[0][0]
+        assert torch.equal(logits, outputs[0][1])
 
 
 def test_system_without_huge_pages_is_refused(model_file: Path, monkeypatch) -> None:

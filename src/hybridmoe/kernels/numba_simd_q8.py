@@ -28,10 +28,11 @@ A k-quant super-block (_superblock_step) is 8 pieces of 32 unsigned weights u: e
 pair sums u_2l q_2l + u_2l+1 q_2l+1 (`vpmaddubsw`: u unsigned, q signed, |sum| <= 2 * 63 * 127
 < 2^15, no saturation; or portable widening multiplies) times the pairs' sub-block scales into
 <8 x i32> (`vpdpwssd` with VNNI, else `vpmaddwd` + `vpaddd`), in two independent chains
-(CHAINS); the minimum (or offset) term from the activations' 16-weight sums (`vpmaddwd`). The S and M vectors of 4 (weight row,
-activation row) pairs are reduced together, exactly, by one transpose-add tree, then
-converted and scaled as one vector; each pair's product is added into lane (super-block
-mod 8) of its accumulator, the lanes of 4 pairs held side by side (one vector add).
+(CHAINS); the minimum (or offset) term from the activations' 16-weight sums (`vpmaddwd`).
+The S and M vectors of 4 (weight row, activation row) pairs are reduced together, exactly,
+by one transpose-add tree, then converted and scaled as one vector; each pair's product is
+added into lane (super-block mod 8) of its accumulator, the lanes of 4 pairs held side by side
+(one vector add).
 
 The activations' quantisation (the contract's step 1, `quantize_block`) runs in vectors of 16
 floats with generic LLVM operations (every target): the block's max |x| by `maxnum` (exact in
@@ -42,6 +43,8 @@ parallel loop, and in prefill over every token's row (a 384-token prefill 1.17x 
 """
 
 from __future__ import annotations
+
+import functools
 
 from llvmlite import ir
 from numba import types
@@ -273,7 +276,7 @@ def _superblock_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, row
                 for p in range(pieces):
                     k = p % CHAINS
                     chains[k] = scaled_add(chains[k], pairs(us[p], qs[p]), pair_scales[p])
-                acc = builder.add(*chains)
+                acc = functools.reduce(builder.add, chains)
                 low = madd(ints.lows, sums)
                 if ints.dmin is None:
                     s_parts.append(builder.sub(acc, low))

@@ -88,3 +88,36 @@ def test_bank_words_are_the_banks_own_bytes() -> None:
     for word, tensor in zip(words, tensors, strict=True):
         assert word.dtype == torch.int64 and word.data_ptr() == tensor.data_ptr()
         assert word.nbytes == tensor.nbytes // 8 * 8
+
+
+def test_warm_code_calls_other_experts_after_the_flush() -> None:
+    """--warm-code: after each flush, an untimed call on routes sharing no expert with the
+    timed call's (each token's distinct), the fn's inputs handed over again, then the timed
+    call on the rep's routes."""
+    from bench_cpu_moe import SHAPES, time_interleaved
+
+    shape, events = SHAPES["1gb"], []
+
+    class Memory:
+        flushes, best = True, 0.0
+
+        def flush(self) -> None:
+            events.append(("flush", None))
+
+    def fn(x, ids, weights, bank):
+        events.append(("call", ids.clone()))
+
+    fn.prepare = lambda x, ids, weights, bank: events.append(("prepare", ids.clone()))
+    bank = type("Bank", (), {"expert_nbytes": 1})()
+    time_interleaved((fn,), bank, shape, 4, False, 3, Memory(), warm_code=True)
+    timed = events[2:]  # after the warm-up's prepare and call
+    for rep in range(3):
+        prep, flush, warm_prep, warm, again, call = timed[6 * rep : 6 * rep + 6]
+        assert [e[0] for e in (prep, flush, warm_prep, warm, again, call)] == [
+            "prepare", "flush", "prepare", "call", "prepare", "call"
+        ]  # fmt: skip
+        ids, other = call[1], warm[1]
+        assert torch.equal(prep[1], ids) and torch.equal(again[1], ids)
+        assert torch.equal(warm_prep[1], other) and other.shape == ids.shape
+        assert not set(other.flatten().tolist()) & set(ids.flatten().tolist())
+        assert all(len(set(row.tolist())) == shape.top_k for row in other)

@@ -267,7 +267,34 @@ def _down_phase(
     second phase."""
     i_row_bytes = inter * fmt.block_bytes // fmt.block_weights
     act_offs = np.arange(routes.shape[0]) * inter
-    max_count = np.max(starts[1:] - starts[:-1]) if starts[-1] else 0
+    num_routes = starts[-1]
+    if num_routes <= nm.EXPERT_MAJOR_MAX_ROUTES:  # numba_moe's expert-major layout
+        outs = np.empty(num_routes * hidden, np.float32)
+        chunks = (hidden + nm.ROWS_PER_ITEM - 1) // nm.ROWS_PER_ITEM
+        items = experts.shape[0] * chunks
+        previous = nm.set_chunk_size(nm.chunk_size(items))
+        for item in prange(items):
+            u, chunk = item // chunks, item % chunks
+            first, count = starts[u], starts[u + 1] - starts[u]
+            h0 = chunk * nm.ROWS_PER_ITEM
+            rows = min(hidden, h0 + nm.ROWS_PER_ITEM) - h0
+            out = np.empty(count * rows, np.float32)
+            row_off = (experts[u] * hidden + h0) * i_row_bytes
+            matmul_q8(
+                fmt, down, row_off, i_row_bytes, inter, rows, aq, ad, a_sums, act_offs, first,
+                count, out,
+            )  # fmt: skip
+            bias_off = experts[u] * hidden + h0
+            nm._weighted(
+                out, count, rows, bias_off, first, routes, route_weights, down_bias, act_bf16
+            )
+            for c in range(count):
+                for r in range(rows):
+                    outs[(first + c) * hidden + h0 + r] = out[c * rows + r]
+        nm._add_routes(outs, starts, routes, top_k, hidden, y)
+        nm.set_chunk_size(previous)
+        return
+    max_count = np.max(starts[1:] - starts[:-1]) if num_routes else 0
     items = (hidden + nm.ROWS_PER_ITEM - 1) // nm.ROWS_PER_ITEM
     previous = nm.set_chunk_size(nm.chunk_size(items))
     for chunk in prange(items):
@@ -281,30 +308,13 @@ def _down_phase(
                 next_off = (experts[u + 1] * hidden + h0) * i_row_bytes
                 prefetch_rows(down, next_off, nm.FIRST_TILE_ROWS * i_row_bytes)
             matmul_q8(
-                fmt,
-                down,
-                row_off,
-                i_row_bytes,
-                inter,
-                rows,
-                aq,
-                ad,
-                a_sums,
-                act_offs,
-                first,
-                count,
-                out,
+                fmt, down, row_off, i_row_bytes, inter, rows, aq, ad, a_sums, act_offs, first,
+                count, out,
+            )  # fmt: skip
+            bias_off = experts[u] * hidden + h0
+            nm._weighted(
+                out, count, rows, bias_off, first, routes, route_weights, down_bias, act_bf16
             )
-            if act_bf16:
-                nm._round_bf16(out, count * rows)
-            if down_bias.shape[0] > 0:
-                nm._add_bias(out, down_bias, experts[u] * hidden + h0, count, rows, act_bf16)
-            for c in range(count):
-                weight = route_weights[routes[first + c]]
-                for r in range(rows):
-                    out[c * rows + r] *= weight
-            if act_bf16 == nm.BF16_ROUTE_WEIGHTS:
-                nm._round_bf16(out, count * rows)
             for c in range(count):
                 token_off = (routes[first + c] // top_k) * hidden + h0
                 for r in range(rows):

@@ -266,3 +266,27 @@ def test_the_gil_is_released_while_the_kernel_computes() -> None:
         longest_pause, last = max(longest_pause, now - last), now
     worker.join()
     assert longest_pause < 0.5 * call_s[0], (longest_pause, call_s[0])
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q4_0", "q4_k", "q4_0+q8", "q4_k+q8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_down_layouts_give_the_same_bits(fmt: str, dtype: torch.dtype) -> None:
+    """A call of few routes takes the expert-major down projection (numba_moe's
+    EXPERT_MAJOR_MAX_ROUTES), a larger one the hidden-major: a token's output is the same bits
+    in either (the same additions in the same order), over row chunks of 64 and a partial one.
+    The tokens added to make the larger call route to other experts, so that each expert of
+    the first two computes the same tile shapes in both calls (one token's bf16 rows take
+    another path than a tile's: numba_moe.streams)."""
+    from hybridmoe.kernels.numba_moe import EXPERT_MAJOR_MAX_ROUTES
+
+    name, _, quant = fmt.partition("+")
+    bank = make_bank(name, experts=16, hidden=160, inter=64, seed=3)
+    bank = bank.with_activation_quant(quant) if quant else bank
+    top_k, few, many = 8, 2, 10
+    assert few * top_k <= EXPERT_MAJOR_MAX_ROUTES < many * top_k <= FUSED_MAX_TOKENS * top_k
+    ids, weights = make_routes(many, top_k, 8, seed=5)  # experts 0 .. 7
+    ids[few:] += 8  # the others' experts: 8 .. 15
+    x = x_for(bank, many).to(dtype)
+    alone = fused_cpu_moe(x[:few], ids[:few], weights[:few].to(dtype), bank)
+    batched = fused_cpu_moe(x, ids, weights.to(dtype), bank)
+    assert torch.equal(alone, batched[:few])

@@ -28,11 +28,11 @@ A k-quant super-block (_superblock_step) is 8 pieces of 32 unsigned weights u: e
 pair sums u_2l q_2l + u_2l+1 q_2l+1 (`vpmaddubsw`: u unsigned, q signed, |sum| <= 2 * 63 * 127
 < 2^15, no saturation; or portable widening multiplies) times the pairs' sub-block scales into
 <8 x i32> (`vpdpwssd` with VNNI, else `vpmaddwd` + `vpaddd`), in two independent chains
-(CHAINS); the minimum (or offset) term from the activations' 16-weight sums (`vpmaddwd`).
-The S and M vectors of 4 (weight row, activation row) pairs are reduced together, exactly,
-by one transpose-add tree, then converted and scaled as one vector; each pair's product is
-added into lane (super-block mod 8) of its accumulator, the lanes of 4 pairs held side by side
-(one vector add).
+in a one-token tile (CHAINS); the minimum (or offset) term from the activations' 16-weight
+sums (`vpmaddwd`). The S and M vectors of 4 (weight row, activation row) pairs are reduced
+together, exactly, by one transpose-add tree, then converted and scaled as one vector; each
+pair's product is added into lane (super-block mod 8) of its accumulator, the lanes of 4 pairs
+held side by side (one vector add).
 
 The activations' quantisation (the contract's step 1, `quantize_block`) runs in vectors of 16
 floats with generic LLVM operations (every target): the block's max |x| by `maxnum` (exact in
@@ -77,7 +77,12 @@ DOT_PATHS = ("vnni", "avx2", "portable")
 # in chain p mod 2), added at the end: one chain of 8 dependent `vpdpwssd` (~4 cycles
 # each) was the T = 1 tile's critical path. Measured (the AMD EPYC, 4 x 1 tile, q4_k, rows of
 # 768 / 2048 / 4096 weights in cache): 1 chain 8.2 / 7.6 / 6.5 ns per 256 weights, 2 chains
-# 7.0 / 6.5 / 6.5, 4 chains 7.0 / 6.6 / 6.6; the same integers (int32 sums, any order)
+# 7.0 / 6.5 / 6.5, 4 chains 7.0 / 6.6 / 6.6; the same integers (int32 sums, any order). Only
+# in tiles of one activation row: with more, the tile's pairs are chains enough (both
+# codegens in one process, ns per 256 weights and token, q4_k / q6_k: 4 x 1 9.19 -> 7.86 /
+# 7.11 -> 7.03, 2 x 1 8.61 -> 8.58 / 8.12 -> 7.55; 4 x 2 4.39 -> 4.62 / 4.71 -> 4.82, 2 x 3
+# 4.12 -> 4.29 / 4.22 -> 4.37, 2 x 4 4.12 -> 4.01 / 3.83 -> 3.87, 1 x 4 3.69 -> 3.84 / 3.74 ->
+# 3.73)
 CHAINS = 2
 OFFSET = 128  # VNNI's weight bias: v + 128 is an unsigned byte
 
@@ -247,6 +252,8 @@ def _superblock_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, row
     prefetch = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
     hints = [ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1)]
     pieces = kernel.pieces
+    one_token = all(c == 0 for chunk, _ in chunks for _, c in chunk)
+    chains_per_pair = CHAINS if one_token else 1
 
     def step(block: ir.Value, lane: ir.Value) -> None:
         weights = []  # per weight row: (SuperBlockIntsIR, [u], [pair scales]) of each piece
@@ -272,9 +279,9 @@ def _superblock_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, row
             s_parts, m_parts, s_scales, m_scales = [], [], [], []
             for r, c in chunk:
                 (ints, us, pair_scales), (qs, sums, dx) = weights[r], activations[c]
-                chains = [ir.Constant(V8I, None)] * CHAINS
+                chains = [ir.Constant(V8I, None)] * chains_per_pair
                 for p in range(pieces):
-                    k = p % CHAINS
+                    k = p % chains_per_pair
                     chains[k] = scaled_add(chains[k], pairs(us[p], qs[p]), pair_scales[p])
                 acc = functools.reduce(builder.add, chains)
                 low = madd(ints.lows, sums)

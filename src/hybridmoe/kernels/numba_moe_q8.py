@@ -246,6 +246,21 @@ def _gate_up_phase(
 
 
 @cached_njit(inline="always", **_FLAGS)
+def _expert_down(fmt, down, u, h0, rows, parts, experts, starts, routes, route_weights, out):
+    """out[c * rows + r] = expert u's down row h0 + r of its route c's quantised act, weighted
+    as y takes it (numba_moe._weighted); `parts` the phase's (hidden, inter, row bytes, acts'
+    q, d and sums, their offsets, the down bias, act_bf16)."""
+    hidden, inter, i_row_bytes, aq, ad, a_sums, act_offs, down_bias, act_bf16 = parts
+    first, count = starts[u], starts[u + 1] - starts[u]
+    row_off = (experts[u] * hidden + h0) * i_row_bytes
+    matmul_q8(
+        fmt, down, row_off, i_row_bytes, inter, rows, aq, ad, a_sums, act_offs, first, count, out
+    )
+    bias_off = experts[u] * hidden + h0
+    nm._weighted(out, count, rows, bias_off, first, routes, route_weights, down_bias, act_bf16)
+
+
+@cached_njit(inline="always", **_FLAGS)
 def _down_phase(
     fmt,
     aq,
@@ -267,6 +282,7 @@ def _down_phase(
     second phase."""
     i_row_bytes = inter * fmt.block_bytes // fmt.block_weights
     act_offs = np.arange(routes.shape[0]) * inter
+    parts = (hidden, inter, i_row_bytes, aq, ad, a_sums, act_offs, down_bias, act_bf16)
     num_routes = starts[-1]
     if num_routes <= nm.EXPERT_MAJOR_MAX_ROUTES:  # numba_moe's expert-major layout
         outs = np.empty(num_routes * hidden, np.float32)
@@ -279,15 +295,9 @@ def _down_phase(
             h0 = chunk * nm.ROWS_PER_ITEM
             rows = min(hidden, h0 + nm.ROWS_PER_ITEM) - h0
             out = np.empty(count * rows, np.float32)
-            row_off = (experts[u] * hidden + h0) * i_row_bytes
-            matmul_q8(
-                fmt, down, row_off, i_row_bytes, inter, rows, aq, ad, a_sums, act_offs, first,
-                count, out,
+            _expert_down(
+                fmt, down, u, h0, rows, parts, experts, starts, routes, route_weights, out
             )  # fmt: skip
-            bias_off = experts[u] * hidden + h0
-            nm._weighted(
-                out, count, rows, bias_off, first, routes, route_weights, down_bias, act_bf16
-            )
             for c in range(count):
                 for r in range(rows):
                     outs[(first + c) * hidden + h0 + r] = out[c * rows + r]
@@ -303,18 +313,12 @@ def _down_phase(
         out = np.empty(max_count * rows, np.float32)
         for u in range(experts.shape[0]):
             first, count = starts[u], starts[u + 1] - starts[u]
-            row_off = (experts[u] * hidden + h0) * i_row_bytes
             if u + 1 < experts.shape[0]:  # the next expert's rows, read after these
                 next_off = (experts[u + 1] * hidden + h0) * i_row_bytes
                 prefetch_rows(down, next_off, nm.FIRST_TILE_ROWS * i_row_bytes)
-            matmul_q8(
-                fmt, down, row_off, i_row_bytes, inter, rows, aq, ad, a_sums, act_offs, first,
-                count, out,
+            _expert_down(
+                fmt, down, u, h0, rows, parts, experts, starts, routes, route_weights, out
             )  # fmt: skip
-            bias_off = experts[u] * hidden + h0
-            nm._weighted(
-                out, count, rows, bias_off, first, routes, route_weights, down_bias, act_bf16
-            )
             for c in range(count):
                 token_off = (routes[first + c] // top_k) * hidden + h0
                 for r in range(rows):

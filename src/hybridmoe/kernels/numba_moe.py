@@ -49,14 +49,14 @@ _FLAGS = dict(nogil=True, fastmath={"contract", "arcp"})  # cached_njit adds cac
 # its CPU time (benchmarks/bench_decode_overhead.py: 26.2 against 24.3 ms a token)
 CHUNKS_PER_THREAD = 8
 # A layer call of at most this many routes (a decode step's: 8 tokens at top-8) runs its down
-# projection in items of one expert's ROWS_PER_ITEM rows (_expert_major_down): a thread's chunk
-# of items is then one contiguous run of an expert's rows, where items of ROWS_PER_ITEM hidden
-# rows read every routed expert's rows in turn (8 runs of 27 KB an item at the Qwen3-30B-A3B
-# q4_k shape). Its routes' weighted outputs are kept apart and added into y afterwards in the
-# other layout's order (the same bits). Measured (the AMD EPYC, 2 threads, the down projection
-# alone after a 512 MiB read and a call on other experts, in one process): q4_k 310 / 380 ->
-# 273 / 245 µs, q6_k 395 -> 346 µs. Beyond it the kept outputs (routes x H floats) would grow
-# with a prefill's routes
+# projection in items of one expert's ROWS_PER_ITEM rows (_fused_moe's and numba_moe_q8's
+# down phases): a thread's chunk of items is then one contiguous run of an expert's rows,
+# where items of ROWS_PER_ITEM hidden rows read every routed expert's rows in turn (8 runs of
+# 27 KB an item at the Qwen3-30B-A3B q4_k shape). Its routes' weighted outputs are kept apart
+# and added into y afterwards in the other layout's order (the same bits). Measured (the AMD
+# EPYC, 2 threads, the down projection alone after a 512 MiB read and a call on other
+# experts, in one process): q4_k 310 / 380 -> 273 / 245 µs, q6_k 395 -> 346 µs. Beyond it the
+# kept outputs (routes x H floats) would grow with a prefill's routes
 EXPERT_MAJOR_MAX_ROUTES = 64
 
 
@@ -424,7 +424,7 @@ def _fused_moe(
             for r in range(rows):
                 acts[(first + c) * inter + i0 + r] = gate[c * rows + r]
     max_count = np.max(starts[1:] - starts[:-1]) if num_routes else 0
-    if num_routes <= EXPERT_MAJOR_MAX_ROUTES:  # _expert_major_down, with _matmul
+    if num_routes <= EXPERT_MAJOR_MAX_ROUTES:  # the expert-major down layout
         outs = np.empty(num_routes * hidden, np.float32)
         chunks = (hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
         items = experts.shape[0] * chunks

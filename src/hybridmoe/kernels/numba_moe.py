@@ -329,6 +329,28 @@ def _weighted(out, count, rows, bias_off, first, routes, route_weights, down_bia
 
 
 @cached_njit(inline="always", **_FLAGS)
+def _expert_down(down_fmt, down, u, h0, rows, parts, experts, starts, routes, route_weights, out):
+    """out[c * rows + r] = expert u's down row h0 + r of its route c's act, weighted as y
+    takes it (_weighted); `parts` the phase's (hidden, inter, row bytes, acts, their offsets,
+    the down bias, act_bf16). numba_moe_q8._expert_down is its q8 twin."""
+    hidden, inter, i_row_bytes, acts, act_offs, down_bias, act_bf16 = parts
+    first, count = starts[u], starts[u + 1] - starts[u]
+    row_off = (experts[u] * hidden + h0) * i_row_bytes
+    _matmul(down_fmt, down, row_off, i_row_bytes, inter, rows, acts, act_offs, first, count, out)
+    bias_off = experts[u] * hidden + h0
+    _weighted(out, count, rows, bias_off, first, routes, route_weights, down_bias, act_bf16)
+
+
+@cached_njit(inline="always", **_FLAGS)
+def _keep_routes(out, first, count, rows, h0, hidden, outs):
+    """The expert-major layout's item: routes first .. first + count - 1's rows h0 .. h0 +
+    rows - 1 (out[c * rows + r]) kept at outs[route * H + h0 + r], for _add_routes."""
+    for c in range(count):
+        for r in range(rows):
+            outs[(first + c) * hidden + h0 + r] = out[c * rows + r]
+
+
+@cached_njit(inline="always", **_FLAGS)
 def _add_routes(outs, starts, routes, top_k, hidden, y):
     """y[token] += outs[route * H:][:H] for every route, expert by expert in `starts`' order
     and each expert's routes in theirs: the additions, in the order, of the hidden-major down
@@ -424,6 +446,7 @@ def _fused_moe(
             for r in range(rows):
                 acts[(first + c) * inter + i0 + r] = gate[c * rows + r]
     max_count = np.max(starts[1:] - starts[:-1]) if num_routes else 0
+    parts = (hidden, inter, i_row_bytes, acts, act_offs, down_bias, act_bf16)
     if num_routes <= EXPERT_MAJOR_MAX_ROUTES:  # the expert-major down layout
         outs = np.empty(num_routes * hidden, np.float32)
         chunks = (hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
@@ -435,15 +458,10 @@ def _fused_moe(
             h0 = chunk * ROWS_PER_ITEM
             rows = min(hidden, h0 + ROWS_PER_ITEM) - h0
             out = np.empty(count * rows, np.float32)
-            row_off = (experts[u] * hidden + h0) * i_row_bytes
-            _matmul(
-                down_fmt, down, row_off, i_row_bytes, inter, rows, acts, act_offs, first, count, out
+            _expert_down(
+                down_fmt, down, u, h0, rows, parts, experts, starts, routes, route_weights, out
             )
-            bias_off = experts[u] * hidden + h0
-            _weighted(out, count, rows, bias_off, first, routes, route_weights, down_bias, act_bf16)
-            for c in range(count):
-                for r in range(rows):
-                    outs[(first + c) * hidden + h0 + r] = out[c * rows + r]
+            _keep_routes(out, first, count, rows, h0, hidden, outs)
         _add_routes(outs, starts, routes, top_k, hidden, y)
         set_chunk_size(previous)
         return -1
@@ -455,15 +473,12 @@ def _fused_moe(
         out = np.empty(max_count * rows, np.float32)
         for u in range(experts.shape[0]):
             first, count = starts[u], starts[u + 1] - starts[u]
-            row_off = (experts[u] * hidden + h0) * i_row_bytes
             if u + 1 < experts.shape[0]:  # the next expert's rows, read after these
                 next_off = (experts[u + 1] * hidden + h0) * i_row_bytes
                 prefetch_rows(down, next_off, FIRST_TILE_ROWS * i_row_bytes)
-            _matmul(
-                down_fmt, down, row_off, i_row_bytes, inter, rows, acts, act_offs, first, count, out
+            _expert_down(
+                down_fmt, down, u, h0, rows, parts, experts, starts, routes, route_weights, out
             )
-            bias_off = experts[u] * hidden + h0
-            _weighted(out, count, rows, bias_off, first, routes, route_weights, down_bias, act_bf16)
             for c in range(count):
                 token_off = (routes[first + c] // top_k) * hidden + h0
                 for r in range(rows):

@@ -298,9 +298,7 @@ def _down_phase(
             _expert_down(
                 fmt, down, u, h0, rows, parts, experts, starts, routes, route_weights, out
             )  # fmt: skip
-            for c in range(count):
-                for r in range(rows):
-                    outs[(first + c) * hidden + h0 + r] = out[c * rows + r]
+            nm._keep_routes(out, first, count, rows, h0, hidden, outs)
         nm._add_routes(outs, starts, routes, top_k, hidden, y)
         nm.set_chunk_size(previous)
         return

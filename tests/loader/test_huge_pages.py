@@ -6,7 +6,9 @@ that cannot is refused by name."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -199,7 +201,9 @@ def test_streamed_tensors_move_the_experts_stay_mapped(model_file: Path) -> None
     step reads whole (attention, norms, router, the tied embeddings that are the head) no
     longer map the file; every byte of the routed experts still does (mapped, as issue 15's
     RSS rule asks: tests/benchmarks/test_bench_kquants.py checks it through the engine)."""
-    tensors = GgufFile(model_file, huge_pages="streamed").tensors
+    gguf = GgufFile(model_file, huge_pages="streamed")
+    gguf.wait_for_huge_pages()
+    tensors = gguf.tensors
     names = set(tensors)
     experts = [n for n in names if not streamed_whole(n, names)]
     assert experts and all("_exps." in n for n in experts)
@@ -215,6 +219,51 @@ def test_streamed_tensors_move_the_experts_stay_mapped(model_file: Path) -> None
             assert str(model_file) not in _mapped_files(first, last), name
             moved += 1
     assert moved  # some streamed tensor spans whole pages
+
+
+def test_streamed_move_runs_beside_the_load(model_file: Path, monkeypatch) -> None:
+    """The load returns while the streamed tensors' move is still running (held here until
+    released), its tensors readable meanwhile; wait_for_huge_pages returns once it is over,
+    having moved each part's runs of streamed tensors."""
+    release, calls = threading.Event(), []
+
+    def held_move(mapped, runs):
+        assert release.wait(timeout=60)
+        calls.append((mapped.nbytes, [tuple(run) for run in runs]))
+
+    monkeypatch.setattr(huge_pages, "huge_pages_supported", lambda: True)
+    monkeypatch.setattr(huge_pages, "move_ranges_to_huge_pages", held_move)
+    gguf = GgufFile(model_file, huge_pages="streamed")
+    plain = GgufFile(model_file)
+    assert calls == []  # the move has not run: the load did not wait for it
+    for name, tensor in plain.tensors.items():
+        assert torch.equal(gguf.tensors[name].data, tensor.data), name
+    release.set()
+    gguf.wait_for_huge_pages()
+    ((nbytes, runs),) = calls
+    assert nbytes == model_file.stat().st_size and runs
+    assert all(start < end <= nbytes for start, end in runs)
+    plain.wait_for_huge_pages()  # none runs: returns at once
+
+
+def test_failed_streamed_move_is_logged_and_leaves_the_file(
+    model_file: Path, monkeypatch, caplog
+) -> None:
+    """A move that raises in its thread leaves every tensor on the file's pages, readable,
+    and says so in a warning (the load itself goes on: the move is an optimisation)."""
+
+    def failing_move(mapped, runs):
+        raise OSError("no memory for the copy")
+
+    monkeypatch.setattr(huge_pages, "huge_pages_supported", lambda: True)
+    monkeypatch.setattr(huge_pages, "move_ranges_to_huge_pages", failing_move)
+    with caplog.at_level(logging.WARNING, logger="hybridmoe.loader.gguf"):
+        gguf = GgufFile(model_file, huge_pages="streamed")
+        gguf.wait_for_huge_pages()
+    assert "huge-page move failed: no memory for the copy" in caplog.text
+    for tensor in gguf.tensors.values():
+        start = tensor.data.data_ptr()
+        assert _mapped_files(start, start + max(tensor.data.nbytes, 1)) == {str(model_file)}
 
 
 def test_streamed_whole_keeps_experts_and_untied_embeddings_mapped() -> None:

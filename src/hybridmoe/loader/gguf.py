@@ -12,7 +12,9 @@ in one storage (kernels/projection.stack_rows then stacks a layer's q, k and v w
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ import numpy as np
 import torch
 
 from hybridmoe.errors import CheckpointError, UnsupportedConfigError
+
+log = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
 GGUF_MAGIC = b"GGUF"
@@ -98,7 +102,8 @@ class GgufFile:
         huge pages (loader/huge_pages.py; CheckpointError where the system cannot), a progress
         bar with `progress`; "streamed", the pages of the tensors every decode step reads
         whole, where the system has huge pages (for dense weights the host computes on:
-        _move_streamed_to_huge_pages); "none", all mapped from the file."""
+        _move_streamed_to_huge_pages), moved by a thread of its own while the load goes on
+        (wait_for_huge_pages); "none", all mapped from the file."""
         if huge_pages not in HUGE_PAGE_MODES:
             raise ValueError(f"huge_pages must be one of {HUGE_PAGE_MODES}, got {huge_pages!r}")
         self.paths = find_gguf_files(Path(path))
@@ -106,15 +111,22 @@ class GgufFile:
         readers = [_open_reader(p) for p in self.paths]
         self.fields = readers[0].fields  # key -> GgufField
         self._check_split(readers)
+        self._mover: threading.Thread | None = None
         if huge_pages == "all":
             _move_to_huge_pages(readers, self.paths, progress)
         elif huge_pages == "streamed":
-            _move_streamed_to_huge_pages(readers)
+            self._mover = _move_streamed_to_huge_pages(readers)
         self.tensors: dict[str, GgufTensor] = {}
         for reader, part in zip(readers, self.paths, strict=True):
             whole = torch.from_numpy(reader.mapped)  # uint8 [file bytes], one storage
             for tensor in reader.tensors:
                 self.tensors[tensor.name] = _tensor(tensor, part, whole)
+
+    def wait_for_huge_pages(self) -> None:
+        """Returns once the streamed tensors' move onto huge pages is over (at once where
+        none runs). Nothing else needs to wait: a move keeps every address and byte."""
+        if self._mover is not None:
+            self._mover.join()
 
     @property
     def architecture(self) -> str:
@@ -213,20 +225,28 @@ def streamed_whole(name: str, names: set[str]) -> bool:
     return name != "token_embd.weight" or "output.weight" not in names
 
 
-def _move_streamed_to_huge_pages(readers) -> None:
+def _move_streamed_to_huge_pages(readers) -> threading.Thread | None:
     """The pages of the tensors every decode step reads whole (streamed_whole: attention, the
     head, norms, routers, shared experts) moved onto huge pages, where the system has them:
     each run of such tensors in file order as one range, its whole pages (huge_pages.
     move_ranges_to_huge_pages); every page holding a routed expert's bytes stays mapped from
-    the file. A copy of what the step reads anyway, RSS that was the file's pages."""
-    from hybridmoe.loader.huge_pages import huge_pages_supported, move_ranges_to_huge_pages
+    the file. A copy of what the step reads anyway, RSS that was the file's pages.
+
+    The copy runs in a thread of its own, returned (None where the system has no huge pages):
+    its time (0.1-0.2 s for 164 MiB on a VM, most of it the first touch of new memory) passes
+    while the load goes on. Nothing waits for it: the move keeps every address and every
+    byte (mremap swaps the pages under the kernel's lock on the mapping, so a read during it
+    sees the file's bytes or the copy's, the same), and the thread holds the mappings, so
+    none is unmapped under it. A move that fails leaves the file's pages, as one refused."""
+    from hybridmoe.loader.huge_pages import huge_pages_supported
 
     if not huge_pages_supported():
-        return
+        return None
     names = {tensor.name for reader in readers for tensor in reader.tensors}
+    moves = []  # (a part's mapping, its [start, end) byte ranges of consecutive streamed tensors)
     for reader in readers:
         base = reader.mapped.ctypes.data
-        runs: list[list[int]] = []  # [start, end) byte ranges of consecutive streamed tensors
+        runs: list[list[int]] = []
         previous = False
         for tensor in sorted(reader.tensors, key=lambda t: t.data.ctypes.data):
             start = tensor.data.ctypes.data - base
@@ -236,7 +256,22 @@ def _move_streamed_to_huge_pages(readers) -> None:
             elif streamed:
                 runs.append([start, start + tensor.data.nbytes])
             previous = streamed
-        move_ranges_to_huge_pages(reader.mapped, runs)
+        moves.append((reader.mapped, runs))
+    mover = threading.Thread(target=_move_runs, args=(moves,), name="hybridmoe-huge-pages")
+    mover.start()
+    return mover
+
+
+def _move_runs(moves) -> None:
+    """move_ranges_to_huge_pages over each part's runs (the streamed move's thread); a
+    failure is logged and leaves the mapping as it was."""
+    from hybridmoe.loader.huge_pages import move_ranges_to_huge_pages
+
+    try:
+        for mapped, runs in moves:
+            move_ranges_to_huge_pages(mapped, runs)
+    except Exception as exc:  # noqa: BLE001  (an optimisation: the mapping stays usable)
+        log.warning("dense weights left on the file's pages (huge-page move failed: %s)", exc)
 
 
 def _open_reader(path: Path):

@@ -30,7 +30,7 @@ _NO_ROUTE = (
     _NO_BF16,
     _NO_U8,
     _NO_F32,
-    (0, 0, 0, 0, 0, 0, False, False),
+    (0, 0, 0, 0, 0, 0, False, False, False),
 )
 _NO_I64 = np.empty(0, np.int64)
 # the block's v arguments where q, k and v are one weight (numba_attention_block's v_w ... v_meta)
@@ -198,7 +198,9 @@ class _Plan:
             gate_fmt = gate_call.fmt.name
             self.routing = gate_call.weight, gate_call.bias, (
                 gate_call.row_bytes, gate.out_features, gate_call.rows_per_item, top_k,
-            ), (weights_dtype is torch.bfloat16, bool(renorm))  # fmt: skip
+            ), (
+                weights_dtype is torch.bfloat16, bool(renorm), gate_call.threads(self.threads) > 1
+            )  # fmt: skip
         if self.experts is not None:
             formats = self.experts[0]
         q8 = (self.qkv_call.q8, self.o_call.q8)

@@ -246,17 +246,17 @@ def _superblock_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, row
     of a later tile (`tile_bytes` on: prefetch_distance) prefetched into L2. A chunk's
     (_pair_chunks) S and M partial vectors are summed together (_transpose_sum), converted and
     scaled in one vector, and added into lane `lane` of its lane accumulators (lanes[lane]: one
-    <n x float> for the chunk's n pairs)."""
+    <n x float> for the chunk's n pairs). Each pair's S: _pair_sums_one_token for a tile of
+    one activation row, else _pair_sums_piece_by_piece (the same integers either way)."""
     w_rows, q_rows, d_rows, s_rows, chunks, tile_bytes = rows
-    pairs, scaled_add, madd = _pair_ops(builder, path)
+    _, _, madd = _pair_ops(builder, path)
     prefetch = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
     hints = [ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1)]
     pieces = kernel.pieces
     one_token = all(c == 0 for chunk, _ in chunks for _, c in chunk)
-    chains_per_pair = CHAINS if one_token else 1
 
     def step(block: ir.Value, lane: ir.Value) -> None:
-        weights = []  # per weight row: (SuperBlockIntsIR, [u], [pair scales]) of each piece
+        weights, made = [], []  # per weight row: its SuperBlockIntsIR; one token: its pieces
         for w_row in w_rows:
             at = builder.gep(w_row, [builder.mul(block, i64(kernel.block_bytes))])
             for line in range(0, kernel.block_bytes, LINE_BYTES):
@@ -264,26 +264,28 @@ def _superblock_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, row
                     prefetch, [builder.gep(at, [builder.add(tile_bytes, i64(line))]), *hints]
                 )
             ints = kernel.superblock_ints_ir(builder, at)
-            pair_scales = [ints.pair_scales(p) for p in range(pieces)]  # shared by the x rows
-            weights.append((ints, [ints.piece(p) for p in range(pieces)], pair_scales))
+            weights.append(ints)
+            if one_token:  # (pair scales, u) of every piece, shared by the x rows
+                made.append(([ints.pair_scales(p) for p in range(pieces)], _pieces(ints, pieces)))
         first = builder.mul(block, i64(KERNEL_BLOCK * pieces))
-        activations = []  # per activation row: ([q of each piece], 16-weight sums, d_x)
+        activations, qs = [], []  # per activation row: (16-weight sums, d_x); one token: q
         for q_row, d_row, s_row in zip(q_rows, d_rows, s_rows, strict=True):
-            qs = [
-                load(builder, builder.gep(q_row, [builder.add(first, i64(p * KERNEL_BLOCK))]), V32B)
-                for p in range(pieces)
-            ]
+            if one_token:
+                qs.append([_q_piece(builder, q_row, first, p) for p in range(pieces)])
             sums = load(builder, builder.gep(s_row, [builder.mul(block, i64(16))]), V16S, align=2)
-            activations.append((qs, sums, builder.load(builder.gep(d_row, [block]))))
+            activations.append((sums, builder.load(builder.gep(d_row, [block]))))
+        tile_pairs = [pair for chunk, _ in chunks for pair in chunk]
+        if one_token:
+            sum_of = _pair_sums_one_token(builder, path, made, qs, pieces)
+        else:
+            rows = (weights, q_rows, first)
+            pair_sums = _pair_sums_piece_by_piece(builder, path, rows, tile_pairs, pieces)
+            sum_of = lambda r, c: pair_sums[r, c]  # noqa: E731
         for chunk, lanes in chunks:
             s_parts, m_parts, s_scales, m_scales = [], [], [], []
             for r, c in chunk:
-                (ints, us, pair_scales), (qs, sums, dx) = weights[r], activations[c]
-                chains = [ir.Constant(V8I, None)] * chains_per_pair
-                for p in range(pieces):
-                    k = p % chains_per_pair
-                    chains[k] = scaled_add(chains[k], pairs(us[p], qs[p]), pair_scales[p])
-                acc = functools.reduce(builder.add, chains)
+                ints, (sums, dx) = weights[r], activations[c]
+                acc = sum_of(r, c)
                 low = madd(ints.lows, sums)
                 if ints.dmin is None:
                     s_parts.append(builder.sub(acc, low))
@@ -304,6 +306,54 @@ def _superblock_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, row
             builder.store(builder.fadd(builder.load(at), product), at)
 
     return step
+
+
+def _q_piece(builder: ir.IRBuilder, q_row: ir.Value, first: ir.Value, p: int) -> ir.Value:
+    """<32 x i8>: the q8 activations of piece p of the super-block starting at q_row[first]."""
+    return load(builder, builder.gep(q_row, [builder.add(first, i64(p * KERNEL_BLOCK))]), V32B)
+
+
+def _pieces(ints, pieces: int) -> list[ir.Value]:
+    return [ints.piece(p) for p in range(pieces)]
+
+
+def _pair_sums_one_token(builder, path, made, qs, pieces):
+    """sum_of(r, c) -> <8 x i32>, the super-block's S of pair (r, c) of a one-token tile,
+    emitted where called, from its pieces made first (made[r]: weight row r's (pair scales,
+    u) of each piece; qs[c]: the activation row's q of each piece: all the super-block's
+    loads early, as a one-token tile streams from memory); in CHAINS chains (pieces p mod
+    CHAINS) added at the end."""
+    pairs, scaled_add, _ = _pair_ops(builder, path)
+
+    def sum_of(r: int, c: int) -> ir.Value:
+        (scales, us), q = made[r], qs[c]
+        chains = [ir.Constant(V8I, None)] * CHAINS
+        for p in range(pieces):
+            k = p % CHAINS
+            chains[k] = scaled_add(chains[k], pairs(us[p], q[p]), scales[p])
+        return functools.reduce(builder.add, chains)
+
+    return sum_of
+
+
+def _pair_sums_piece_by_piece(builder, path, rows, tile_pairs, pieces) -> dict:
+    """{(r, c): <8 x i32>}, _pair_sums_one_token's S of every pair of a tile of more
+    activation rows, made at once (`rows`: the weight
+    rows' SuperBlockIntsIR, the activation rows' q, the super-block's first weight), emitted
+    piece by piece: each piece's u, scales and q dotted into every pair's S before the next
+    piece's are made, so only one piece's values are live beside the sums (made all first,
+    the 2 x 4 q4_k tile's loop held 73 stack loads and stores in 414 instructions; 27 in 371
+    so). The same integers."""
+    weights, q_rows, first = rows
+    pairs, scaled_add, _ = _pair_ops(builder, path)
+    sums = dict.fromkeys(tile_pairs, ir.Constant(V8I, None))
+    for p in range(pieces):
+        us = [ints.piece(p) for ints in weights]
+        scales = [ints.pair_scales(p) for ints in weights]  # shared by the activation rows
+        qs = [_q_piece(builder, q_row, first, p) for q_row in q_rows]
+        for r, c in tile_pairs:
+            sums[r, c] = scaled_add(sums[r, c], pairs(us[r], qs[c]), scales[r])
+    return sums
 
 
 def _scaled_sums(builder: ir.IRBuilder, parts: list[ir.Value], scales: list[ir.Value]) -> ir.Value:

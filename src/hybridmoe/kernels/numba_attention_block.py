@@ -33,12 +33,7 @@ from hybridmoe.kernels.numba_attention import DECODE_ATTENTION, DECODE_ATTENTION
 from hybridmoe.kernels.numba_cache import EntryCache, cached_njit
 from hybridmoe.kernels.numba_dense import dense_parallel, dense_route, dense_serial
 from hybridmoe.kernels.numba_dense_q8 import dense_q8_parallel, dense_q8_serial
-from hybridmoe.kernels.numba_glue import (
-    norm_rotary_rows,
-    norm_rows,
-    softmax_topk_route,
-    widen_bf16,
-)
+from hybridmoe.kernels.numba_glue import norm_rotary_rows, norm_rows, widen_bf16
 from hybridmoe.kernels.numba_moe import moe_parallel
 from hybridmoe.kernels.numba_moe_q8 import kernel_sources, moe_q8_parallel
 from hybridmoe.quant.formats import WEIGHT_FORMATS
@@ -122,8 +117,7 @@ def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None, q8=(Fals
     route_bias: the gate's bytes and float32 bias (empty); route: (row bytes, experts,
     work-item rows, k, ids address, weights address, weights bfloat16, renormalise, parallel):
     what numba_dense.dense_route takes after the post-attention norm (a route_kernel block
-    runs its norms), the logits on numba's pool where `parallel` (the same bits: each row's
-    sum is the same in either form);
+    runs its norms; `parallel`: dense_route's);
     moe_x: float32 [tokens * hidden], the experts' input: the normed array itself for float32
     activations, else written (the normed bits widened); moe_ids: int64 [tokens * k], the
     array at the route's ids address; moe_w, moe_w_bf16: float32 [tokens * k], the route's
@@ -262,23 +256,11 @@ def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None, q8=(Fals
             out = np.int64(y_bf16.ctypes.data if bf16 else y.ctypes.data)
             norm_rows(summed, out, post_scale, after, post_normed, tokens, hidden, eps, post_flags)
             if routes:
-                if route[8]:  # the gate's logits on the pool (a gate as large as a projection
-                    dense_parallel(  # that runs so), then dense_route's routing of them
-                        gate_kernel, route_w, route[0], hidden, route[1], normed, normed_bf16,
-                        tokens, route_bias, logits, logits_bf16, route[2],
-                    )  # fmt: skip
-                    wide = normed_bf16.shape[0] == 0  # float32 logits (as dense_route reads)
-                    routed = softmax_topk_route(
-                        np.int64(logits.ctypes.data if wide else logits_bf16.ctypes.data),
-                        not wide, route[4], route[5], route[6], tokens, route[1], route[3],
-                        route[7], lanes, computes_experts,
-                    )  # fmt: skip
-                else:
-                    routed = dense_route(
-                        gate_kernel, route_w, route[0], hidden, route[1], normed, normed_bf16,
-                        tokens, route_bias, logits, logits_bf16, route[2], route[4], route[5],
-                        route[6], route[3], route[7], lanes, computes_experts,
-                    )  # fmt: skip
+                routed = dense_route(
+                    gate_kernel, route_w, route[0], hidden, route[1], normed, normed_bf16, tokens,
+                    route_bias, logits, logits_bf16, route[2], route[4], route[5], route[6],
+                    route[3], route[7], lanes, computes_experts, route[8],
+                )  # fmt: skip
                 if not routed:
                     return TIE
                 if computes_experts:  # the MoE layer's experts, as cpu_experts.fused_cpu_moe

@@ -221,16 +221,20 @@ def _dense_entry(kernel: KernelFormat, parallel: bool):
 @cached_njit(nogil=True)
 def dense_route(
     fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows, ids, weights,
-    weights_bf16, k, renorm, lanes, any_order=False,
+    weights_bf16, k, renorm, lanes, any_order=False, parallel=False,
 ):  # fmt: skip
-    """A softmax router's step on the calling thread (the router's gate is small): _dense's
-    logits of the gate in `fmt`, then numba_glue.softmax_topk_route of them. Arguments:
-    _dense's, then the route's ids and weights addresses, weights_bf16, k, renorm, lanes; the
-    logits stay in y or y_bf16 (the caller's arrays, bfloat16 bits for bfloat16
-    activations); any_order: softmax_topk_route's. Returns its answer. Called by the route
-    entries and by the attention block (numba_attention_block.py), which routes after its
-    post-attention norm."""
-    _dense(fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows)
+    """A softmax router's step: _dense's logits of the gate in `fmt` (on the calling thread,
+    or with `parallel` on numba's pool: dense_parallel, the same bits), then
+    numba_glue.softmax_topk_route of them. Arguments: _dense's, then the route's ids and
+    weights addresses, weights_bf16, k, renorm, lanes; the logits stay in y or y_bf16 (the
+    caller's arrays, bfloat16 bits for bfloat16 activations); any_order:
+    softmax_topk_route's. Returns its answer. Called by the route entries (serial: a gate is
+    small) and by the attention block (numba_attention_block.py), which routes after its
+    post-attention norm, on the pool where the gate is as large as a projection that runs so."""
+    if parallel:
+        dense_parallel(fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows)
+    else:
+        _dense(fmt, w, row_bytes, n, nrows, x, x_bf16, tokens, bias, y, y_bf16, item_rows)
     bf16 = x_bf16.shape[0] > 0
     logits = y_bf16.ctypes.data if bf16 else y.ctypes.data
     return numba_glue.softmax_topk_route(

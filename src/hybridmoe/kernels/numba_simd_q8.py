@@ -266,7 +266,8 @@ def _superblock_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, row
             ints = kernel.superblock_ints_ir(builder, at)
             weights.append(ints)
             if one_token:  # (pair scales, u) of every piece, shared by the x rows
-                made.append(([ints.pair_scales(p) for p in range(pieces)], _pieces(ints, pieces)))
+                scales = [ints.pair_scales(p) for p in range(pieces)]
+                made.append((scales, [ints.piece(p) for p in range(pieces)]))
         first = builder.mul(block, i64(KERNEL_BLOCK * pieces))
         activations, qs = [], []  # per activation row: (16-weight sums, d_x); one token: q
         for q_row, d_row, s_row in zip(q_rows, d_rows, s_rows, strict=True):
@@ -274,13 +275,12 @@ def _superblock_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, row
                 qs.append([_q_piece(builder, q_row, first, p) for p in range(pieces)])
             sums = load(builder, builder.gep(s_row, [builder.mul(block, i64(16))]), V16S, align=2)
             activations.append((sums, builder.load(builder.gep(d_row, [block]))))
-        tile_pairs = [pair for chunk, _ in chunks for pair in chunk]
         if one_token:
             sum_of = _pair_sums_one_token(builder, path, made, qs, pieces)
         else:
+            tile_pairs = [pair for chunk, _ in chunks for pair in chunk]
             rows = (weights, q_rows, first)
-            pair_sums = _pair_sums_piece_by_piece(builder, path, rows, tile_pairs, pieces)
-            sum_of = lambda r, c: pair_sums[r, c]  # noqa: E731
+            sum_of = _pair_sums_piece_by_piece(builder, path, rows, tile_pairs, pieces)
         for chunk, lanes in chunks:
             s_parts, m_parts, s_scales, m_scales = [], [], [], []
             for r, c in chunk:
@@ -313,10 +313,6 @@ def _q_piece(builder: ir.IRBuilder, q_row: ir.Value, first: ir.Value, p: int) ->
     return load(builder, builder.gep(q_row, [builder.add(first, i64(p * KERNEL_BLOCK))]), V32B)
 
 
-def _pieces(ints, pieces: int) -> list[ir.Value]:
-    return [ints.piece(p) for p in range(pieces)]
-
-
 def _pair_sums_one_token(builder, path, made, qs, pieces):
     """sum_of(r, c) -> <8 x i32>, the super-block's S of pair (r, c) of a one-token tile,
     emitted where called, from its pieces made first (made[r]: weight row r's (pair scales,
@@ -336,14 +332,13 @@ def _pair_sums_one_token(builder, path, made, qs, pieces):
     return sum_of
 
 
-def _pair_sums_piece_by_piece(builder, path, rows, tile_pairs, pieces) -> dict:
-    """{(r, c): <8 x i32>}, _pair_sums_one_token's S of every pair of a tile of more
-    activation rows, made at once (`rows`: the weight
-    rows' SuperBlockIntsIR, the activation rows' q, the super-block's first weight), emitted
-    piece by piece: each piece's u, scales and q dotted into every pair's S before the next
-    piece's are made, so only one piece's values are live beside the sums (made all first,
-    the 2 x 4 q4_k tile's loop held 73 stack loads and stores in 414 instructions; 27 in 371
-    so). The same integers."""
+def _pair_sums_piece_by_piece(builder, path, rows, tile_pairs, pieces):
+    """_pair_sums_one_token's sum_of for a tile of more activation rows (`rows`: the weight
+    rows' SuperBlockIntsIR, the activation rows' q, the super-block's first weight), every
+    pair's S emitted here, piece by piece: each piece's u, scales and q dotted into every
+    pair's S before the next piece's are made, so only one piece's values are live beside the
+    sums (made all first, the 2 x 4 q4_k tile's loop held 73 stack loads and stores in 414
+    instructions; 27 in 371 so). The same integers."""
     weights, q_rows, first = rows
     pairs, scaled_add, _ = _pair_ops(builder, path)
     sums = dict.fromkeys(tile_pairs, ir.Constant(V8I, None))
@@ -353,7 +348,7 @@ def _pair_sums_piece_by_piece(builder, path, rows, tile_pairs, pieces) -> dict:
         qs = [_q_piece(builder, q_row, first, p) for q_row in q_rows]
         for r, c in tile_pairs:
             sums[r, c] = scaled_add(sums[r, c], pairs(us[r], qs[c]), scales[r])
-    return sums
+    return lambda r, c: sums[r, c]
 
 
 def _scaled_sums(builder: ir.IRBuilder, parts: list[ir.Value], scales: list[ir.Value]) -> ir.Value:

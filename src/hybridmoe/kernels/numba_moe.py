@@ -29,7 +29,8 @@ from numba import prange, types
 from numba.extending import intrinsic
 
 from hybridmoe import env
-from hybridmoe.kernels import llvm_ir, numba_simd
+from hybridmoe.kernels import activation_ir, llvm_ir, numba_simd
+from hybridmoe.kernels.activation_ir import activation_at
 from hybridmoe.kernels.numba_cache import EntryCache, cached_njit
 from hybridmoe.kernels.numba_simd import load_weight, prefetch_rows, tile_dot
 from hybridmoe.quant.formats import WEIGHT_FORMATS, KernelFormat
@@ -69,7 +70,8 @@ def kernel_sources() -> list[str]:
         for ir_fn in (fmt.kernel.dequantize_block_ir, fmt.kernel.load_weight_ir)
         if ir_fn is not None
     ]
-    files = {__file__, numba_simd.__file__, llvm_ir.__file__, *map(inspect.getfile, builders)}
+    modules = (numba_simd, llvm_ir, activation_ir)
+    files = {__file__, *(m.__file__ for m in modules), *map(inspect.getfile, builders)}
     return sorted(files)
 
 
@@ -228,9 +230,23 @@ def _matmul(fmt, w, w_off, row_bytes, n, nrows, x, x_offs, first, count, out):
                     out[c * nrows + r] += weight * x[x_offs[first + c] + j]
 
 
+SILU_LANES = activation_ir.silu_lanes()  # 0: libm's expf (_silu), else torch's SLEEF exp
+
+
 @cached_njit(**_FLAGS)
 def _silu(g):
     return g / (np.float32(1.0) + np.exp(-g))
+
+
+@cached_njit(inline="always", **_FLAGS)
+def _vector_activation(values, n, sigmoid):
+    """values[:n] = silu (or sigmoid where `sigmoid`, a constant) of values[:n] in place, by
+    activation_at: vectors of SILU_LANES, then the tail one value at a time."""
+    whole = n - n % SILU_LANES
+    for j in range(0, whole, SILU_LANES):
+        activation_at(values, j, SILU_LANES, sigmoid)
+    for j in range(whole, n):
+        activation_at(values, j, 1, sigmoid)
 
 
 @cached_njit(**_FLAGS)
@@ -248,9 +264,13 @@ def _round_bf16(a, n):
 @cached_njit(**_FLAGS)
 def _swiglu(gate, up, n, act_bf16):
     """gate[:n] = silu(gate) * up, each step rounded to bf16 when `act_bf16` (as torch computes
-    it on bf16 tensors); gate and up are the projections, already in the activation dtype."""
-    for j in range(n):
-        gate[j] = _silu(gate[j])
+    it on bf16 tensors); gate and up are the projections, already in the activation dtype.
+    silu is torch's vectorised one (activation_ir) where SILU_LANES, else by libm's expf."""
+    if SILU_LANES:
+        _vector_activation(gate, n, False)
+    else:
+        for j in range(n):
+            gate[j] = _silu(gate[j])
     if act_bf16:
         _round_bf16(gate, n)
     for j in range(n):
@@ -275,8 +295,11 @@ def _clamped_swiglu(gate, up, n, alpha, limit, act_bf16):
         glu[j] = gate[j] * alpha
     if act_bf16:
         _round_bf16(glu, n)
-    for j in range(n):
-        glu[j] = np.float32(1.0) / (np.float32(1.0) + np.exp(-glu[j]))
+    if SILU_LANES:  # torch's vectorised sigmoid (activation_ir)
+        _vector_activation(glu, n, True)
+    else:
+        for j in range(n):
+            glu[j] = np.float32(1.0) / (np.float32(1.0) + np.exp(-glu[j]))
     if act_bf16:
         _round_bf16(glu, n)
     for j in range(n):

@@ -3,8 +3,8 @@ loop and ggml's Q8_0 bytes, the numba quantiser against it to the bit, and every
 computes a layer with it (the numba layer kernel, the accelerator's gathered_moe) against
 bank_moe. A projection is the contract's to the bit on every path (the tile, on every
 instruction path: tests/kernel_tests/test_activation_q8_paths.py); a layer differs from bank_moe
-where the float path's does (silu's last bit, numba's against torch's; the order of the sum
-over routes), and where such an ulp moves an activation across a rounding boundary of its
+where the float path's does (the order of the sum over routes; silu's bits are torch's where
+torch's silu is vectorised: kernels/activation_ir.py), and where such an ulp moves an activation across a rounding boundary of its
 quantisation, by one q8 step (layer_flips), far below q8's own effect
 (test_q8_changes_the_arithmetic_not_the_model). The k-quants with integer super-blocks (q2_k
 ... q6_k) likewise, their integers also against gguf's dequantisation. Numba layer kernels

@@ -22,7 +22,7 @@ from hybridmoe.quant.formats import weight_format
 from random_weights import random_stored
 
 FORMATS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q8_0")
-SHAPES = ((4, 1), (1, 1), (2, 3))  # (weight rows, activation rows): 1, 4 and 1 sets
+SHAPES = ((4, 1), (1, 1), (2, 3))  # (weight rows, activation rows)
 SUPER_BLOCKS = (1, 3)  # per row
 
 

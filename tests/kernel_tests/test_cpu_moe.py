@@ -290,3 +290,23 @@ def test_down_layouts_give_the_same_bits(fmt: str, dtype: torch.dtype) -> None:
     alone = fused_cpu_moe(x[:few], ids[:few], weights[:few].to(dtype), bank)
     batched = fused_cpu_moe(x, ids, weights.to(dtype), bank)
     assert torch.equal(alone, batched[:few])
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "f16", "q4_0", "q4_k", "q4_0+q8", "q4_k+q8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_token_gets_the_same_bits_whatever_shares_its_experts(fmt: str, dtype) -> None:
+    """Batch invariance: token 0's output alone and in calls of 2 to 5 tokens whose others
+    route to some of its experts, so that its rows are dotted by tiles of other shapes (one
+    token's bf16 rows by a stream of one row, two tokens' by 4 x 2 tiles, three's by 2 x 3,
+    ...: numba_simd's tiles sum a pair in one order whatever their shape)."""
+    name, _, quant = fmt.partition("+")
+    bank = make_bank(name, experts=16, hidden=160, inter=64, seed=4)
+    bank = bank.with_activation_quant(quant) if quant else bank
+    ids, weights = make_routes(5, 8, bank.num_experts, seed=6)
+    ids[1:, :3] = ids[0, :3]  # the others share three of token 0's experts, in other places
+    ids[1:] = ids[1:].roll(1, dims=1)
+    x, weights = x_for(bank, 5).to(dtype), weights.to(dtype)
+    alone = fused_cpu_moe(x[:1], ids[:1], weights[:1], bank)
+    for tokens in range(2, 6):
+        batched = fused_cpu_moe(x[:tokens], ids[:tokens], weights[:tokens], bank)
+        assert torch.equal(batched[:1], alone), f"{tokens} tokens"

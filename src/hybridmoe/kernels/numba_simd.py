@@ -119,9 +119,16 @@ def _declare(builder: ir.IRBuilder, name: str, ret: ir.Type, params: list[ir.Typ
 
 
 def _tile_dot_codegen(kernel: KernelFormat, wrows: int, xrows: int):
-    # An FMA waits ~4 cycles for the previous one on its accumulator: with few accumulators
-    # in the tile the loop takes `sets` blocks per iteration, each on its own accumulator set.
-    sets = max(1, 4 // (wrows * xrows))
+    """The tile's code: one <32 x float> accumulator per (weight row, activation row) pair,
+    whatever the tile's shape, summing the row's blocks in order (a super-block's pieces in
+    order), then its lanes by a pairwise tree. So a route's output does not depend on the
+    tile its rows and tokens landed in, that is on which other tokens of a batch share its
+    expert. (Until 2026-12-06 a tile of few pairs spread its blocks over 4 // (rows x tokens)
+    accumulator sets, for more FMA chains: a bf16 expert's row dotted by a 1 x 1 tile, one
+    token, and by a 4 x 2 tile, two, differed in the last bits, and a batch of 4 prompts gave
+    other tokens than each prompt alone. One accumulator of a bf16 block's 64 bytes is two
+    independent FMA chains, 16 bytes a cycle, above what a core reads from DRAM: the
+    Qwen3-30B-A3B bf16 layer measured 0.97-1.02x the time of the sets.)"""
 
     def codegen(context, builder, sig, args):
         w_ty, _, _, _, x_ty, offs_ty, _, out_ty, _, _ = sig.args[3:]
@@ -141,20 +148,16 @@ def _tile_dot_codegen(kernel: KernelFormat, wrows: int, xrows: int):
         ]
         tile_bytes = prefetch_distance(builder, row_bytes, wrows)  # a later tile's block
         zero = ir.Constant(V32F, None)
-        accs = [
-            [[cgutils.alloca_once_value(builder, zero) for _ in x_rows] for _ in w_rows]
-            for _ in range(sets)
-        ]
-        for group in _row_groups(wrows, xrows, sets):  # each row's sums alike in any group
+        accs = [[cgutils.alloca_once_value(builder, zero) for _ in x_rows] for _ in w_rows]
+        for group in _row_groups(wrows, xrows):  # each row's sums alike in any group
             rows = [w_rows[r] for r in group]
-            group_accs = [[acc_set[r] for r in group] for acc_set in accs]
-            _block_loops(builder, kernel, rows, x_rows, tile_bytes, nblocks, group_accs)
+            _block_loops(
+                builder, kernel, rows, x_rows, tile_bytes, nblocks, [accs[r] for r in group]
+            )
         out_data = context.make_array(out_ty)(context, builder, out).data
         for r in range(wrows):
             for c in range(xrows):
-                total = builder.load(accs[0][r][c])
-                for acc_set in accs[1:]:
-                    total = builder.fadd(total, builder.load(acc_set[r][c]))
+                total = builder.load(accs[r][c])
                 index = builder.add(out_off, builder.add(builder.mul(out_stride, i64(c)), i64(r)))
                 slot = builder.gep(out_data, [index])
                 builder.store(pairwise_sum(builder, total, 32), slot)
@@ -163,7 +166,7 @@ def _tile_dot_codegen(kernel: KernelFormat, wrows: int, xrows: int):
     return codegen
 
 
-def _row_groups(wrows: int, xrows: int, sets: int) -> list[range]:
+def _row_groups(wrows: int, xrows: int) -> list[range]:
     """The tile's weight rows whose block loops run together: all of them where the vector
     registers hold every accumulator with the activations and a dequantised block (AVX-512's
     32: the TILES are sized for it); on a 16-register target (AVX2, where a <32 x float> is 4
@@ -173,7 +176,7 @@ def _row_groups(wrows: int, xrows: int, sets: int) -> list[range]:
     on an AVX2 EPYC). A row's accumulators add the same products in the same order in any
     group (the same bits); a group re-reads the activation blocks, from L1. The tiles of more
     accumulators a row stay whole: split, they measured no faster (q4_k's 2 x 2 slower)."""
-    if target_has("avx512f") or xrows * sets != 1:
+    if target_has("avx512f") or xrows != 1:
         return [range(wrows)]
     return [range(r, min(r + 2, wrows)) for r in range(0, wrows, 2)]
 
@@ -185,24 +188,17 @@ def _block_loops(
     x_rows: list[ir.Value],
     tile_bytes: ir.Value,
     nblocks: ir.Value,
-    accs: list[list[list[ir.Value]]],
+    accs: list[list[ir.Value]],
 ) -> None:
-    """The loops over a row's `nblocks` blocks for `w_rows`, into accs[set][wrow][xrow]."""
-    sets = len(accs)
-    if kernel.pieces > 1:  # whole super-blocks, each piece on the next accumulator set
+    """The loop over a row's `nblocks` blocks (whole super-blocks for a super-block format)
+    for `w_rows`, into accs[wrow][xrow]."""
+    if kernel.pieces > 1:
         step = _superblock_step(builder, kernel, w_rows, x_rows, tile_bytes)
-        with cgutils.for_range(builder, builder.udiv(nblocks, i64(kernel.pieces))) as loop:
-            step(loop.index, accs)
-        return
-    step = _block_step(builder, kernel, w_rows, x_rows, tile_bytes)
-    main_iters = builder.udiv(nblocks, i64(sets))
-    with cgutils.for_range(builder, main_iters) as loop:
-        first_block = builder.mul(loop.index, i64(sets))
-        for s, acc_set in enumerate(accs):
-            step(builder.add(first_block, i64(s)), acc_set)
-    done = builder.mul(main_iters, i64(sets))
-    with cgutils.for_range(builder, builder.sub(nblocks, done)) as loop:
-        step(builder.add(done, loop.index), accs[0])
+        nblocks = builder.udiv(nblocks, i64(kernel.pieces))
+    else:
+        step = _block_step(builder, kernel, w_rows, x_rows, tile_bytes)
+    with cgutils.for_range(builder, nblocks) as loop:
+        step(loop.index, accs)
 
 
 def _block_step(
@@ -244,17 +240,16 @@ def _superblock_step(
     x_rows: list[ir.Value],
     tile_bytes: ir.Value,
 ):
-    """step(superblock_index, accs[set][wrow][xrow]): per weight row, prefetch the super-block
+    """step(superblock_index, accs[wrow][xrow]): per weight row, prefetch the super-block
     `tile_bytes` on (a later tile's: prefetch_distance; each of its cache lines) and decode its
     scales once (the format's DequantizeSuperBlockIR); then piece by piece, the activations' 32
-    values loaded once and each row's piece dequantised and FMAed into accumulator set
-    `piece % sets`."""
+    values loaded once and each row's piece dequantised and FMAed into its accumulator."""
     fma = _declare(builder, "llvm.fma.v32f32", V32F, [V32F] * 3)
     prefetch = _declare(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), *[I32] * 3])
     hints = [ir.Constant(I32, v) for v in (0, PREFETCH_LOCALITY, 1)]
     lines = [*range(0, kernel.block_bytes, LINE_BYTES), kernel.block_bytes - 1]  # all it spans
 
-    def step(index: ir.Value, accs: list[list[list[ir.Value]]]) -> None:
+    def step(index: ir.Value, accs: list[list[ir.Value]]) -> None:
         pieces = []
         for w_row in w_rows:
             block = builder.gep(w_row, [builder.mul(index, i64(kernel.block_bytes))])
@@ -266,7 +261,7 @@ def _superblock_step(
         for p in range(kernel.pieces):
             at = builder.add(first_weight, i64(p * KERNEL_BLOCK))
             xs = [load(builder, builder.gep(x_row, [at]), V32F, align=4) for x_row in x_rows]
-            for piece, row_accs in zip(pieces, accs[p % len(accs)], strict=True):
+            for piece, row_accs in zip(pieces, accs, strict=True):
                 w = piece(p)
                 for acc, xv in zip(row_accs, xs, strict=True):
                     builder.store(builder.call(fma, [w, xv, builder.load(acc)]), acc)

@@ -1,15 +1,15 @@
-"""The q8 activation contract (quant/activation_q8.py): its torch reference against a plain
-loop and ggml's Q8_0 bytes, the numba quantiser against it to the bit, and every path that
-computes a layer with it (the numba layer kernel, the accelerator's gathered_moe) against
-bank_moe. A projection is the contract's to the bit on every path (the tile, on every
-instruction path: tests/kernel_tests/test_activation_q8_paths.py); a layer differs from bank_moe
-where the float path's does (the order of the sum over routes; silu's bits are torch's where
-torch's silu is vectorised: kernels/activation_ir.py), and where such an ulp moves an activation across a rounding boundary of its
-quantisation, by one q8 step (layer_flips), far below q8's own effect
-(test_q8_changes_the_arithmetic_not_the_model). The k-quants with integer super-blocks (q2_k
-... q6_k) likewise, their integers also against gguf's dequantisation. Numba layer kernels
-compiled: q4_0 gate/up beside q8_0 down, q4_k beside q6_k, q5_k beside q8_0, q2_k beside q3_k
-(a Q2_K file's pair)."""
+"""The q8 activation contract (quant/activation_q8.py): its torch reference against a plain loop and
+ggml's Q8_0 bytes, the numba quantiser against it to the bit, and every path that computes a layer
+with it (the numba layer kernel, the accelerator's gathered_moe) against bank_moe. A projection is
+the contract's to the bit on every path (the tile, on every instruction path:
+tests/kernel_tests/test_activation_q8_paths.py); a layer differs from bank_moe where the float
+path's does (the order of the sum over routes; silu's bits are torch's where torch's silu is
+vectorised: kernels/activation_ir.py), and where such an ulp moves an activation across a rounding
+boundary of its quantisation, by one q8 step (layer_flips), far below q8's own effect
+(test_q8_changes_the_arithmetic_not_the_model). The k-quants with integer super-blocks (q2_k ...
+q6_k) likewise, their integers also against gguf's dequantisation. Numba layer kernels compiled:
+q4_0 gate/up beside q8_0 down, q4_k beside q6_k, q5_k beside q8_0, q2_k beside q3_k (a Q2_K file's
+pair)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""How often the CPU decode-attention kernel's bfloat16 output is not torch's SDPA's, bit for
-bit, over random decode steps: batches of 1-3 rows at positions up to --max-keys, grouped-query
-ratios 1-8, head sizes 32-128, a random scale of the values. Prints each step that differs and
-a summary line; exits 1 where any does. For a machine the kernel may not reproduce (another
-CPU vendor or instruction set, another torch build): run it before trusting
-`--attention-kernel auto`'s one-step check (numba_attention.gives_sdpa_bits) further.
+"""How often the CPU decode-attention kernel's bfloat16 output is not torch's SDPA's over each row's
+own keys (the sequence decoding alone), bit for bit, over random decode steps: batches of 1-3 rows
+at positions up to --max-keys, grouped-query ratios 1-8, head sizes 32-128, a random scale of the
+values. Prints each step that differs and a summary line; exits 1 where any does. For a machine the
+kernel may not reproduce (another CPU vendor or instruction set, another torch build): run it
+before trusting `--attention-kernel auto`'s one-step check (numba_attention.gives_sdpa_bits)
+further.
 
     python scripts/attention_bits_sweep.py [--seconds 60] [--seed 7] [--max-keys 1600]
 """
@@ -45,11 +46,16 @@ def random_step(rng: random.Random, max_keys: int) -> tuple[dict, int, int]:
     out = numba_attention.decode_attention(
         q, k, v, host, slots, np.arange(rows), at, kv_len, None, None, threads=1
     )
-    mask = (torch.arange(kv_len)[None, :] <= torch.tensor(positions)[:, None])[:, None, None]
-    keys, values = (c[:, :, :kv_len] for c in caches)
-    reference = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=heads != kv_heads
-    ).transpose(1, 2)
+    reference = torch.cat(  # each row's SDPA over its own keys, as it decodes alone
+        [
+            F.scaled_dot_product_attention(
+                q[b : b + 1].transpose(1, 2),
+                *(c[b : b + 1, :, : p + 1] for c in caches),
+                enable_gqa=heads != kv_heads,
+            ).transpose(1, 2)
+            for b, p in enumerate(positions)
+        ]
+    )
     shape = dict(heads=heads, kv_heads=kv_heads, dim=dim, positions=positions, scale=scale)
     return shape, int((out != reference).sum()), out.numel()
 

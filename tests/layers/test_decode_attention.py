@@ -99,30 +99,33 @@ class Pair:
         self.equal: list[float] = []
 
     def step(self, positions: list[list[int]], rows: list[int], decode=None, **kwargs) -> None:
+        """One step of the rows `rows` at `positions` through both caches, every layer. The
+        reference of a decode step of several rows is SDPA over each sequence's keys alone (its
+        rows one by one, as each sequence decodes alone): the kernel gives that in a batch."""
         cfg, positions_t = self.cfg, torch.tensor(positions)
         B, T = positions_t.shape
+        alone = T == 1 and B > 1 and decode is not False
         for layer in range(cfg.num_layers):
             shapes = [(B, T, cfg.num_heads, cfg.head_dim)]
             shapes += [(B, T, cfg.num_kv_heads, cfg.head_dim)] * 2
-            q, k, v = (torch.randn(s, generator=self.gen).to(self.dtype) * 2 for s in shapes)
-            window = cfg.layer_window(layer)
-            outs = [
-                attend(
-                    q,
-                    k,
-                    v,
-                    make_batch(cfg, cache, positions_t, rows, decode),
-                    layer,
-                    window,
-                    rotated=True,
-                    **kwargs,
-                )
-                for cache in (self.fast, self.slow)
-            ]
+            qkv = [(torch.randn(s, generator=self.gen).to(self.dtype) * 2) for s in shapes]
+            step = (qkv, positions_t, rows, layer, decode, kwargs)
+            fast = self._attend(self.fast, list(range(B)), step)
+            if alone:
+                slow = torch.cat([self._attend(self.slow, [b], step) for b in range(B)])
+            else:
+                slow = self._attend(self.slow, list(range(B)), step)
             v_max = self.slow.v[layer].abs().max().item()  # over every value a query may see
-            self.equal.append(assert_matches(*outs, v_max))
+            self.equal.append(assert_matches(fast, slow, v_max))
             assert torch.equal(self.fast.k[layer], self.slow.k[layer])
             assert torch.equal(self.fast.v[layer], self.slow.v[layer])
+
+    def _attend(self, cache: KVCache, picks: list[int], step: tuple) -> torch.Tensor:
+        """attend() of the step's rows `picks` as one batch through `cache`."""
+        (q, k, v), positions, rows, layer, decode, kwargs = step
+        batch = make_batch(self.cfg, cache, positions[picks], [rows[i] for i in picks], decode)
+        window = self.cfg.layer_window(layer)
+        return attend(q[picks], k[picks], v[picks], batch, layer, window, rotated=True, **kwargs)
 
 
 def decode_steps(pair: Pair, window: int) -> int:
@@ -324,9 +327,9 @@ def reference_mismatches(dtype, case, lanes=None, seed=0) -> int:
         q, k, v, host, slots, np.arange(B), at, kv_len, ring, window, threads=1
     )
     lanes = lanes or numba_attention.softmax_lanes()
-    keys = min(kv_len, ring) if ring else kv_len  # SDPA's row: ring slots, or positions
     bad = 0
     for b, p in enumerate(positions):
+        keys = min(p + 1, ring) if ring else p + 1  # SDPA's row for this sequence alone
         visible = np.zeros(keys, bool)
         if ring:
             visible[: min(p + 1, ring)] = True

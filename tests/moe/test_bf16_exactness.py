@@ -1,9 +1,10 @@
 """End to end in bfloat16: on a bf16 checkpoint run in bf16, every decode target, cache size and
 fetch cap gives the `gpu` target's greedy tokens, in every expert format, alone and batched; and
 the `gpu` target gives `transformers`' tokens. Batched runs are compared with the gpu target's
-batched run, not with each prompt alone: in bf16 decode attention over a batch's padded KV rows
-rounds differently from attention over one sequence's keys (docs/architecture.md), on every
-target alike and depending on the CPU's kernels, so that is no property of the experts.
+batched run, not with each prompt alone: on the host every target's bf16 decode attention is
+the kernel that gives each row its own keys' bits, but SDPA (a GPU's, or where the kernel is
+off) computes a batch over its padded KV rows, which rounds differently from attention over
+one sequence's keys (docs/architecture.md), so that is no property of the experts.
 
 Exact token equality over N_TOKENS tokens: in bf16 one rounding placed differently moves a logit
 by an ulp (~0.03 at the logits' scale), which flips a near-tied token within a few dozen, so

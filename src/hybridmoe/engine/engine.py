@@ -123,8 +123,10 @@ class Engine:
 
     def generate_ids(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Generated token ids per prompt, in prompt order (EOS included when it ended the
-        sequence). Each prompt gets the tokens it gets alone; prompts beyond max_batch wait
-        for a free KV-cache row. `stats` then holds this call's counts."""
+        sequence). A prompt's tokens are those it gets alone where the decode step is batch
+        invariant (bfloat16 on the host decode path, to the bit: docs/architecture.md; SDPA's
+        padded batches may round a near tie otherwise); prompts beyond max_batch wait for a
+        free KV-cache row. `stats` then holds this call's counts."""
         seqs = [self.new_sequence(ids, params, with_text=False) for ids in prompts]
         self._run_to_end(seqs)
         return [seq.output_ids for seq in seqs]

@@ -3,7 +3,10 @@ value of each sequence into its KV-cache row and computes softmax(q k^T * scale)
 row's cached keys, for one query per sequence, sequences at different positions, grouped-query
 heads (num_kv_heads < num_heads), a sliding window and the sliding-window ring (engine/
 kv_cache.py). Its reference is the torch path beside it: KVCache.update, then torch's SDPA
-(layers/attention.sdpa); tests/layers/test_decode_attention.py compares them.
+(layers/attention.sdpa) of each sequence alone: a row's bits do not depend on the rows
+beside it (the batch's SDPA over keys padded to the longest row's length blocks them otherwise,
+and until 2026-12-06 the kernel reproduced that: a prompt's bf16 tokens could change with the
+batch it shared); tests/layers/test_decode_attention.py compares them.
 
 Work items are (sequence, kv head) pairs: an item writes its head's new row, then computes the
 heads of its group over it; the dot products and the weighted sums of values are LLVM vector
@@ -13,23 +16,23 @@ written) are not computed: a masked key's weight is exactly 0 in torch's softmax
 where it would share a vector or a group of four with seen keys it is given as -inf or 0.
 
 The numerics, torch's CPU flash attention's (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp,
-what SDPA runs for host tensors), step for step: scores q . k in float32 (attention_ir's order,
-its bfloat16 GEMM's), times `scale`; an online softmax over blocks of BLOCK keys counted from
-key 0 of SDPA's key row, whose length is the batch's kv_len (a shorter row's last keys masked),
-so a block's length, and with it which keys fall in its vector part and which in its tail, is
-SDPA's (softmax_ir: the block's max; its exps by torch's vector exp and libm's expf, their sum
-in torch's lanes and tree); the running sum fused as torch's compiled `sum + carry * old`
-(an FMA), the running output times the carry exp(old max - new max) (libm's expf); in bfloat16
-the exps rounded to bfloat16 before they weight v; the weighted sum of v (attention_ir's
-order); then out = acc * (1 / sum), rounded once to the output dtype. In bfloat16 that is
-SDPA's bits where MKL's bfloat16 GEMM sums in attention_ir's order (an AMD EPYC, measured) and
-torch's build is one whose softmax glue.softmax_lanes knows: gives_sdpa_bits checks it on the
-machine, and the engine takes the kernel by default only there (EngineConfig.attention_kernel
-"auto"). Elsewhere, and in float32 (SDPA's float32 GEMM is MKL's sgemm, whose bits even vary
-with the operands' alignment), the contract is a tolerance, SDPA's own float32 accumulation
-error: float32 outputs within 1e-5 (absolute and relative), bfloat16 outputs within one unit in
-the last place of the output plus 2^-8 max |v| (a weight whose float32 bits differ may round
-one bfloat16 step the other way).
+what SDPA runs for host tensors), step for step: scores q . k in float32 (attention_ir's order, its
+bfloat16 GEMM's), times `scale`; an online softmax over blocks of BLOCK keys counted from key 0 of
+SDPA's key row for the sequence alone (its position + 1 keys, or the ring's written slots), so a
+block's length, and with it which keys fall in its vector part and which in its tail, is that of
+SDPA over the sequence's own keys (softmax_ir: the block's max; its exps by torch's vector exp and
+libm's expf, their sum in torch's lanes and tree); the running sum fused as torch's compiled `sum +
+carry * old` (an FMA), the running output times the carry exp(old max - new max) (libm's expf); in
+bfloat16 the exps rounded to bfloat16 before they weight v; the weighted sum of v (attention_ir's
+order); then out = acc * (1 / sum), rounded once to the output dtype. In bfloat16 that is SDPA's
+bits where MKL's bfloat16 GEMM sums in attention_ir's order (an AMD EPYC, measured) and torch's
+build is one whose softmax glue.softmax_lanes knows: gives_sdpa_bits checks it on the machine, and
+the engine takes the kernel by default only there (EngineConfig.attention_kernel "auto").
+Elsewhere, and in float32 (SDPA's float32 GEMM is MKL's sgemm, whose bits even vary with the
+operands' alignment), the contract is a tolerance, SDPA's own float32 accumulation error: float32
+outputs within 1e-5 (absolute and relative), bfloat16 outputs within one unit in the last place of
+the output plus 2^-8 max |v| (a weight whose float32 bits differ may round one bfloat16 step the
+other way).
 
 A step whose keys and values are under MIN_PARALLEL_BYTES runs on the calling thread, without
 a parallel region; a larger one on numba's pool (numba_moe.launch), an item per work unit. The
@@ -238,18 +241,21 @@ def _item(item, step, kc, vc, dims, rows, pos, ring, window, scale, scratch):
     """Work item `item` = b * kv_heads + kvh: write sequence b's key and value of kv head kvh
     into its cache row, then attend with the heads of kvh's group (scratch[item]: its
     float32 scratch, group * (2 D + BLOCK + 2)). dims: heads, kv_heads, D, slots, q's row
-    stride, k's and v's, the step's kv_len, torch's softmax lanes."""
-    heads, kv_heads, dim, kv_len, lanes = dims[0], dims[1], dims[2], dims[6], dims[7]
+    stride, k's and v's, the step's kv_len (not read here: each row's keys are its own),
+    torch's softmax lanes."""
+    heads, kv_heads, dim, lanes = dims[0], dims[1], dims[2], dims[7]
     group, size = heads // kv_heads, kc.itemsize
     b, kvh = item // kv_heads, item % kv_heads
     base = _write(b, kvh, step, kc, vc, dims, rows, pos, ring)
     p = pos[b]
     if ring > 0:  # slot i holds the row's latest position = i (mod ring), written if i <= p
-        lo, hi, keys = 0, min(p + 1, ring), min(kv_len, ring)
+        lo, hi = 0, min(p + 1, ring)
     else:
-        lo, hi, keys = (max(0, p - window + 1) if window > 0 else 0), p + 1, kv_len
-    # keys: the length of SDPA's key rows (the batch's; a shorter row's last keys masked),
-    # which sets its blocks' lengths, so each key's place in the softmax's vector part or tail
+        lo, hi = (max(0, p - window + 1) if window > 0 else 0), p + 1
+    # keys: the length of SDPA's key row for this sequence alone, which sets its blocks'
+    # lengths, so each key's place in the softmax's vector part or tail: the row's own (not the
+    # batch's kv_len), so that a sequence's bits do not depend on the rows beside it
+    keys = hi
     mine, width = scratch[item], group * dim
     qf, acc, s = mine[:width], mine[width : 2 * width], mine[2 * width : 2 * width + group * BLOCK]
     m, sums = mine[2 * width + group * BLOCK :][:group], mine[mine.shape[0] - group :]
@@ -335,7 +341,8 @@ def gives_sdpa_bits(heads: int, kv_heads: int, head_dim: int) -> bool:
 
 
 def _matches_sdpa(positions, heads, kv_heads, head_dim, gen) -> bool:
-    """The kernel's bfloat16 step of random rows at `positions` equals SDPA's bit for bit."""
+    """The kernel's bfloat16 step of random rows at `positions` equals, row by row, SDPA's
+    bits over that row's keys alone."""
     B, kv_len = len(positions), max(positions) + 1
     slots = kv_len + 5
 
@@ -347,12 +354,14 @@ def _matches_sdpa(positions, heads, kv_heads, head_dim, gen) -> bool:
     host = tuple(cache_array(c) for c in caches)
     rows, at = np.arange(B), np.array(positions)
     out = _attend(q, k, v, host, slots, rows, at, kv_len, None, None, threads=1)
-    mask = (torch.arange(kv_len)[None, :] <= torch.tensor(positions)[:, None])[:, None, None]
-    keys, values = (c[:, :, :kv_len] for c in caches)  # k, v written at `positions` by now
-    reference = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=heads != kv_heads
-    )
-    return torch.equal(out, reference.transpose(1, 2))
+    for b, p in enumerate(positions):
+        keys, values = (c[b : b + 1, :, : p + 1] for c in caches)  # k, v written at p by now
+        reference = F.scaled_dot_product_attention(
+            q[b : b + 1].transpose(1, 2), keys, values, enable_gqa=heads != kv_heads
+        )
+        if not torch.equal(out[b : b + 1], reference.transpose(1, 2)):
+            return False
+    return True
 
 
 def _np_dtype(dtype: torch.dtype) -> type[np.generic]:

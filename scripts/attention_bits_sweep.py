@@ -18,7 +18,6 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from hybridmoe.kernels import numba_attention
 
@@ -46,16 +45,7 @@ def random_step(rng: random.Random, max_keys: int) -> tuple[dict, int, int]:
     out = numba_attention.decode_attention(
         q, k, v, host, slots, np.arange(rows), at, kv_len, None, None, threads=1
     )
-    reference = torch.cat(  # each row's SDPA over its own keys, as it decodes alone
-        [
-            F.scaled_dot_product_attention(
-                q[b : b + 1].transpose(1, 2),
-                *(c[b : b + 1, :, : p + 1] for c in caches),
-                enable_gqa=heads != kv_heads,
-            ).transpose(1, 2)
-            for b, p in enumerate(positions)
-        ]
-    )
+    reference = numba_attention.sdpa_alone(q, caches, positions)
     shape = dict(heads=heads, kv_heads=kv_heads, dim=dim, positions=positions, scale=scale)
     return shape, int((out != reference).sum()), out.numel()
 

@@ -252,10 +252,6 @@ def _item(item, step, kc, vc, dims, rows, pos, ring, window, scale, scratch):
         lo, hi = 0, min(p + 1, ring)
     else:
         lo, hi = (max(0, p - window + 1) if window > 0 else 0), p + 1
-    # keys: the length of SDPA's key row for this sequence alone, which sets its blocks'
-    # lengths, so each key's place in the softmax's vector part or tail: the row's own (not the
-    # batch's kv_len), so that a sequence's bits do not depend on the rows beside it
-    keys = hi
     mine, width = scratch[item], group * dim
     qf, acc, s = mine[:width], mine[width : 2 * width], mine[2 * width : 2 * width + group * BLOCK]
     m, sums = mine[2 * width + group * BLOCK :][:group], mine[mine.shape[0] - group :]
@@ -265,7 +261,10 @@ def _item(item, step, kc, vc, dims, rows, pos, ring, window, scale, scratch):
     first_head = kvh * group
     _widen(_view(step[0] + (b * dims[4] + first_head * dim) * size, width, kc), 0, qf, width)
     for start in range(lo - lo % BLOCK, hi, BLOCK):
-        nb = min(BLOCK, keys - start)
+        # the block's length in SDPA's key row for this sequence alone (its `hi` keys, not the
+        # batch's kv_len): each key's place in the block's vector part or tail, so a sequence's
+        # bits do not depend on the rows beside it
+        nb = min(BLOCK, hi - start)
         first, end = max(lo, start) - start, min(hi, start + BLOCK) - start
         _scores(qf, group, kc, base + (start + first) * dim, end - first, s, first, scale, dim)
         pa, pz = 0, 0
@@ -341,8 +340,7 @@ def gives_sdpa_bits(heads: int, kv_heads: int, head_dim: int) -> bool:
 
 
 def _matches_sdpa(positions, heads, kv_heads, head_dim, gen) -> bool:
-    """The kernel's bfloat16 step of random rows at `positions` equals, row by row, SDPA's
-    bits over that row's keys alone."""
+    """The kernel's bfloat16 step of random rows at `positions` equals sdpa_alone's bits."""
     B, kv_len = len(positions), max(positions) + 1
     slots = kv_len + 5
 
@@ -354,14 +352,23 @@ def _matches_sdpa(positions, heads, kv_heads, head_dim, gen) -> bool:
     host = tuple(cache_array(c) for c in caches)
     rows, at = np.arange(B), np.array(positions)
     out = _attend(q, k, v, host, slots, rows, at, kv_len, None, None, threads=1)
-    for b, p in enumerate(positions):
-        keys, values = (c[b : b + 1, :, : p + 1] for c in caches)  # k, v written at p by now
-        reference = F.scaled_dot_product_attention(
-            q[b : b + 1].transpose(1, 2), keys, values, enable_gqa=heads != kv_heads
+    return torch.equal(out, sdpa_alone(q, caches, positions))  # k, v written at `positions`
+
+
+def sdpa_alone(q: torch.Tensor, caches: list[torch.Tensor], positions: list[int]) -> torch.Tensor:
+    """The kernel's reference: SDPA of each row's query q [B, 1, heads, D] over its own keys
+    and values alone (caches [B, kv_heads, slots, D], row b's first positions[b] + 1 slots),
+    as the sequence decodes alone -> [B, 1, heads, D]."""
+    gqa = q.shape[2] != caches[0].shape[1]
+    rows = [
+        F.scaled_dot_product_attention(
+            q[b : b + 1].transpose(1, 2),
+            *(c[b : b + 1, :, : p + 1] for c in caches),
+            enable_gqa=gqa,
         )
-        if not torch.equal(out[b : b + 1], reference.transpose(1, 2)):
-            return False
-    return True
+        for b, p in enumerate(positions)
+    ]
+    return torch.cat(rows).transpose(1, 2)
 
 
 def _np_dtype(dtype: torch.dtype) -> type[np.generic]:

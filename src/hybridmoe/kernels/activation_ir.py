@@ -1,4 +1,5 @@
-"""LLVM vector code for the routed experts' SiLU (numba_moe._swiglu) with torch's bits.
+"""LLVM vector code for the routed experts' SiLU (numba_moe._swiglu) with torch's bits, and the
+exp it is made of, one lane of which the router's softmax calls (numba_glue, `sleef_expf`).
 
 torch's CPU silu (aten/src/ATen/native/cpu/Activation.cpp) computes x / (1 + exp(-x)) over
 Vectorized<float> (a bfloat16 tensor: its values widened to float, the result rounded back),
@@ -129,3 +130,15 @@ def activation_at(typingctx, values, first, width, sigmoid):
         return context.get_dummy_value()
 
     return types.none(values, first, width, sigmoid), codegen
+
+
+@intrinsic
+def sleef_expf(typingctx, d):
+    """sleef_expf_ir of a float32 (torch's Vectorized<float>::exp of one lane)."""
+    if d != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return sleef_expf_ir(builder, args[0])
+
+    return types.float32(d), codegen

@@ -53,7 +53,7 @@ from numba import prange, types
 from numba.extending import overload
 
 from hybridmoe import env
-from hybridmoe.kernels import attention_ir, glue, llvm_ir, numba_glue, softmax_ir
+from hybridmoe.kernels import activation_ir, attention_ir, glue, llvm_ir, numba_glue, softmax_ir
 from hybridmoe.kernels.attention_ir import TILES, pv_tile, qk_tile
 from hybridmoe.kernels.llvm_ir import address_pointer
 from hybridmoe.kernels.numba_cache import cached_njit
@@ -76,7 +76,12 @@ assert TILES == (8, 4, 2, 1)  # _scores and _weigh walk them in this order
 _previous_cache_dir = numba.config.CACHE_DIR
 numba.config.CACHE_DIR = str(
     env.kernel_cache_dir(
-        __file__, attention_ir.__file__, softmax_ir.__file__, llvm_ir.__file__, numba_glue.__file__
+        __file__,
+        attention_ir.__file__,
+        softmax_ir.__file__,
+        llvm_ir.__file__,
+        numba_glue.__file__,
+        activation_ir.__file__,  # numba_glue's
     )
 )
 

@@ -30,12 +30,15 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from hybridmoe import env
-from hybridmoe.kernels import llvm_ir
+from hybridmoe.kernels import activation_ir, llvm_ir
+from hybridmoe.kernels.activation_ir import sleef_expf
 from hybridmoe.kernels.llvm_ir import address_pointer
 from hybridmoe.kernels.numba_cache import cached_njit
 
 _previous_cache_dir = numba.config.CACHE_DIR
-numba.config.CACHE_DIR = str(env.kernel_cache_dir(__file__, llvm_ir.__file__))
+numba.config.CACHE_DIR = str(
+    env.kernel_cache_dir(__file__, llvm_ir.__file__, activation_ir.__file__)
+)
 
 # Vectorized<float> lanes of the kernel build torch's sum runs: its inner-sum kernel has no
 # AVX512 build, so x86 sums 8 lanes (AVX2 or the default 32-byte vectors) and ARM 4 (NEON)
@@ -491,23 +494,6 @@ def _sift(v, ix, first, hole, n, value, index):
     v[first + hole], ix[first + hole] = value, index
 
 
-# torch's float32 softmax over a contiguous last dim (SoftMaxKernel.cpp _vec_softmax_lastdim):
-# max = reduce_all(maximum), e = exp(x - max) by Vectorized<float>::exp (SLEEF's expf_u10),
-# sum = reduce_all(+) over e, out = e * (1 / sum); reduce_all (functional_base.h) folds whole
-# vectors of the build's lanes in order, the tail's lanes into the first ones, then the lanes
-# by halving shuffles; a row shorter than a vector is folded in index order.
-_LN2_INV = np.float32(1.442695040888963407359924681001892137426645954152985934135449406931)
-_LN2_HI, _LN2_LO = np.float32(0.693145751953125), np.float32(1.428606765330187045e-06)
-_EXP_POLY = (
-    np.float32(0.000198527617612853646278381),
-    np.float32(0.00139304355252534151077271),
-    np.float32(0.00833336077630519866943359),
-    np.float32(0.0416664853692054748535156),
-    np.float32(0.166666671633720397949219),
-    np.float32(0.5),
-)
-
-
 @intrinsic
 def _fma(typingctx, a, b, c):
     """a * b + c in float32, rounded once (llvm.fma: the FMA instruction, or libm's fmaf)."""
@@ -521,32 +507,12 @@ def _fma(typingctx, a, b, c):
     return types.float32(a, b, c), codegen
 
 
-@cached_njit(**_EXACT)
-def _pow2(e):
-    """2.0 ** e as a float32, for -126 <= e <= 127."""
-    return _bits_f32(np.uint32((e + 127) << 23))
-
-
-@cached_njit(**_EXACT)
-def sleef_expf(d):
-    """exp(d) for a float32 d <= 100 (not NaN), as SLEEF's xexpf (the u10 vector expf torch's
-    Vectorized<float>::exp calls, built with FMA): d = q ln2 + s in two parts, a degree-6
-    polynomial, times 2^q in two factors; 0 below -104."""
-    if d < np.float32(-104):
-        return np.float32(0)
-    q = np.int32(np.rint(d * _LN2_INV))
-    qf = np.float32(q)
-    s = _fma(qf, -_LN2_HI, d)
-    s = _fma(qf, -_LN2_LO, s)
-    u = _EXP_POLY[0]
-    u = _fma(u, s, _EXP_POLY[1])
-    u = _fma(u, s, _EXP_POLY[2])
-    u = _fma(u, s, _EXP_POLY[3])
-    u = _fma(u, s, _EXP_POLY[4])
-    u = _fma(u, s, _EXP_POLY[5])
-    u = np.float32(1) + _fma(s * s, u, s)
-    half = q >> 1
-    return u * _pow2(half) * _pow2(q - half)
+# torch's float32 softmax over a contiguous last dim (SoftMaxKernel.cpp _vec_softmax_lastdim):
+# max = reduce_all(maximum), e = exp(x - max) by Vectorized<float>::exp (SLEEF's expf_u10, one
+# lane of activation_ir's), sum = reduce_all(+) over e, out = e * (1 / sum); reduce_all
+# (functional_base.h) folds whole vectors of the build's lanes in order, the tail's lanes into
+# the first ones, then the lanes by halving shuffles; a row shorter than a vector is folded in
+# index order.
 
 
 @cached_njit(**_EXACT)
@@ -582,7 +548,7 @@ def _softmax_row(x, out, n, lanes, acc, swap):
     """out[:n] = torch.softmax(x[:n]) (float32, finite) to the bit, for torch's `lanes`."""
     top = _reduce_all(x, n, lanes, False, acc, swap)
     for j in range(n):
-        out[j] = sleef_expf(x[j] - top)
+        out[j] = sleef_expf(x[j] - top)  # x - top <= 0
     inv = np.float32(1) / _reduce_all(out, n, lanes, True, acc, swap)
     for j in range(n):
         out[j] = out[j] * inv

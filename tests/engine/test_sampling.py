@@ -210,6 +210,21 @@ def test_sample_batch_greedy_fast_path_and_mixed_rows():
         sample_batch(logits, [Sampler(SamplingParams())])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_batch_greedy_picks_torch_argmax_on_ties_nan_and_inf(dtype):
+    """The greedy fast path (numpy's argmax over float32 host logits) picks what torch.argmax
+    picks: the first of tied maxima, the first NaN, an all -inf row's first id."""
+    nan, inf = float("nan"), float("inf")
+    rows = [[1, 3, 3, 2], [nan, 1, nan, 5], [1, nan, 9, 9], [-inf] * 4, [inf, 1, inf, 0]]
+    g = torch.Generator().manual_seed(3)
+    small = torch.randint(0, 4, (40, 50), generator=g).float()  # many ties
+    small[small == 3] = nan
+    for logits in (torch.tensor(rows), small, small.clamp(max=2)):
+        logits = logits.to(dtype)
+        samplers = [Sampler(SamplingParams())] * logits.shape[0]
+        assert sample_batch(logits, samplers) == logits.argmax(dim=-1).tolist()
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     raw=st.lists(st.integers(-12, 12), min_size=1, max_size=40),

@@ -23,6 +23,7 @@ from gguf_checkpoints import random_dense_encoder, write_gguf
 from hf_checkpoints import PROMPT_IDS, write_custom_checkpoint
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.kernels import attention_block, numba_attention, numba_dense
+from hybridmoe.models import transformer
 from hybridmoe.models.transformer import DecoderLayer
 from hybridmoe.moe.backends import CpuExperts
 from hybridmoe.moe.config import OffloadConfig
@@ -94,6 +95,20 @@ def block_calls(monkeypatch: pytest.MonkeyPatch, routed: list | None = None) -> 
     return calls
 
 
+def head_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Of every decode step's end (MoeCausalLM.forward's decode_head): whether the head block
+    computed the logits (else the norm and head ran as parts)."""
+    calls, decode_head = [], transformer.decode_head
+
+    def counting(*args, **kwargs):
+        out = decode_head(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(transformer, "decode_head", counting)
+    return calls
+
+
 def assert_same_logits(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
     assert len(got) == len(expected) > 0
     for step, (a, b) in enumerate(zip(got, expected, strict=True)):
@@ -122,9 +137,10 @@ def test_the_block_gives_the_parts_bits(
     parts = decode_logits(demo_checkpoint, dtype, prompts)
     monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
     routed = []
-    calls = block_calls(monkeypatch, routed)
+    calls, heads = block_calls(monkeypatch, routed), head_calls(monkeypatch)
     assert_same_logits(decode_logits(demo_checkpoint, dtype, prompts), parts)
     assert calls and set(calls) == {rows}
+    assert heads and all(heads)  # every decode step's norm and head in the head block
     if norms:  # every MoE layer's routing and experts in the block (the demo's first layer
         # is dense)
         assert len(routed) == len(calls) and any(kind == "experts" for _, kind in routed)
@@ -194,9 +210,10 @@ def test_dense_projections_in_a_files_types_give_the_parts_bits(
     monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
     parts = decode_logits(dense_kquant_gguf, dtype, prompts, **quant)
     monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
-    calls = block_calls(monkeypatch)
+    calls, heads = block_calls(monkeypatch), head_calls(monkeypatch)
     assert_same_logits(decode_logits(dense_kquant_gguf, dtype, prompts, **quant), parts)
     assert calls and set(calls) == {rows}
+    assert heads and all(heads)  # the Q6_K head (q8 activations: its q8 kernel) in the block
 
 
 @pytest.mark.parametrize(
@@ -390,6 +407,48 @@ def test_a_block_computing_otherwise_fails_the_comparison(
     monkeypatch.setattr(attention_block, "_run", other_eps)
     with pytest.raises(AssertionError, match="decode step 0"):
         assert_same_logits(decode_logits(demo_checkpoint, "float32", PROMPTS[:1]), parts)
+
+
+def test_a_head_block_computing_otherwise_fails_the_comparison(
+    demo_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The head block's comparison can fail too: its final norm with another epsilon."""
+    monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+    parts = decode_logits(demo_checkpoint, "float32", PROMPTS[:1])
+    monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
+    decode_head = transformer.decode_head
+
+    def other_eps(x, delta, scale, eps, *args):
+        return decode_head(x, delta, scale, eps * 4 + 1e-3, *args)
+
+    monkeypatch.setattr(transformer, "decode_head", other_eps)
+    with pytest.raises(AssertionError, match="decode step 0"):
+        assert_same_logits(decode_logits(demo_checkpoint, "float32", PROMPTS[:1]), parts)
+
+
+def test_the_head_blocks_plan_is_made_again_when_the_head_changes(
+    demo_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A head quantised between two generations (--dense-format's quantize_dense) is what the
+    head block computes with from then on: the parts' bits with the new head."""
+    heads = head_calls(monkeypatch)
+    offload = OffloadConfig(decode_target="cpu", cpu_threads=2)
+    config = EngineConfig(dtype="bfloat16", threads=2, attention_kernel="on", offload=offload)
+    with Engine.from_pretrained(demo_checkpoint, config) as engine:
+        model, logits = engine.model, []
+        record_decode_logits(model, logits)
+        engine.generate_ids(PROMPTS[:2], GREEDY)
+        before = list(logits)
+        model.lm_head.quantize(weight_format("q8_0"), model.dtype)
+        logits.clear()
+        engine.generate_ids(PROMPTS[:2], GREEDY)
+        blocked = list(logits)
+        assert heads and all(heads)
+        assert not torch.equal(blocked[0], before[0])  # the new head's logits
+        monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+        logits.clear()
+        engine.generate_ids(PROMPTS[:2], GREEDY)
+    assert_same_logits(blocked, logits)
 
 
 def test_a_layers_plan_is_kept_and_made_again_when_a_weight_changes(

@@ -13,8 +13,9 @@ import numpy as np
 import torch
 
 from hybridmoe import env
-from hybridmoe.kernels import glue
+from hybridmoe.kernels import glue, numba_moe
 from hybridmoe.kernels.host_arrays import host_array, host_logits
+from hybridmoe.kernels.numba_attention import cache_fits, step_threads
 from hybridmoe.kernels.projection import DECODE_MAX_TOKENS, DenseProjection
 from hybridmoe.kernels.threads import kernel_threads
 
@@ -118,8 +119,6 @@ def decode_block(
     if step is None:
         return None
     caches, slots, rows, positions, ring, window = step
-    from hybridmoe.kernels.numba_attention import cache_fits  # the cache's kernel: loaded
-
     if not cache_fits(caches, slots, rows, positions, batch.kv_len, ring, B, kv_heads, dim):
         return None  # the parts' path raises what does not fit
     return _run(
@@ -143,7 +142,7 @@ class _Plan:
     __slots__ = (
         "parts", "fits", "lanes", "route", "experts", "threads", "qkv_call", "o_call",
         "qkv_par", "o_par", "kernel", "sizes", "qk_norms", "norm_flags", "scales", "routing",
-        "outputs", "args", "v_call", "v_par",
+        "outputs", "args", "v_call", "v_par", "tie",
     )  # fmt: skip
 
     def __init__(
@@ -170,7 +169,7 @@ class _Plan:
             self._arguments(qkv, o, q_norm, k_norm, x, shape, residual, v)
 
     def _arguments(self, qkv, o, q_norm, k_norm, x, shape, residual, v) -> None:
-        from hybridmoe.kernels.numba_attention_block import block_kernel
+        from hybridmoe.kernels.numba_attention_block import TIE, block_kernel
 
         heads, kv_heads, dim = shape
         dtype, bf16, hidden = x.dtype, x.dtype is torch.bfloat16, x.shape[-1]
@@ -205,6 +204,7 @@ class _Plan:
             formats = self.experts[0]
         q8 = (self.qkv_call.q8, self.o_call.q8)
         v_kind = None if v is None else (self.v_call.fmt.name, self.v_call.q8)
+        self.tie = TIE  # the kernel's status for a router's tie (_run compares it)
         self.kernel = block_kernel(
             self.qkv_call.fmt.name, self.o_call.fmt.name, gate_fmt, formats, q8, v_kind
         )
@@ -320,10 +320,6 @@ def _run(
     written again by the next step of its shape: a caller uses them within the step (a
     decoder layer's stream and delta go to the next layer; a model's steps run one at a
     time)."""
-    from hybridmoe.kernels import numba_moe
-    from hybridmoe.kernels.numba_attention import step_threads
-    from hybridmoe.kernels.numba_attention_block import TIE
-
     if plan is None:
         plan = _Plan(qkv, o, q_norm, k_norm, x, shape, residual, route, experts, checked=True)
     if plan.args is None:
@@ -353,7 +349,7 @@ def _run(
     status = numba_moe.launch(plan.kernel, plan.threads, *args)
     if residual is None:
         return out
-    if status == TIE:  # the logits, for torch to route (gate.route's); no experts computed
+    if status == plan.tie:  # the logits, for torch to route (gate.route's); no experts computed
         logits = args[_LOGITS + bf16]
         return after, post_normed, host_logits(logits, B, plan.routing[2][1]), None
     if status >= 0:  # fused_cpu_moe's error

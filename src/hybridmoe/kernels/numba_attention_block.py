@@ -10,7 +10,8 @@ measurements), for one call.
 
 `block_kernel(qkv_fmt, o_fmt)` makes the entry for a pair of dense formats on first use (the
 formats are compile-time constants, as numba_moe's entries), cached on disk under a hash of
-the sources it calls.
+the sources it calls. `head_kernel(fmt, q8)` makes the step's last call the same way: the
+final RMSNorm with its residual add and the output head (kernels/head_block.py).
 """
 
 from __future__ import annotations
@@ -296,3 +297,53 @@ def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None, q8=(Fals
     attention_block.__name__ = attention_block.__qualname__ = name  # own cache files
     # no fastmath: the block's own work is addresses and copies; its kernels keep their flags
     return cached_njit(nogil=True)(attention_block)
+
+
+def head_kernel(fmt: str, q8: bool) -> Dispatcher:
+    """The head block's entry for an output head in format `fmt` (a name; `q8`: numba_dense_q8's
+    kernel, q8 activations), made on first use."""
+    kernel = WEIGHT_FORMATS[fmt].kernel
+    return _BLOCKS.get(("head", fmt, q8), lambda: _head_entry(kernel, q8))
+
+
+def _head_entry(kernel, q8: bool):
+    """A decode step's end for a head weight in KernelFormat `kernel`: numba_glue.norm_rows of
+    the stream plus the last layer's output (layers/norm.add_rms_norm's kernel), then the head
+    over the normed rows (numba_dense's or, with `q8`, numba_dense_q8's kernel, as DenseCall
+    calls it), then bfloat16 logits widened to float32 (`.float()`). Arguments:
+    norm: (stream, delta, scale, sum addresses, eps, norm_rows' flags),
+    x, x_bf16: the normed rows [tokens * hidden] (float32, or bfloat16 bits; the other empty),
+    w, bias: the head's bytes and float32 bias (empty: none),
+    sizes: (row bytes, hidden, vocabulary, work-item rows, tokens, bfloat16), parallel: the
+    head's parallel kernel (else the calling thread's),
+    y, y_bf16: the head's output [tokens * vocabulary] (float32: the logits; bfloat16 bits,
+    the other empty), logits: float32 [tokens * vocabulary], written (y itself in float32)."""
+
+    def head_block(norm, x, x_bf16, w, bias, sizes, parallel, y, y_bf16, logits):
+        stream, delta, scale, summed, eps, flags = norm
+        row_bytes, hidden, vocab, items, tokens, bf16 = sizes
+        normed = np.int64(x_bf16.ctypes.data if bf16 else x.ctypes.data)
+        norm_rows(stream, delta, scale, summed, normed, tokens, hidden, eps, flags)
+        if q8 and parallel:
+            dense_q8_parallel(
+                kernel, w, row_bytes, hidden, vocab, x, x_bf16, tokens, bias, y, y_bf16, items
+            )
+        elif q8:
+            dense_q8_serial(
+                kernel, w, row_bytes, hidden, vocab, x, x_bf16, tokens, bias, y, y_bf16, items
+            )
+        elif parallel:
+            dense_parallel(
+                kernel, w, row_bytes, hidden, vocab, x, x_bf16, tokens, bias, y, y_bf16, items
+            )
+        else:
+            dense_serial(
+                kernel, w, row_bytes, hidden, vocab, x, x_bf16, tokens, bias, y, y_bf16, items
+            )
+        if bf16:
+            widen_bf16(np.int64(y_bf16.ctypes.data), logits, tokens * vocab)
+        return DONE
+
+    name = f"head_block_{'q8_' if q8 else ''}{kernel.name}"
+    head_block.__name__ = head_block.__qualname__ = name  # own cache files
+    return cached_njit(nogil=True)(head_block)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe.config.model import ModelConfig
+from hybridmoe.kernels.head_block import decode_head
 from hybridmoe.kernels.projection import DenseProjection
 from hybridmoe.layers.attention import create_attention
 from hybridmoe.layers.batch import ForwardBatch, KVStore, build_attention_masks
@@ -148,6 +149,7 @@ class MoeCausalLM:
         self.device = torch.device("cpu")
         # every window some layer attends within (None: full attention), for make_batch
         self._windows = frozenset(cfg.layer_window(i) for i in range(cfg.num_layers))
+        self._head_plans: dict[tuple, object] = {}  # kernels/head_block.decode_head's
 
     def _lm_head(self, cfg: ModelConfig, source: WeightSource) -> DenseProjection:
         """The output projection [V, H], as transformers picks it: under tie_word_embeddings the
@@ -251,11 +253,16 @@ class MoeCausalLM:
         delta = None
         for layer in self.layers:
             x, delta = layer(x, batch, delta)  # the stream is x + delta
+        eps = self.cfg.rms_norm_eps
+        if last_only and x.shape[1] == 1 and self.norm_kind is NORMS["rms"]:
+            logits = decode_head(x, delta, self.norm, eps, self.lm_head, self._head_plans)
+            if logits is not None:  # the norm and head below in one host kernel call
+                return logits
         if last_only:
             x, delta = x[:, -1].contiguous(), delta[:, -1].contiguous()
-        _, x = self.norm_kind.add_apply(x, delta, self.norm, self.cfg.rms_norm_eps)
-        logits = self.lm_head(x)  # [B, (T,) V]
-        return logits.float().cpu()  # waits for the step: the one sync sampling needs
+        _, x = self.norm_kind.add_apply(x, delta, self.norm, eps)
+        logits = self.lm_head(x).float()  # [B, (T,) V]
+        return logits if logits.is_cpu else logits.cpu()  # the one sync sampling needs
 
     def logits(self, input_ids: list[int]) -> torch.Tensor:
         """[T, V] float32 logits of a fresh sequence; no state is kept."""

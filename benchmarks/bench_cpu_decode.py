@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from bench_decode import Qwen3MoeShape, ensure_checkpoint
 
+from hybridmoe import env
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.moe.config import OffloadConfig
 
@@ -83,7 +84,8 @@ def run(directory: Path, args: argparse.Namespace, kernel, fmt, dense_format, de
     config = EngineConfig(
         dtype=args.dtype, threads=args.threads, dense_format=dense_format, offload=offload
     )
-    os.environ["HYBRIDMOE_DENSE_KERNEL"] = "1" if dense_kernel else "0"  # read on every call
+    os.environ["HYBRIDMOE_DENSE_KERNEL"] = "1" if dense_kernel else "0"
+    env.reread_switches()  # read once: again for this run
     prompt = [list(range(100, 116))]
     with Engine.from_pretrained(directory, config) as engine:
         engine.generate_ids(prompt, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up

@@ -53,10 +53,10 @@ def main() -> None:
     print(f"{'op':34s} {'torch':>8s} {'numba':>8s} {'ratio':>6s}")
     for name, fn in cases.items():
         os.environ["HYBRIDMOE_GLUE_KERNELS"] = "0"
-        env.glue_kernels.cache_clear()
+        env.reread_switches()
         torch_us = _us_per_call(fn, args.calls)
         os.environ["HYBRIDMOE_GLUE_KERNELS"] = "1"
-        env.glue_kernels.cache_clear()
+        env.reread_switches()
         numba_us = _us_per_call(fn, args.calls)
         print(f"{name:34s} {torch_us:8.2f} {numba_us:8.2f} {torch_us / numba_us:6.2f}")
 

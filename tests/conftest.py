@@ -9,13 +9,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from safetensors.torch import load_file
 
+from hybridmoe import env
 from hybridmoe.demo import DEMO_MODEL_NAME, require_demo_checkpoint
 from safetensors_layout import write_safetensors
 
@@ -26,6 +27,15 @@ os.environ.setdefault("HYBRIDMOE_AUTO_DEVICE", "cpu")
 # then demands the `kernels` package); the references here are transformers' own modules
 os.environ.setdefault("USE_HUB_KERNELS", "0")
 WARM_SHARDS_MAX = 8
+
+
+@pytest.fixture(autouse=True)
+def _switches_read_again() -> Iterator[None]:
+    """After every test (and its monkeypatch's undo, set up later: torn down first), the
+    switches hybridmoe/env.py reads once read the environment again, so one that a test set
+    does not outlive it."""
+    yield
+    env.reread_switches()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

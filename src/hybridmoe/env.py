@@ -34,9 +34,11 @@ def hybrid_overlap() -> bool:
     return os.environ.get("HYBRIDMOE_HYBRID_OVERLAP", "1") != "0"
 
 
+@functools.cache
 def dense_kernel() -> bool:
     """HYBRIDMOE_DENSE_KERNEL=0 computes every dense projection with torch, the CPU decode
-    steps' too (a measurement switch: the numba kernel's before/after)."""
+    steps' too (a measurement switch: the numba kernel's before/after). Read once, as
+    glue_kernels (reread_switches)."""
     return os.environ.get("HYBRIDMOE_DENSE_KERNEL", "1") != "0"
 
 
@@ -90,10 +92,12 @@ def default_set(name: str, value: str) -> Iterator[None]:
         os.environ.pop(name, None)
 
 
+@functools.cache
 def attention_block() -> bool:
     """HYBRIDMOE_ATTENTION_BLOCK=0 runs a CPU decode step's attention part by part (the q/k/v
-    projection, norms and rotary, attention, o projection: one kernel call each) instead of
-    in one call (kernels/attention_block.py; a measurement switch: the same bits)."""
+    projection, norms and rotary, attention, o projection: one kernel call each) and its final
+    norm and output head too (kernels/head_block.py), instead of one call each (kernels/
+    attention_block.py; a measurement switch: the same bits). Read once, as glue_kernels."""
     return os.environ.get("HYBRIDMOE_ATTENTION_BLOCK", "1") != "0"
 
 
@@ -102,5 +106,14 @@ def glue_kernels() -> bool:
     """HYBRIDMOE_GLUE_KERNELS=0 computes the decode step's norms, residual adds, router top-k,
     MoE output rounding and KV writes with torch on the CPU too (a measurement switch: the
     numba glue kernels' before/after, kernels/numba_glue.py). Read once (it is asked ~30 times a
-    decoded token): glue_kernels.cache_clear() makes the next call read it again."""
+    decoded token, each read ~1-3 µs on a decode step's cold caches): reread_switches() makes
+    the next call read it again."""
     return os.environ.get("HYBRIDMOE_GLUE_KERNELS", "1") != "0"
+
+
+def reread_switches() -> None:
+    """The switches read once (dense_kernel, attention_block, glue_kernels) read the
+    environment again on their next call: for a process that sets them after their first
+    read (the tests)."""
+    for switch in (dense_kernel, attention_block, glue_kernels):
+        switch.cache_clear()

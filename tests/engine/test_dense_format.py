@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridmoe import env
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.moe.config import OffloadConfig
 
@@ -58,6 +59,7 @@ def test_every_target_agrees_within_a_dense_format(
     for offload in TARGETS[1:]:
         assert generate(demo_checkpoint, dense_format, offload) == reference, offload
     monkeypatch.setenv("HYBRIDMOE_DENSE_KERNEL", "0")  # torch's dequantise-then-matmul
+    env.reread_switches()
     assert generate(demo_checkpoint, dense_format, TARGETS[0]) == reference
 
 
@@ -66,6 +68,7 @@ def test_dense_kernel_keeps_the_tokens_of_torch(
 ):
     kernel = generate(demo_checkpoint, "auto", TARGETS[0])
     monkeypatch.setenv("HYBRIDMOE_DENSE_KERNEL", "0")
+    env.reread_switches()
     assert generate(demo_checkpoint, "auto", TARGETS[0]) == kernel
 
 

@@ -126,12 +126,12 @@ def test_switched_off_with_the_glue_kernels(monkeypatch: pytest.MonkeyPatch) -> 
     batch = batch_of(cache, [[4]], [0])
     k, v = step_kv(cfg, 1, 1, torch.bfloat16, True, gen)
     monkeypatch.setenv("HYBRIDMOE_GLUE_KERNELS", "0")
-    env.glue_kernels.cache_clear()
+    env.reread_switches()
     try:
         with CountingOps() as counted:
             cache.update(0, batch, k, v)
     finally:
         monkeypatch.delenv("HYBRIDMOE_GLUE_KERNELS")
-        env.glue_kernels.cache_clear()
+        env.reread_switches()
     assert "aten.index_put_.default" in counted.ops
     assert torch.equal(cache.k[0][0, :, 4], k[0, 0]) and torch.equal(cache.v[0][0, :, 4], v[0, 0])

@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType as QType
 
 from gguf_checkpoints import random_dense_encoder, write_gguf
 from hf_checkpoints import PROMPT_IDS, write_custom_checkpoint
+from hybridmoe import env
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.kernels import attention_block, numba_attention, numba_dense
 from hybridmoe.models import transformer
@@ -95,6 +96,16 @@ def block_calls(monkeypatch: pytest.MonkeyPatch, routed: list | None = None) -> 
     return calls
 
 
+def blocks(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    """The blocks on (the default) or off (HYBRIDMOE_ATTENTION_BLOCK=0: the parts one by
+    one) from now on in this test."""
+    if on:
+        monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
+    else:
+        monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+    env.reread_switches()
+
+
 def head_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Of every decode step's end (MoeCausalLM.forward's decode_head): whether the head block
     computed the logits (else the norm and head ran as parts)."""
@@ -133,9 +144,11 @@ def test_the_block_gives_the_parts_bits(
         monkeypatch.setattr(numba_dense, "MIN_PARALLEL_BYTES", 0)
         monkeypatch.setattr(numba_attention, "MIN_PARALLEL_BYTES", 0)
     prompts = PROMPTS[:rows]
-    monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+    blocks(monkeypatch, False)
+    off = head_calls(monkeypatch)
     parts = decode_logits(demo_checkpoint, dtype, prompts)
-    monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
+    assert off and not any(off)  # the switch, read again, turned the blocks off
+    blocks(monkeypatch, True)
     routed = []
     calls, heads = block_calls(monkeypatch, routed), head_calls(monkeypatch)
     assert_same_logits(decode_logits(demo_checkpoint, dtype, prompts), parts)
@@ -207,9 +220,9 @@ def test_dense_projections_in_a_files_types_give_the_parts_bits(
         monkeypatch.setattr(numba_attention, "MIN_PARALLEL_BYTES", 0)
     prompts = [[5, 17, 30, 42, 7, 8, 9], [9, 10], [3, 4, 5, 6]][:rows]  # in the vocabulary
     quant = dict(activation_quant=activation_quant)
-    monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+    blocks(monkeypatch, False)
     parts = decode_logits(dense_kquant_gguf, dtype, prompts, **quant)
-    monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
+    blocks(monkeypatch, True)
     calls, heads = block_calls(monkeypatch), head_calls(monkeypatch)
     assert_same_logits(decode_logits(dense_kquant_gguf, dtype, prompts, **quant), parts)
     assert calls and set(calls) == {rows}
@@ -237,10 +250,10 @@ def test_quantised_experts_in_the_block_give_the_parts_bits(
     the same routes."""
     path = demo_checkpoint if model == "demo" else kquant_gguf
     prompts = PROMPTS[:2] if model == "demo" else [PROMPT_IDS, PROMPT_IDS[:3]]
-    monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+    blocks(monkeypatch, False)
     parts_routes, routes = [], []
     parts = decode_logits(path, "bfloat16", prompts, routes=parts_routes, **formats)
-    monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
+    blocks(monkeypatch, True)
     routed = []
     block_calls(monkeypatch, routed)
     got = decode_logits(path, "bfloat16", prompts, routes=routes, **formats)
@@ -254,9 +267,9 @@ def test_experts_on_other_threads_stay_the_layers(
 ) -> None:
     """An expert kernel on another thread count than the block's (one launch has one): the
     block routes and the MoE layer computes the experts, with the same bits."""
-    monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+    blocks(monkeypatch, False)
     parts = decode_logits(demo_checkpoint, "bfloat16", PROMPTS[:1], cpu_threads=1)
-    monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
+    blocks(monkeypatch, True)
     routed = []
     block_calls(monkeypatch, routed)
     got = decode_logits(demo_checkpoint, "bfloat16", PROMPTS[:1], cpu_threads=1)
@@ -270,9 +283,9 @@ def test_experts_computed_otherwise_fail_the_comparison(
 ) -> None:
     """The experts' comparison can fail: a block whose experts round as float32 activations
     where the bank's bf16 ones round each step."""
-    monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+    blocks(monkeypatch, False)
     parts = decode_logits(demo_checkpoint, "bfloat16", PROMPTS[:1])
-    monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
+    blocks(monkeypatch, True)
     offer = CpuExperts.block_experts
 
     def unrounded(self, *args):
@@ -298,9 +311,9 @@ def test_a_tie_in_the_router_is_routed_as_torch_does(
         for layer in model.moe_layers:
             layer.router.gate.weight.zero_()
 
-    monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+    blocks(monkeypatch, False)
     parts = decode_logits(demo_checkpoint, "bfloat16", PROMPTS[:1], prepare=zero_gates)
-    monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
+    blocks(monkeypatch, True)
     block_ids, run = [], attention_block._run
 
     def recording(*args, **kwargs):
@@ -339,9 +352,9 @@ def test_a_tie_torch_picks_otherwise_goes_to_torch(
         for layer in model.moe_layers:
             layer.router.gate.weight.zero_()
 
-    monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+    blocks(monkeypatch, False)
     parts = decode_logits(checkpoint, "bfloat16", [PROMPT_IDS], prepare=zero_gates)
-    monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
+    blocks(monkeypatch, True)
     routed = []
     calls = block_calls(monkeypatch, routed)
     got = decode_logits(checkpoint, "bfloat16", [PROMPT_IDS], prepare=zero_gates)
@@ -355,9 +368,9 @@ def test_a_block_routing_otherwise_fails_the_comparison(
 ) -> None:
     """The routing's comparison can fail: a block that renormalises where the router does
     not (or the other way round)."""
-    monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+    blocks(monkeypatch, False)
     parts = decode_logits(demo_checkpoint, "float32", PROMPTS[:1])
-    monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
+    blocks(monkeypatch, True)
     block_route = SoftmaxTopKRouter.block_route
 
     def flipped(self, dtype):
@@ -374,10 +387,10 @@ def test_the_default_takes_the_block_where_the_kernel_runs(
 ) -> None:
     """No flags (attention_kernel auto): the block runs exactly where the attention kernel
     does (bfloat16 on a machine whose SDPA it reproduces), with the parts' bits."""
-    monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+    blocks(monkeypatch, False)
     parts = decode_logits(demo_checkpoint, "bfloat16", PROMPTS[:2], kernel="auto")
     kernel_ran = bool(attention_kernel_calls)
-    monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
+    blocks(monkeypatch, True)
     calls = block_calls(monkeypatch)
     assert_same_logits(decode_logits(demo_checkpoint, "bfloat16", PROMPTS[:2], "auto"), parts)
     assert bool(calls) == kernel_ran
@@ -396,9 +409,9 @@ def test_a_block_computing_otherwise_fails_the_comparison(
     demo_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The comparison above can fail: a block whose norm takes another epsilon."""
-    monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+    blocks(monkeypatch, False)
     parts = decode_logits(demo_checkpoint, "float32", PROMPTS[:1])
-    monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
+    blocks(monkeypatch, True)
     run = attention_block._run
 
     def other_eps(qkv, o, q_norm, k_norm, eps, *args, **kwargs):
@@ -413,9 +426,9 @@ def test_a_head_block_computing_otherwise_fails_the_comparison(
     demo_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The head block's comparison can fail too: its final norm with another epsilon."""
-    monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+    blocks(monkeypatch, False)
     parts = decode_logits(demo_checkpoint, "float32", PROMPTS[:1])
-    monkeypatch.delenv("HYBRIDMOE_ATTENTION_BLOCK")
+    blocks(monkeypatch, True)
     decode_head = transformer.decode_head
 
     def other_eps(x, delta, scale, eps, *args):
@@ -445,7 +458,7 @@ def test_the_head_blocks_plan_is_made_again_when_the_head_changes(
         blocked = list(logits)
         assert heads and all(heads)
         assert not torch.equal(blocked[0], before[0])  # the new head's logits
-        monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+        blocks(monkeypatch, False)
         logits.clear()
         engine.generate_ids(PROMPTS[:2], GREEDY)
     assert_same_logits(blocked, logits)
@@ -481,7 +494,7 @@ def test_a_layers_plan_is_kept_and_made_again_when_a_weight_changes(
         engine.generate_ids(PROMPTS[:1], GREEDY)
         assert len(made) == 2 * layers
         blocked = list(logits)
-        monkeypatch.setenv("HYBRIDMOE_ATTENTION_BLOCK", "0")
+        blocks(monkeypatch, False)
         logits.clear()
         engine.generate_ids(PROMPTS[:1], GREEDY)
     assert_same_logits(blocked, logits)

@@ -51,3 +51,23 @@ def test_batched_rows_and_reset_on_to() -> None:
     assert rotary._tables[torch.bfloat16][0].shape[0] == 2 * TABLE_CHUNK
     rotary.to(torch.device("cpu"))
     assert rotary._tables == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_rows_slice_is_its_indexed_rows(dtype) -> None:
+    """With `starts` (a decode step's positions as ints) one row's cos/sin are a slice of the
+    tables: the indexed rows' values and shape, at the first, a chunk's last and a grown
+    position; more rows than one index as before."""
+    rope, head_dim = ROPES["default"]
+    rotary = RotaryEmbedding(rope, head_dim)
+    for p in (0, TABLE_CHUNK - 1, TABLE_CHUNK + 7):
+        positions = torch.tensor([[p]])
+        sliced = rotary.table_cos_sin(positions, dtype, p + 1, (p,))
+        indexed = rotary.table_cos_sin(positions, dtype, p + 1)
+        for got, want in zip(sliced, indexed, strict=True):
+            assert got.shape == want.shape == (1, 1, head_dim) and got.is_contiguous()
+            assert torch.equal(got, want), p
+    positions = torch.tensor([[3], [9]])
+    both = rotary.table_cos_sin(positions, dtype, 10, (3, 9))
+    want = rotary.cos_sin(positions, dtype)
+    assert all(torch.equal(a, b) for a, b in zip(both, want, strict=True))

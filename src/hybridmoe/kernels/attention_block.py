@@ -210,14 +210,22 @@ class _Plan:
         )
 
     def holds(self, qkv, o, q_norm, k_norm, residual, route, experts, v=None) -> bool:
-        """Whether it was made of these parts (the same objects and kernel calls)."""
-        parts = _parts(qkv, o, q_norm, k_norm, residual, route, experts, v)
+        """Whether it was made of these parts (the same objects and kernel calls: a weight's
+        change drops its projection's call, DenseProjection.prepared_call)."""
+        scales = (None, None) if residual is None else residual[1:]
+        gate = None if route is None else route[0]
+        parts = (
+            qkv, o, q_norm, k_norm, *scales, route, experts, v, qkv.prepared_call,
+            o.prepared_call, None if gate is None else gate.prepared_call,
+            None if v is None else v.prepared_call,
+        )  # fmt: skip
         return all(map(operator.is_, parts, self.parts))  # the same length: _parts
 
 
 def _parts(qkv, o, q_norm, k_norm, residual, route, experts, v=None) -> tuple:
     """What a _Plan is made of: the objects, and the projections' kernel calls (which a
-    weight's change replaces)."""
+    weight's change replaces; a projection whose weight is not on the host has none, as its
+    prepared_call: _Plan.holds)."""
     scales = (None, None) if residual is None else residual[1:]
     gate = None if route is None else route[0]
     calls = (

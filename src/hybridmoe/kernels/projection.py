@@ -78,6 +78,15 @@ class DenseProjection:
         dense kernel itself: kernels/attention_block.py)."""
         return self._host or self._prepare()
 
+    @property
+    def prepared_call(self):
+        """host_call()'s DenseCall where one was made and still holds, else None: a change of
+        the weight or its arithmetic (quantize, to, stack_rows, set_activation_quant) drops
+        it. A kernel keeping a call checks it is still this one (kernels/attention_block.py:
+        ~1 µs where host_call() and the weight's device check took 3-4 on a decode step's
+        cold caches)."""
+        return self._host
+
     def route(
         self, x: torch.Tensor, top_k: int, renorm: bool, weights_dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:

@@ -235,7 +235,7 @@ class MoeCausalLM:
         rings = frozenset() if kv is None else kv.ring_windows
         masks = build_attention_masks(positions, kv_len, windows, rings, starts)
         if is_decode:  # a decode step's rows of the tables (the same bits)
-            cos, sin = self.rotary.table_cos_sin(positions, self.dtype, kv_len)
+            cos, sin = self.rotary.table_cos_sin(positions, self.dtype, kv_len, starts)
         else:
             cos, sin = self.rotary.cos_sin(positions, self.dtype)
         row_index = to_device_no_sync(torch.tensor(rows), self.device)

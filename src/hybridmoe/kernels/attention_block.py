@@ -287,10 +287,11 @@ def _expert_args(experts: tuple, h: np.ndarray, routes: tuple, bf16: bool) -> tu
     """numba_attention_block's moe_x ... moe_y for `experts` (formats, bank, moe, threads),
     the post-attention norm's output h (its array: bfloat16 bits where `bf16`) and the block's
     routes (ids, weights) tensors: the experts' inputs as fused_cpu_moe hands them to its
-    kernel (float32: bfloat16 ones widened by the block), the partial zeros."""
+    kernel (float32: bfloat16 ones widened by the block), the partial (the block zeroes it
+    before its experts add into it)."""
     _, bank, moe, _ = experts
     ids, weights = routes
-    partial = np.zeros(h.shape[0], np.float32)
+    partial = np.empty(h.shape[0], np.float32)
     moe_x = np.empty(h.shape[0], np.float32) if bf16 else h
     ids_arr = host_array(ids, np.int64)
     if weights.dtype is torch.bfloat16:
@@ -316,7 +317,7 @@ def _residual_fits(x, delta, in_scale, post_scale) -> bool:
 
 # where _run's per-step values go in a plan's launch arguments (numba_attention_block's order)
 _X, _SIZES, _FLAGS, _NORMS, _CACHES, _ROWS, _EPS, _ADDRESSES = 0, 13, 14, 15, 16, 18, 20, 22
-_LOGITS, _PARTIAL = 26, 37  # the router's logits (float32; bfloat16 bits one on), the partial
+_LOGITS = 26  # the router's logits (float32; bfloat16 bits one on)
 
 
 def _run(
@@ -352,8 +353,6 @@ def _run(
             stream if delta is None else summed.data_ptr(), in_scale, after.data_ptr(),
             post_normed.data_ptr(), post_scale,
         )  # fmt: skip
-    if partial is not None:
-        args[_PARTIAL].fill(0)  # the experts' kernel adds into it
     status = numba_moe.launch(plan.kernel, plan.threads, *args)
     if residual is None:
         return out

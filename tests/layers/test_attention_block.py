@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +62,18 @@ def decode_logits(
             stats = engine.moe_runtime.cpu_executor.stats.values()
             routes.append(sum(layer.routes for layer in stats))
     return logits
+
+
+@contextmanager
+def recording_engine(directory: Path, dtype: str) -> Iterator[tuple[Engine, list[torch.Tensor]]]:
+    """A `cpu`-target engine (2 threads, the attention kernel on) and the list its model
+    appends each decode step's logits to."""
+    offload = OffloadConfig(decode_target="cpu", cpu_threads=2)
+    config = EngineConfig(dtype=dtype, threads=2, attention_kernel="on", offload=offload)
+    with Engine.from_pretrained(directory, config) as engine:
+        logits: list[torch.Tensor] = []
+        record_decode_logits(engine.model, logits)
+        yield engine, logits
 
 
 def record_decode_logits(model, logits: list[torch.Tensor]) -> None:
@@ -405,36 +419,26 @@ def test_off_and_sdpa_steps_skip_the_block(
     assert calls == []
 
 
+@pytest.mark.parametrize("block", ["attention", "head"])
 def test_a_block_computing_otherwise_fails_the_comparison(
-    demo_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+    demo_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, block: str
 ) -> None:
-    """The comparison above can fail: a block whose norm takes another epsilon."""
+    """The comparisons above can fail: an attention block (or the head block) whose norm
+    takes another epsilon."""
     blocks(monkeypatch, False)
     parts = decode_logits(demo_checkpoint, "float32", PROMPTS[:1])
     blocks(monkeypatch, True)
-    run = attention_block._run
+    module, name, eps_at = {
+        "attention": (attention_block, "_run", 4),  # _run(qkv, o, q_norm, k_norm, eps, ...)
+        "head": (transformer, "decode_head", 3),  # decode_head(x, delta, scale, eps, ...)
+    }[block]
+    call = getattr(module, name)
 
-    def other_eps(qkv, o, q_norm, k_norm, eps, *args, **kwargs):
-        return run(qkv, o, q_norm, k_norm, eps * 4 + 1e-3, *args, **kwargs)
+    def other_eps(*args, **kwargs):
+        args = (*args[:eps_at], args[eps_at] * 4 + 1e-3, *args[eps_at + 1 :])
+        return call(*args, **kwargs)
 
-    monkeypatch.setattr(attention_block, "_run", other_eps)
-    with pytest.raises(AssertionError, match="decode step 0"):
-        assert_same_logits(decode_logits(demo_checkpoint, "float32", PROMPTS[:1]), parts)
-
-
-def test_a_head_block_computing_otherwise_fails_the_comparison(
-    demo_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The head block's comparison can fail too: its final norm with another epsilon."""
-    blocks(monkeypatch, False)
-    parts = decode_logits(demo_checkpoint, "float32", PROMPTS[:1])
-    blocks(monkeypatch, True)
-    decode_head = transformer.decode_head
-
-    def other_eps(x, delta, scale, eps, *args):
-        return decode_head(x, delta, scale, eps * 4 + 1e-3, *args)
-
-    monkeypatch.setattr(transformer, "decode_head", other_eps)
+    monkeypatch.setattr(module, name, other_eps)
     with pytest.raises(AssertionError, match="decode step 0"):
         assert_same_logits(decode_logits(demo_checkpoint, "float32", PROMPTS[:1]), parts)
 
@@ -445,11 +449,8 @@ def test_the_head_blocks_plan_is_made_again_when_the_head_changes(
     """A head quantised between two generations (--dense-format's quantize_dense) is what the
     head block computes with from then on: the parts' bits with the new head."""
     heads = head_calls(monkeypatch)
-    offload = OffloadConfig(decode_target="cpu", cpu_threads=2)
-    config = EngineConfig(dtype="bfloat16", threads=2, attention_kernel="on", offload=offload)
-    with Engine.from_pretrained(demo_checkpoint, config) as engine:
-        model, logits = engine.model, []
-        record_decode_logits(model, logits)
+    with recording_engine(demo_checkpoint, "bfloat16") as (engine, logits):
+        model = engine.model
         engine.generate_ids(PROMPTS[:2], GREEDY)
         before = list(logits)
         model.lm_head.quantize(weight_format("q8_0"), model.dtype)
@@ -480,11 +481,8 @@ def test_a_layers_plan_is_kept_and_made_again_when_a_weight_changes(
 
     monkeypatch.setattr(attention_block._Plan, "__init__", counting)
     calls = block_calls(monkeypatch)
-    offload = OffloadConfig(decode_target="cpu", cpu_threads=2)
-    config = EngineConfig(dtype="float32", threads=2, attention_kernel="on", offload=offload)
-    with Engine.from_pretrained(demo_checkpoint, config) as engine:
-        model, logits = engine.model, []
-        record_decode_logits(model, logits)
+    with recording_engine(demo_checkpoint, "float32") as (engine, logits):
+        model = engine.model
         engine.generate_ids(PROMPTS[:1], GREEDY)
         layers = len(model.layers)
         assert len(calls) == layers * (GREEDY.max_tokens - 1) and len(made) == layers

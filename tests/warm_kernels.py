@@ -106,6 +106,21 @@ def _block(dtype: torch.dtype) -> None:
         attention_block._run(qkv, o, norm, norm, 1e-6, x, batch, step, shape, lanes)
 
 
+def _head(name: str) -> None:
+    """The head block (the final norm, a dense head of format `name`, the logits) of bfloat16
+    and float32 steps: one entry per format."""
+    from hybridmoe.kernels.head_block import decode_head
+    from hybridmoe.kernels.projection import DenseProjection
+
+    fmt = weight_format(name)
+    cols = whole_blocks(64, name)
+    stored = random_stored(fmt, (8, cols), torch.Generator().manual_seed(0))
+    head = DenseProjection(stored, None, fmt, cols)
+    for dtype in (torch.bfloat16, torch.float32):
+        x, scale = torch.ones(1, 1, cols, dtype=dtype), torch.ones(cols, dtype=dtype)
+        decode_head(x, torch.zeros(1, 1, cols), scale, 1e-6, head, {})
+
+
 def jobs() -> list[tuple]:
     """(function, format name, ...) for every kernel warmed, in a fixed order."""
     out: list[tuple] = [(_fused, name) for name in WEIGHT_FORMATS]
@@ -122,6 +137,7 @@ def jobs() -> list[tuple]:
         for threads in (1, 2)
     ]
     out += [(_block, dtype) for dtype in (torch.bfloat16, torch.float32)]
+    out += [(_head, name) for name in ("bf16", "f32")]  # the tests' models' heads
     return out
 
 

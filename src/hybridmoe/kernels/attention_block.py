@@ -212,28 +212,29 @@ class _Plan:
     def holds(self, qkv, o, q_norm, k_norm, residual, route, experts, v=None) -> bool:
         """Whether it was made of these parts (the same objects and kernel calls: a weight's
         change drops its projection's call, DenseProjection.prepared_call)."""
-        scales = (None, None) if residual is None else residual[1:]
-        gate = None if route is None else route[0]
-        parts = (
-            qkv, o, q_norm, k_norm, *scales, route, experts, v, qkv.prepared_call,
-            o.prepared_call, None if gate is None else gate.prepared_call,
-            None if v is None else v.prepared_call,
-        )  # fmt: skip
+        parts = _parts(qkv, o, q_norm, k_norm, residual, route, experts, v, _prepared_call)
         return all(map(operator.is_, parts, self.parts))  # the same length: _parts
 
 
-def _parts(qkv, o, q_norm, k_norm, residual, route, experts, v=None) -> tuple:
-    """What a _Plan is made of: the objects, and the projections' kernel calls (which a
-    weight's change replaces; a projection whose weight is not on the host has none, as its
-    prepared_call: _Plan.holds)."""
+def _host_call(projection: DenseProjection | None):
+    """The projection's kernel call, made where its weight is on the host; else None."""
+    if projection is None or not projection.weight.is_cpu:
+        return None
+    return projection.host_call()
+
+
+def _prepared_call(projection: DenseProjection | None):
+    """The projection's kernel call as made and kept (None: none, or dropped since)."""
+    return None if projection is None else projection.prepared_call
+
+
+def _parts(qkv, o, q_norm, k_norm, residual, route, experts, v=None, call=_host_call) -> tuple:
+    """What a _Plan is made of: the objects, and the projections' kernel calls by `call`
+    (which a weight's change replaces): made by host_call where the weight is on the host
+    (a new plan), or as kept (_Plan.holds: no host_call, no device check, on every step)."""
     scales = (None, None) if residual is None else residual[1:]
     gate = None if route is None else route[0]
-    calls = (
-        qkv.host_call() if qkv.weight.is_cpu else None,
-        o.host_call() if o.weight.is_cpu else None,
-        gate.host_call() if gate is not None and gate.weight.is_cpu else None,
-        v.host_call() if v is not None and v.weight.is_cpu else None,
-    )
+    calls = (call(qkv), call(o), call(gate), call(v))
     return (qkv, o, q_norm, k_norm, *scales, route, experts, v, *calls)
 
 

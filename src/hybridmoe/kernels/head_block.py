@@ -56,11 +56,12 @@ def decode_head(
         plan = plans[key] = _HeadPlan(x, delta, scale, head)
     B, vocab = x.shape[0], head.out_features
     logits = np.empty((B, vocab), np.float32)  # the caller's own: a fresh array every step
-    y = logits.reshape(-1) if plan.y_bf16 is _NO_BF16 else _NO_F32
+    flat = logits.reshape(-1)
+    y = flat if plan.y_bf16 is _NO_BF16 else _NO_F32  # float32: the head writes the logits
     norm = (x.data_ptr(), delta.data_ptr(), plan.scale_at, plan.summed_at, float(eps), plan.flags)
     numba_moe.launch(
         plan.kernel, plan.threads, norm, plan.x, plan.x_bf16, plan.call.weight, plan.call.bias,
-        plan.sizes, plan.parallel, y, plan.y_bf16, logits.reshape(-1),
+        plan.sizes, plan.parallel, y, plan.y_bf16, flat,
     )  # fmt: skip
     return torch.from_numpy(logits)
 
@@ -112,6 +113,6 @@ class _HeadPlan:
         self.kernel = head_kernel(self.call.fmt.name, self.call.q8)
 
     def holds(self, scale: torch.Tensor, head: DenseProjection) -> bool:
-        """Whether it was made of this scale and the head's current kernel call (a weight's
-        change makes another)."""
-        return scale is self.scale and head.host_call() is self.call
+        """Whether it was made of this scale and the head's kernel call as kept (a weight's
+        change drops it: DenseProjection.prepared_call)."""
+        return scale is self.scale and head.prepared_call is self.call

@@ -4,9 +4,9 @@ bfloat16 output hides most last bits of its float32 sums (an order off in one pl
 GEMM changed about one output element in 4 million), so kernels/attention_reference.py's
 pieces (which the kernel computes bit for bit on every path: tests/layers/
 test_decode_attention.py) are compared with torch's:
-- its two GEMM orders with the GEMM torch's flash attention calls, MKL's
-  cblas_gemm_bf16bf16f32 (exported by libtorch_cpu), float32 results bit for bit, over head
-  sizes, key counts of every remainder mod 4, beta 0 and 1;
+- its two GEMM orders (the machine's: numba_attention.kernel_order) with the GEMM torch's
+  flash attention calls, MKL's cblas_gemm_bf16bf16f32 (exported by libtorch_cpu), float32
+  results bit for bit, over head sizes, key counts of every remainder mod 8, beta 0 and 1;
 - its softmax's running max and sum with SDPA's logsumexp (max + logf(sum), whose float32
   bits move with the sum's last bit), rows of one to three blocks of every length mod 32.
 Skipped where the kernel does not reproduce SDPA or torch has no MKL."""
@@ -69,7 +69,8 @@ def test_scores_are_mkls(dim: int) -> None:
         GEMM(COL_MAJOR, TRANS, NO_TRANS, keys, 1, dim, 1.0, k.data_ptr(), dim, q.data_ptr(), dim,
              0.0, mkl.ctypes.data, keys)  # fmt: skip
         qf, kf = q.float().numpy(), k.float().numpy()
-        ours = np.array([dot(qf, kf[j]) for j in range(keys)], np.float32)
+        order = numba_attention.kernel_order()
+        ours = np.array([dot(qf, kf[j], order) for j in range(keys)], np.float32)
         assert np.array_equal(ours, mkl), f"{dim} dims, {keys} keys"
 
 
@@ -78,7 +79,7 @@ def test_weighted_values_are_mkls(dim: int) -> None:
     """A block's weighted values: SDPA's GEMM(N, N, D, 1, keys) with beta 0 (its first block)
     and 1 (the next, onto the running output) against attention_reference.weigh."""
     gen = torch.Generator().manual_seed(dim)
-    for keys in (*range(1, 10), 47, 127, 130, 512):
+    for keys in (*range(1, 18), 47, 127, 130, 512):
         for beta in (0.0, 1.0):
             v = _bf16(gen, keys, dim)
             p = (torch.rand(keys, generator=gen) ** 8).bfloat16()  # a softmax's many small ones
@@ -87,7 +88,7 @@ def test_weighted_values_are_mkls(dim: int) -> None:
             GEMM(COL_MAJOR, NO_TRANS, NO_TRANS, dim, 1, keys, 1.0, v.data_ptr(), dim,
                  p.data_ptr(), keys, beta, mkl.ctypes.data, dim)  # fmt: skip
             ours = start.astype(np.float32)
-            weigh(ours, p.float().numpy(), v.float().numpy())
+            weigh(ours, p.float().numpy(), v.float().numpy(), numba_attention.kernel_order())
             assert np.array_equal(ours, mkl), f"{dim} dims, {keys} keys, beta {beta}"
 
 
@@ -113,6 +114,6 @@ def test_softmax_sums_are_sdpas(dim: int) -> None:
             rows = [t[0, head].float().numpy() for t in (k, v)]
             visible = np.ones(keys, bool)
             _, top, total = attend_row(q[0, head, 0].float().numpy(), *rows, visible, scale,
-                                       lanes, True)  # fmt: skip
+                                       lanes, True, numba_attention.kernel_order())  # fmt: skip
             ours = np.float32(np.float32(top) + np.float32(logf(float(total))))
             assert ours == np.float32(lse[0, head, 0].item()), f"{dim} dims, {keys} keys"

@@ -14,6 +14,7 @@ import json
 import torch
 
 from hybridmoe.kernels import attention_ir, llvm_ir, numba_attention
+from hybridmoe.kernels.attention_ir import ORDERS
 from layers.test_decode_attention import (
     REFERENCE_CASES,
     Pair,
@@ -45,7 +46,10 @@ def main() -> None:
     info = {"lanes": lanes, "fma": fma, "steps": steps, "sdpa_bits": sdpa_bits, "exact": exact}
     dtypes = (torch.bfloat16, torch.float32)
     info["reference_mismatches"] = sum(
-        reference_mismatches(dtype, case) for dtype in dtypes for case in REFERENCE_CASES
+        reference_mismatches(dtype, case, order=order)
+        for dtype in dtypes
+        for case in REFERENCE_CASES
+        for order in ORDERS
     )
     print(json.dumps(info))
 

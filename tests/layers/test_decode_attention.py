@@ -27,6 +27,7 @@ import torch
 import hybridmoe.models  # noqa: F401  (registers the families)
 from hybridmoe.engine.kv_cache import KVCache
 from hybridmoe.kernels import numba_attention
+from hybridmoe.kernels.attention_ir import ORDERS
 from hybridmoe.layers.attention import attend, sdpa
 from hybridmoe.layers.batch import ForwardBatch, build_attention_masks
 from hybridmoe.models.registry import family_for
@@ -283,11 +284,14 @@ def test_a_kernel_dropping_a_key_fails_the_comparison(dtype) -> None:
 
 def test_the_bits_check_can_fail(monkeypatch) -> None:
     """gives_sdpa_bits compares the kernel's output with SDPA's bit for bit: a kernel whose
-    output is one bfloat16 step off in one element fails it where the kernel passes it."""
+    output is one bfloat16 step off in one element fails it where the kernel passes it; so
+    does the kernel in the other GEMM order than the machine's (kernel_order)."""
     numba_attention.gives_sdpa_bits.cache_clear()
     try:
         if not numba_attention.gives_sdpa_bits(8, 2, 64):
             pytest.skip("the kernel does not reproduce this machine's SDPA")
+        order = numba_attention.kernel_order()
+        assert not numba_attention._tells_order(1 - order)
         numba_attention.gives_sdpa_bits.cache_clear()
         real = numba_attention._attend
 
@@ -313,9 +317,11 @@ REFERENCE_CASES = [  # B, heads, kv_heads, D, positions, slots, window, ring
 ]
 
 
-def reference_mismatches(dtype, case, lanes=None, seed=0) -> int:
+def reference_mismatches(dtype, case, lanes=None, seed=0, order=None, reference_order=None) -> int:
     """Elements of the kernel's output that are not attention_reference's (lanes: the
-    reference's, default the kernel's), over every row and head of a random step."""
+    reference's, default the kernel's), over every row and head of a random step; the kernel
+    in `order` (None: the machine's, kernel_order), the reference in `reference_order` (None:
+    the kernel's)."""
     B, heads, kv_heads, D, positions, slots, window, ring = case
     gen = torch.Generator().manual_seed(seed)
     caches = [(torch.randn(B, kv_heads, slots, D, generator=gen) * 2).to(dtype) for _ in "kv"]
@@ -323,8 +329,10 @@ def reference_mismatches(dtype, case, lanes=None, seed=0) -> int:
     k, v = ((torch.randn(B, 1, kv_heads, D, generator=gen) * 2).to(dtype) for _ in "kv")
     host = tuple(numba_attention.cache_array(c) for c in caches)
     kv_len, at = max(positions) + 1, np.array(positions)
+    order = numba_attention.kernel_order() if order is None else order
+    reference_order = order if reference_order is None else reference_order
     out = numba_attention.decode_attention(
-        q, k, v, host, slots, np.arange(B), at, kv_len, ring, window, threads=1
+        q, k, v, host, slots, np.arange(B), at, kv_len, ring, window, threads=1, order=order
     )
     lanes = lanes or numba_attention.softmax_lanes()
     bad = 0
@@ -338,30 +346,34 @@ def reference_mismatches(dtype, case, lanes=None, seed=0) -> int:
         for h in range(heads):
             kvh = h // (heads // kv_heads)
             rows = [c[b, kvh, :keys].float().numpy() for c in caches]
-            expected = attention_reference_row(q[b, 0, h], rows, visible, D, lanes)
+            expected = attention_reference_row(q[b, 0, h], rows, visible, D, lanes, reference_order)
             bad += int((expected.to(dtype) != out[b, 0, h]).sum())
     return bad
 
 
-def attention_reference_row(q, rows, visible, D, lanes) -> torch.Tensor:
+def attention_reference_row(q, rows, visible, D, lanes, order) -> torch.Tensor:
     from hybridmoe.kernels.attention_reference import attend_row
 
     scale = np.float32(1.0 / math.sqrt(D))
     bf16 = q.dtype == torch.bfloat16
-    out, _, _ = attend_row(q.float().numpy(), *rows, visible, scale, lanes, bf16)
+    out, _, _ = attend_row(q.float().numpy(), *rows, visible, scale, lanes, bf16, order)
     return torch.from_numpy(out)
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", REFERENCE_CASES)
-def test_the_kernel_gives_the_references_bits(dtype, case) -> None:
-    """On every machine, in both dtypes: the kernel's output is attention_reference's (the
-    scalar restatement of torch's flash attention with the stated GEMM orders) bit for bit;
-    with the other softmax lanes than the kernel's (another vector part and tail, another sum)
-    it is not, seen in float32's outputs (in bfloat16 such last bits mostly round away)."""
-    assert reference_mismatches(dtype, case) == 0
+def test_the_kernel_gives_the_references_bits(dtype, case, order) -> None:
+    """On every machine, in both dtypes and both GEMM orders: the kernel's output is
+    attention_reference's (the scalar restatement of torch's flash attention with the stated
+    GEMM orders) bit for bit; with the other softmax lanes than the kernel's (another vector
+    part and tail, another sum), or the reference in the other order, it is not, seen in
+    float32's outputs (in bfloat16 such last bits mostly round away)."""
+    assert reference_mismatches(dtype, case, order=order) == 0
     if dtype == torch.float32:
-        assert reference_mismatches(dtype, case, lanes=24 - numba_attention.softmax_lanes()) > 0
+        other_lanes = 24 - numba_attention.softmax_lanes()
+        assert reference_mismatches(dtype, case, lanes=other_lanes, order=order) > 0
+        assert reference_mismatches(dtype, case, order=order, reference_order=1 - order) > 0
 
 
 CHECK = Path(__file__).with_name("decode_attention_check.py")

@@ -15,7 +15,7 @@ import torch
 from hybridmoe import env
 from hybridmoe.kernels import glue, numba_moe
 from hybridmoe.kernels.host_arrays import host_array, host_logits
-from hybridmoe.kernels.numba_attention import cache_fits, step_threads
+from hybridmoe.kernels.numba_attention import cache_fits, kernel_order, step_threads
 from hybridmoe.kernels.projection import DECODE_MAX_TOKENS, DenseProjection
 from hybridmoe.kernels.threads import kernel_threads
 
@@ -339,7 +339,8 @@ def _run(
     B, bf16, args = x.shape[0], x.dtype is torch.bfloat16, plan.args
     attention_threads = step_threads(B, batch.kv_len, ring, window, kv_heads, dim, x.element_size())
     head, tail = plan.sizes
-    args[_SIZES] = (*head, slots, batch.kv_len, lanes, B, *tail, ring or 0, window or 0)
+    order = kernel_order()
+    args[_SIZES] = (*head, slots, batch.kv_len, lanes, B, *tail, ring or 0, window or 0, order)
     args[_FLAGS] = (plan.qkv_par, plan.o_par, attention_threads > 1, bf16)
     args[_NORMS] = (*plan.qk_norms, batch.cos.data_ptr(), batch.sin.data_ptr())
     args[_CACHES], args[_CACHES + 1], args[_ROWS], args[_ROWS + 1] = *caches, rows, positions

@@ -8,9 +8,10 @@ LANES is the target's widest float vector (16 with AVX-512, else 8), chosen when
 widened exactly (its 16 bits shifted into a float32's high half); float32 is read as it is.
 
 Summation orders, those of torch's CPU flash attention in bfloat16 (its GEMMs are MKL's
-gemm_bf16bf16f32; the orders below are that GEMM's as measured bit for bit on an AMD EPYC, the
-path MKL takes there; numba_attention.gives_sdpa_bits checks a machine): a bfloat16 product is
-exact in float32, so only the order of the additions matters.
+gemm_bf16bf16f32, whose order is MKL's choice for the CPU; numba_attention.sdpa_order finds a
+machine's): a bfloat16 product is exact in float32, so only the order of the additions matters.
+An intrinsic takes the order (ORDERS) at run time.
+QUADS, measured bit for bit on an AMD EPYC (AVX-512, MKL's generic path):
   qk_tile: four interleaved partial sums, lane l over d = l (mod 4) in ascending order,
     added as (s0 + s2) + (s1 + s3), then the tail dims (head_dim % 4) one by one; the sum is
     multiplied by `scale`.
@@ -19,9 +20,15 @@ exact in float32, so only the order of the additions matters.
     added to out[d]; the last n % 4 keys (a block's last) added to out[d] one by one, the
     last first; every dim alike. t0 + t2 and t1 + t3 are fused multiply-adds: for exact
     (bfloat16) products the same bits.
-A tile of 8, 4, 2 or 1 heads (a compile-time literal) shares each key's or value's loads; its
-results do not depend on the tile (each head's sum is its own chain), so neither on the
-grouped-query ratio's split into tiles.
+PAIRS, measured bit for bit on an Intel Xeon (Sapphire Rapids: MKL's AVX512-BF16 path, whose
+VDPBF16PS adds a lane's two products one at a time, the odd one first):
+  qk_tile: sixteen lanes, lane l summing from 0 the products of dims 32 c + 2 l + 1, then
+    32 c + 2 l, for each chunk c of 32 dims in turn (a dim past head_dim: no term); then lane
+    l + lane l + 8 (eight sums), neighbours (2 j, 2 j + 1), pairs of those, the two halves.
+  pv_tile: over the keys in groups of eight counted from the run's first, each group's
+    products summed from 0 as t1, t0, t3, t2, t5, t4, t7, t6 (a group of m < 8 keys, the
+    block's last: its pairs so, a last odd key alone, last), then the group's sum added to
+    out[d]; every dim alike.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ from hybridmoe.kernels.llvm_ir import (
 )
 
 TILES = (8, 4, 2, 1)  # heads per tile
+QUADS, PAIRS = 0, 1  # the summation orders above
+ORDERS = (QUADS, PAIRS)
 
 
 def lanes() -> int:
@@ -98,13 +107,13 @@ def _is_cache(ty) -> bool:
 
 def _qk_codegen(tile: int, bf16: bool):
     def codegen(context, builder, sig, args):
-        _, q, _, kc, _, _, s, _, _, scale, _ = args
-        g0, off, n, s_stride, s_off, dim = int_args(context, builder, sig, args, "--i-ii-ii-i")
+        _, order, q, _, kc, _, _, s, _, _, scale, _ = args
+        g0, off, n, s_stride, s_off, dim = int_args(context, builder, sig, args, "---i-ii-ii-i")
         q_data, s_data = (
-            array_data(context, builder, sig.args[1], q),
-            array_data(context, builder, sig.args[6], s),
+            array_data(context, builder, sig.args[2], q),
+            array_data(context, builder, sig.args[7], s),
         )
-        k_data = array_data(context, builder, sig.args[3], kc)
+        k_data = array_data(context, builder, sig.args[4], kc)
         quads = builder.udiv(dim, i64(4))
         tail_start = builder.mul(quads, i64(4))
         q_rows = [
@@ -151,14 +160,87 @@ def _qk_codegen(tile: int, bf16: bool):
                     score = builder.fmul(builder.load(total), scale)
                     builder.store(score, builder.gep(s_row, [builder.add(first, i64(j))]))
 
-        fours = builder.udiv(n, i64(4))
-        with cgutils.for_range(builder, fours) as four:
-            keys(builder.mul(four.index, i64(4)), 4)
-        with cgutils.for_range(builder, builder.urem(n, i64(4))) as rest:
-            keys(builder.add(builder.mul(fours, i64(4)), rest.index), 1)
+        pairs = builder.icmp_signed("==", order, ir.Constant(order.type, PAIRS))
+        with builder.if_else(pairs) as (by_pairs, by_quads):
+            with by_pairs:
+                _qk_pairs(builder, bf16, q_rows, s_rows, k_data, off, n, dim, scale)
+            with by_quads:
+                fours = builder.udiv(n, i64(4))
+                with cgutils.for_range(builder, fours) as four:
+                    keys(builder.mul(four.index, i64(4)), 4)
+                with cgutils.for_range(builder, builder.urem(n, i64(4))) as rest:
+                    keys(builder.add(builder.mul(fours, i64(4)), rest.index), 1)
         return context.get_dummy_value()
 
     return codegen
+
+
+_ODD, _EVEN = list(range(1, 32, 2)), list(range(0, 32, 2))
+
+
+def _qk_pairs(builder, bf16, q_rows, s_rows, k_data, off, n, dim, scale) -> None:
+    """The PAIRS order's scores of keys 0 .. n - 1 for the tile's heads: a key at a time, each
+    head's sixteen lane sums in one <16 x float>, a chunk of 32 dims two FMAs (the odd dims',
+    then the even dims'); a last chunk of fewer dims from zeroed copies (a zero product leaves
+    a sum as it is: no sum here is -0)."""
+    vec = vector(F32, 16)
+    chunks, rest = builder.udiv(dim, i64(32)), builder.urem(dim, i64(32))
+    tail = builder.mul(chunks, i64(32))
+    k_part = cgutils.alloca_once(builder, F32, size=32)
+    q_parts = [cgutils.alloca_once(builder, F32, size=32) for _ in q_rows]
+
+    def wide32(ptr: ir.Value) -> ir.Value:
+        return builder.load(builder.bitcast(ptr, vector(F32, 32).as_pointer()), align=4)
+
+    with cgutils.for_range(builder, n) as key:
+        k_row = builder.gep(k_data, [builder.add(off, builder.mul(key.index, dim))])
+        accs = [cgutils.alloca_once(builder, vec) for _ in q_rows]
+        for acc in accs:
+            builder.store(ir.Constant(vec, None), acc)
+
+        def chunk(kv: ir.Value, qvs: list[ir.Value]) -> None:
+            k_odd = builder.shuffle_vector(kv, kv, const_vec(I32, _ODD))
+            k_even = builder.shuffle_vector(kv, kv, const_vec(I32, _EVEN))
+            for qv, acc in zip(qvs, accs, strict=True):
+                q_odd = builder.shuffle_vector(qv, qv, const_vec(I32, _ODD))
+                q_even = builder.shuffle_vector(qv, qv, const_vec(I32, _EVEN))
+                total = fma(builder, q_odd, k_odd, builder.load(acc))
+                builder.store(fma(builder, q_even, k_even, total), acc)
+
+        with cgutils.for_range(builder, chunks) as c:
+            at = builder.mul(c.index, i64(32))
+            kv = _widen(builder, builder.gep(k_row, [at]), bf16, 32)
+            chunk(kv, [wide32(builder.gep(row, [at])) for row in q_rows])
+        with builder.if_then(builder.icmp_unsigned("!=", rest, i64(0))):
+            for part in (k_part, *q_parts):
+                for i in range(32):
+                    builder.store(ir.Constant(F32, 0), builder.gep(part, [i64(i)]))
+            with cgutils.for_range(builder, rest) as r:
+                at = builder.add(tail, r.index)
+                kx = _widen(builder, builder.gep(k_row, [at]), bf16, 1)
+                builder.store(kx, builder.gep(k_part, [r.index]))
+                for row, part in zip(q_rows, q_parts, strict=True):
+                    qx = builder.load(builder.gep(row, [at]), align=4)
+                    builder.store(qx, builder.gep(part, [r.index]))
+            chunk(wide32(k_part), [wide32(part) for part in q_parts])
+        for s_row, acc in zip(s_rows, accs, strict=True):
+            total = _lane_tree(builder, builder.load(acc))
+            score = builder.fmul(total, scale)
+            builder.store(score, builder.gep(s_row, [key.index]))
+
+
+def _lane_tree(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
+    """The PAIRS order's sum of a <16 x float>'s lanes: l + (l + 8), then neighbours, then
+    pairs of those, then the two halves."""
+
+    def half(vec: ir.Value, indices: list[int]) -> ir.Value:
+        return builder.shuffle_vector(vec, vec, const_vec(I32, indices))
+
+    eights = builder.fadd(half(acc, list(range(8))), half(acc, list(range(8, 16))))
+    fours = builder.fadd(half(eights, [0, 2, 4, 6]), half(eights, [1, 3, 5, 7]))
+    twos = builder.fadd(half(fours, [0, 2]), half(fours, [1, 3]))
+    zero, one = ir.Constant(I32, 0), ir.Constant(I32, 1)
+    return builder.fadd(builder.extract_element(twos, zero), builder.extract_element(twos, one))
 
 
 def _quad_sums(builder: ir.IRBuilder, acc: ir.Value, pack: int) -> ir.Value:
@@ -193,27 +275,28 @@ def _widen_rows(builder: ir.IRBuilder, ptrs: list[ir.Value], bf16: bool) -> ir.V
 
 
 @intrinsic
-def qk_tile(typingctx, tile, q, g0, kc, off, n, s, s_stride, s_off, scale, dim):
+def qk_tile(typingctx, tile, order, q, g0, kc, off, n, s, s_stride, s_off, scale, dim):
     """For g < tile, j < n: s[(g0 + g) * s_stride + s_off + j] = (q[(g0 + g) * dim :][:dim] .
-    kc[off + j * dim :][:dim]) * scale, in the module's order. q, s: flat float32; kc: flat
-    uint16 (bfloat16 bits) or float32; `tile` a literal of TILES; scale float32."""
+    kc[off + j * dim :][:dim]) * scale, in the module's order `order` (an integer of ORDERS).
+    q, s: flat float32; kc: flat uint16 (bfloat16 bits) or float32; `tile` a literal of TILES;
+    scale float32."""
     if not (isinstance(tile, types.IntegerLiteral) and tile.literal_value in TILES):
         return None
-    if not _is_cache(kc) or scale != types.float32:
+    if not _is_cache(kc) or scale != types.float32 or not isinstance(order, types.Integer):
         return None
-    sig = types.void(tile, q, g0, kc, off, n, s, s_stride, s_off, scale, dim)
+    sig = types.void(tile, order, q, g0, kc, off, n, s, s_stride, s_off, scale, dim)
     return sig, _qk_codegen(tile.literal_value, kc.dtype == types.uint16)
 
 
 def _pv_codegen(tile: int, width: int, bf16: bool):
     def codegen(context, builder, sig, args):
-        _, acc, _, p, _, vc, _, _, _ = args
-        g0, p_stride, off, n, dim = int_args(context, builder, sig, args, "--i-i-iii")
+        _, order, acc, _, p, _, vc, _, _, _ = args
+        g0, p_stride, off, n, dim = int_args(context, builder, sig, args, "---i-i-iii")
         acc_data, p_data = (
-            array_data(context, builder, sig.args[1], acc),
-            array_data(context, builder, sig.args[3], p),
+            array_data(context, builder, sig.args[2], acc),
+            array_data(context, builder, sig.args[4], p),
         )
-        v_data = array_data(context, builder, sig.args[5], vc)
+        v_data = array_data(context, builder, sig.args[6], vc)
         heads = [builder.add(g0, i64(g)) for g in range(tile)]
         acc_rows = [builder.gep(acc_data, [builder.mul(h, dim)]) for h in heads]
         p_rows = [builder.gep(p_data, [builder.mul(h, p_stride)]) for h in heads]
@@ -247,19 +330,58 @@ def _pv_codegen(tile: int, width: int, bf16: bool):
                     odd = fma(builder, w[1], values[1], builder.fmul(w[3], values[3]))
                     builder.store(builder.fadd(builder.load(total), builder.fadd(even, odd)), total)
 
-            full = builder.udiv(n, i64(4))
-            with cgutils.for_range(builder, full) as group:
-                group_of_four(builder.mul(group.index, i64(4)))
-            loose = builder.urem(n, i64(4))
-            with cgutils.for_range(builder, loose) as back:  # the last keys, last first
-                key = builder.sub(builder.sub(n, i64(1)), back.index)
+            def term(key: ir.Value, into: list[ir.Value]) -> None:
+                """into[g] = fma(w_g[key], v[key], into[g]) for the tile's heads."""
                 v_row = builder.gep(v_first, [builder.add(builder.mul(key, dim), at)])
                 value = _widen(builder, v_row, bf16, count)
-                for p_row, total in zip(p_rows, sums, strict=True):
+                for p_row, part in zip(p_rows, into, strict=True):
                     weight = builder.load(builder.gep(p_row, [key]))
                     weight = splat(builder, weight, count) if count > 1 else weight
-                    term = builder.fmul(weight, value)
-                    builder.store(builder.fadd(builder.load(total), term), total)
+                    builder.store(fma(builder, weight, value, builder.load(part)), part)
+
+            def group_of_eight(first: ir.Value, keys: ir.Value | None) -> None:
+                """PAIRS: keys first .. first + 7 (`keys` None) or first .. first + keys - 1
+                summed from 0 as t1, t0, t3, t2, ..., a last odd key alone; into the sums."""
+                parts = [cgutils.alloca_once(builder, ty) for _ in range(tile)]
+                for part in parts:
+                    builder.store(ir.Constant(ty, None), part)
+                if keys is None:
+                    for i in (1, 0, 3, 2, 5, 4, 7, 6):
+                        term(builder.add(first, i64(i)), parts)
+                else:
+                    with cgutils.for_range(builder, builder.udiv(keys, i64(2))) as pair:
+                        even = builder.add(first, builder.mul(pair.index, i64(2)))
+                        term(builder.add(even, i64(1)), parts)
+                        term(even, parts)
+                    odd = builder.icmp_unsigned("==", builder.urem(keys, i64(2)), i64(1))
+                    with builder.if_then(odd):
+                        term(builder.sub(builder.add(first, keys), i64(1)), parts)
+                for part, total in zip(parts, sums, strict=True):
+                    builder.store(builder.fadd(builder.load(total), builder.load(part)), total)
+
+            pairs = builder.icmp_signed("==", order, ir.Constant(order.type, PAIRS))
+            with builder.if_else(pairs) as (by_pairs, by_quads):
+                with by_pairs:
+                    eights = builder.udiv(n, i64(8))
+                    with cgutils.for_range(builder, eights) as group:
+                        group_of_eight(builder.mul(group.index, i64(8)), None)
+                    last = builder.urem(n, i64(8))
+                    with builder.if_then(builder.icmp_unsigned("!=", last, i64(0))):
+                        group_of_eight(builder.mul(eights, i64(8)), last)
+                with by_quads:
+                    full = builder.udiv(n, i64(4))
+                    with cgutils.for_range(builder, full) as group:
+                        group_of_four(builder.mul(group.index, i64(4)))
+                    loose = builder.urem(n, i64(4))
+                    with cgutils.for_range(builder, loose) as back:  # the last keys, last first
+                        key = builder.sub(builder.sub(n, i64(1)), back.index)
+                        v_row = builder.gep(v_first, [builder.add(builder.mul(key, dim), at)])
+                        value = _widen(builder, v_row, bf16, count)
+                        for p_row, total in zip(p_rows, sums, strict=True):
+                            weight = builder.load(builder.gep(p_row, [key]))
+                            weight = splat(builder, weight, count) if count > 1 else weight
+                            product = builder.fmul(weight, value)
+                            builder.store(builder.fadd(builder.load(total), product), total)
             for slot, total in zip(slots, sums, strict=True):
                 builder.store(builder.load(total), slot, align=4)
 
@@ -273,13 +395,13 @@ def _pv_codegen(tile: int, width: int, bf16: bool):
 
 
 @intrinsic
-def pv_tile(typingctx, tile, acc, g0, p, p_stride, vc, off, n, dim):
+def pv_tile(typingctx, tile, order, acc, g0, p, p_stride, vc, off, n, dim):
     """For g < tile, d < dim: acc[(g0 + g) * dim + d] += Σ_{j < n} p[(g0 + g) * p_stride + j]
-    vc[off + j * dim + d], in the module's order. acc, p: flat float32; vc: flat uint16
-    (bfloat16 bits) or float32; `tile` a literal of TILES."""
+    vc[off + j * dim + d], in the module's order `order` (an integer of ORDERS). acc, p: flat
+    float32; vc: flat uint16 (bfloat16 bits) or float32; `tile` a literal of TILES."""
     if not (isinstance(tile, types.IntegerLiteral) and tile.literal_value in TILES):
         return None
-    if not _is_cache(vc):
+    if not _is_cache(vc) or not isinstance(order, types.Integer):
         return None
-    sig = types.void(tile, acc, g0, p, p_stride, vc, off, n, dim)
+    sig = types.void(tile, order, acc, g0, p, p_stride, vc, off, n, dim)
     return sig, _pv_codegen(tile.literal_value, lanes(), vc.dtype == types.uint16)

@@ -1,10 +1,11 @@
 """The decode attention kernel's reference (kernels/numba_attention.py): one query's attention
 over its row of keys, restated in scalar code the way torch's CPU flash attention computes it
 (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp), with its GEMMs' summation orders as
-kernels/attention_ir.py states them. No vectors, no tiles, no skipping: every key of SDPA's row
-is visited, a masked one as a score of -inf. The kernel must give these bits on every machine
-and every instruction path (tests/layers/test_decode_attention.py); where MKL's GEMM sums in the
-stated order, they are SDPA's (numba_attention.gives_sdpa_bits).
+kernels/attention_ir.py states them (QUADS or PAIRS: MKL's choice on the machine). No vectors,
+no tiles, no skipping: every key of SDPA's row is visited, a masked one as a score of -inf. The
+kernel must give these bits in either order on every machine and every instruction path
+(tests/layers/test_decode_attention.py); where MKL's GEMM sums in one of the orders, they are
+SDPA's (numba_attention.sdpa_order).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from hybridmoe.kernels.softmax_ir import (
 )
 
 BLOCK = 512  # torch's kvSplitSize for a decode query
+QUADS, PAIRS = 0, 1  # the GEMM summation orders (attention_ir.ORDERS)
 _FLAGS = dict(nogil=True, fastmath=False)
 _F32 = np.float32
 
@@ -63,10 +65,25 @@ def fexp_u20(x):
 
 
 @cached_njit(**_FLAGS)
-def dot(q, k):
-    """q . k in float32: four interleaved partial sums, then (s0 + s2) + (s1 + s3), then the
-    tail dims (attention_ir's qk order, MKL's bfloat16 GEMM's for one score)."""
+def dot(q, k, order):
+    """q . k in float32 in attention_ir's qk order `order`. QUADS: four interleaved partial
+    sums, then (s0 + s2) + (s1 + s3), then the tail dims. PAIRS: sixteen lanes, lane l over
+    the dims 32 c + 2 l + 1, then 32 c + 2 l of each chunk c of 32 (a dim past the end
+    skipped), then lane l + lane l + 8, then neighbours, pairs of pairs, halves."""
     dim = q.shape[0]
+    if order == PAIRS:
+        lane = np.zeros(16, np.float32)
+        for c in range(0, dim, 32):
+            for lo in range(16):
+                for d in (c + 2 * lo + 1, c + 2 * lo):
+                    if d < dim:
+                        lane[lo] = _fma(q[d], k[d], lane[lo])
+        for lo in range(8):
+            lane[lo] = lane[lo] + lane[lo + 8]
+        for width in (1, 2, 4):
+            for lo in range(0, 8, 2 * width):
+                lane[lo] = lane[lo] + lane[lo + width]
+        return lane[0]
     part = np.zeros(4, np.float32)
     for d in range(dim - dim % 4):
         part[d % 4] = _fma(q[d], k[d], part[d % 4])
@@ -77,11 +94,23 @@ def dot(q, k):
 
 
 @cached_njit(**_FLAGS)
-def weigh(acc, weights, values):
-    """acc [D] += Σ_j weights[j] values[j] in attention_ir's pv order (MKL's bfloat16 GEMM's
-    with beta = 1): groups of four keys, (t0 + t2) + (t1 + t3) each, then the last n % 4 keys
-    one by one, the last first; values [n, D] float32."""
+def weigh(acc, weights, values, order):
+    """acc [D] += Σ_j weights[j] values[j] in attention_ir's pv order `order` (with beta = 1),
+    values [n, D] float32. QUADS: groups of four keys, (t0 + t2) + (t1 + t3) each, then the
+    last n % 4 keys one by one, the last first. PAIRS: groups of eight keys, each summed from
+    0 as t1, t0, t3, t2, ... (a last odd key alone, last), the group's sum added to acc."""
     n, dim = values.shape
+    if order == PAIRS:
+        for g in range(0, n, 8):
+            m = min(8, n - g)
+            for d in range(dim):
+                t = _F32(0)
+                for j in range(0, m, 2):
+                    if j + 1 < m:
+                        t = _fma(weights[g + j + 1], values[g + j + 1, d], t)
+                    t = _fma(weights[g + j], values[g + j, d], t)
+                acc[d] = acc[d] + t
+        return
     full = n - n % 4
     for g in range(0, full, 4):
         for d in range(dim):
@@ -129,10 +158,11 @@ def exps(s, top, lanes, bf16):
 
 
 @cached_njit(**_FLAGS)
-def attend_row(q, keys, values, visible, scale, lanes, bf16):
+def attend_row(q, keys, values, visible, scale, lanes, bf16, order):
     """softmax(q . keys * scale) . values for one query: q [D] float32, keys and values [S, D]
     float32 (bfloat16 values widened where `bf16`), visible [S] bool (False: masked), scale
-    float32, `lanes` torch's Vectorized<float> lanes -> (float32 [D] before the output's
+    float32, `lanes` torch's Vectorized<float> lanes, `order` the GEMMs' (QUADS or PAIRS) ->
+    (float32 [D] before the output's
     rounding to its dtype, the softmax's max, its sum: SDPA's logsumexp is max + log(sum))."""
     S, dim = keys.shape
     top, total = _F32(-np.inf), _F32(0)
@@ -143,7 +173,7 @@ def attend_row(q, keys, values, visible, scale, lanes, bf16):
         block_top = _F32(-np.inf)
         for j in range(n):
             if visible[start + j]:
-                s[j] = dot(q, keys[start + j]) * scale
+                s[j] = dot(q, keys[start + j], order) * scale
                 block_top = max(block_top, s[j])
         block_top = max(top, block_top)
         if block_top == -np.inf:  # torch skips a block no key of which is seen
@@ -154,7 +184,7 @@ def attend_row(q, keys, values, visible, scale, lanes, bf16):
         top = block_top
         for d in range(dim):
             acc[d] *= carry
-        weigh(acc, s, values[start : start + n])
+        weigh(acc, s, values[start : start + n], order)
     inverse = _F32(1) / total
     for d in range(dim):
         acc[d] *= inverse

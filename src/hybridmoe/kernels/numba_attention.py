@@ -25,9 +25,10 @@ libm's expf, their sum in torch's lanes and tree); the running sum fused as torc
 carry * old` (an FMA), the running output times the carry exp(old max - new max) (libm's expf); in
 bfloat16 the exps rounded to bfloat16 before they weight v; the weighted sum of v (attention_ir's
 order); then out = acc * (1 / sum), rounded once to the output dtype. In bfloat16 that is SDPA's
-bits where MKL's bfloat16 GEMM sums in attention_ir's order (an AMD EPYC, measured) and torch's
-build is one whose softmax glue.softmax_lanes knows: gives_sdpa_bits checks it on the machine, and
-the engine takes the kernel by default only there (EngineConfig.attention_kernel "auto").
+bits where MKL's bfloat16 GEMM sums in one of attention_ir's orders (QUADS on an AMD EPYC, PAIRS on
+an Intel Xeon with AVX512-BF16, measured; kernel_order picks the machine's) and torch's build is
+one whose softmax glue.softmax_lanes knows: gives_sdpa_bits checks it on the machine, and the
+engine takes the kernel by default only there (EngineConfig.attention_kernel "auto").
 Elsewhere, and in float32 (SDPA's float32 GEMM is MKL's sgemm, whose bits even vary with the
 operands' alignment), the contract is a tolerance, SDPA's own float32 accumulation error: float32
 outputs within 1e-5 (absolute and relative), bfloat16 outputs within one unit in the last place of
@@ -54,7 +55,7 @@ from numba.extending import overload
 
 from hybridmoe import env
 from hybridmoe.kernels import activation_ir, attention_ir, glue, llvm_ir, numba_glue, softmax_ir
-from hybridmoe.kernels.attention_ir import TILES, pv_tile, qk_tile
+from hybridmoe.kernels.attention_ir import ORDERS, QUADS, TILES, pv_tile, qk_tile
 from hybridmoe.kernels.llvm_ir import address_pointer
 from hybridmoe.kernels.numba_cache import cached_njit
 from hybridmoe.kernels.numba_glue import _fma
@@ -63,6 +64,9 @@ from hybridmoe.kernels.softmax_ir import block_max, exp_block
 from hybridmoe.kernels.threads import kernel_threads
 
 BLOCK = 512  # key indices per softmax block: torch's kvSplitSize
+# the keys _weigh takes from a softmax block's first on: a whole group of either order's (four
+# for QUADS, eight for PAIRS), so a run's groups are the block's
+GROUP = 8
 # Steps reading fewer key/value bytes run on one thread: waking the pool's other threads
 # costs more than they save (numba_dense.MIN_PARALLEL_BYTES measured the same for weights)
 MIN_PARALLEL_BYTES = 1 << 20
@@ -87,39 +91,39 @@ numba.config.CACHE_DIR = str(
 
 
 @cached_njit(inline="always", **_FLAGS)
-def _scores(qf, group, kc, off, n, s, s_off, scale, dim):
+def _scores(qf, group, kc, off, n, s, s_off, scale, dim, order):
     """s[g * BLOCK + s_off + j] = (qf's head g . key j of the run at kc[off:]) * scale, j < n,
-    g < group."""
+    g < group, in attention_ir's order `order`."""
     g = 0
     while g + 8 <= group:
-        qk_tile(8, qf, g, kc, off, n, s, BLOCK, s_off, scale, dim)
+        qk_tile(8, order, qf, g, kc, off, n, s, BLOCK, s_off, scale, dim)
         g += 8
     if g + 4 <= group:
-        qk_tile(4, qf, g, kc, off, n, s, BLOCK, s_off, scale, dim)
+        qk_tile(4, order, qf, g, kc, off, n, s, BLOCK, s_off, scale, dim)
         g += 4
     if g + 2 <= group:
-        qk_tile(2, qf, g, kc, off, n, s, BLOCK, s_off, scale, dim)
+        qk_tile(2, order, qf, g, kc, off, n, s, BLOCK, s_off, scale, dim)
         g += 2
     if g < group:
-        qk_tile(1, qf, g, kc, off, n, s, BLOCK, s_off, scale, dim)
+        qk_tile(1, order, qf, g, kc, off, n, s, BLOCK, s_off, scale, dim)
 
 
 @cached_njit(inline="always", **_FLAGS)
-def _weigh(acc, group, p, vc, off, n, dim):
+def _weigh(acc, group, p, vc, off, n, dim, order):
     """acc's head g += the run's values at vc[off:] weighted by p[g * BLOCK:][:n], g < group,
-    in groups of four keys from the run's first."""
+    in attention_ir's order `order` (groups of keys from the run's first)."""
     g = 0
     while g + 8 <= group:
-        pv_tile(8, acc, g, p, BLOCK, vc, off, n, dim)
+        pv_tile(8, order, acc, g, p, BLOCK, vc, off, n, dim)
         g += 8
     if g + 4 <= group:
-        pv_tile(4, acc, g, p, BLOCK, vc, off, n, dim)
+        pv_tile(4, order, acc, g, p, BLOCK, vc, off, n, dim)
         g += 4
     if g + 2 <= group:
-        pv_tile(2, acc, g, p, BLOCK, vc, off, n, dim)
+        pv_tile(2, order, acc, g, p, BLOCK, vc, off, n, dim)
         g += 2
     if g < group:
-        pv_tile(1, acc, g, p, BLOCK, vc, off, n, dim)
+        pv_tile(1, order, acc, g, p, BLOCK, vc, off, n, dim)
 
 
 def _widen(src, first, dst, n):
@@ -190,8 +194,8 @@ def _softmax_block(s, g, first, end, nb, lanes, m, sums, acc, dim, bf16):
     are block indices 0 .. nb - 1 (the others masked) into its running max m[g], sum sums[g]
     and output acc[g * dim:][:dim]: the scores become the weights exp(s - max) (rounded to
     bfloat16 values where `bf16`), as torch computes the block's (softmax_ir: its vector part
-    and tail, by its `lanes`). Returns the run (pa, pz) of block indices _weigh reads: groups
-    of four from pa, the weights of its masked keys 0."""
+    and tail, by its `lanes`). Returns the run (pa, pz) of block indices _weigh reads: whole
+    groups of GROUP keys (either order's) from pa, the weights of its masked keys 0."""
     base, whole = g * BLOCK, nb - nb % lanes
     top = block_max(s, base + first, end - first, m[g])
     start = first - first % lanes if first < whole else first  # whole vector chunks
@@ -206,7 +210,7 @@ def _softmax_block(s, g, first, end, nb, lanes, m, sums, acc, dim, bf16):
     m[g] = top
     for d in range(dim):
         acc[g * dim + d] *= carry
-    pa, pz = first - first % 4, min(end + (-end) % 4, nb)
+    pa, pz = first - first % GROUP, min(end + (-end) % GROUP, nb)
     for i in range(pa, start):
         s[base + i] = 0
     for i in range(stop, pz):
@@ -247,8 +251,8 @@ def _item(item, step, kc, vc, dims, rows, pos, ring, window, scale, scratch):
     into its cache row, then attend with the heads of kvh's group (scratch[item]: its
     float32 scratch, group * (2 D + BLOCK + 2)). dims: heads, kv_heads, D, slots, q's row
     stride, k's and v's, the step's kv_len (not read here: each row's keys are its own),
-    torch's softmax lanes."""
-    heads, kv_heads, dim, lanes = dims[0], dims[1], dims[2], dims[7]
+    torch's softmax lanes, the GEMMs' summation order (attention_ir.ORDERS)."""
+    heads, kv_heads, dim, lanes, order = dims[0], dims[1], dims[2], dims[7], dims[8]
     group, size = heads // kv_heads, kc.itemsize
     b, kvh = item // kv_heads, item % kv_heads
     base = _write(b, kvh, step, kc, vc, dims, rows, pos, ring)
@@ -271,11 +275,13 @@ def _item(item, step, kc, vc, dims, rows, pos, ring, window, scale, scratch):
         # bits do not depend on the rows beside it
         nb = min(BLOCK, hi - start)
         first, end = max(lo, start) - start, min(hi, start + BLOCK) - start
-        _scores(qf, group, kc, base + (start + first) * dim, end - first, s, first, scale, dim)
+        _scores(
+            qf, group, kc, base + (start + first) * dim, end - first, s, first, scale, dim, order
+        )
         pa, pz = 0, 0
         for g in range(group):
             pa, pz = _softmax_block(s, g, first, end, nb, lanes, m, sums, acc, dim, size == 2)
-        _weigh(acc, group, s[pa:], vc, base + (start + pa) * dim, pz - pa, dim)
+        _weigh(acc, group, s[pa:], vc, base + (start + pa) * dim, pz - pa, dim, order)
     for g in range(group):
         inverse = np.float32(1.0) / sums[g]
         for d in range(dim):
@@ -325,26 +331,75 @@ def softmax_lanes() -> int:
 
 
 @functools.cache
+def kernel_order() -> int:
+    """The GEMMs' summation order (attention_ir.ORDERS) the kernel computes in this process:
+    the one in which it gives this machine's SDPA bits (MKL's order is MKL's choice for the
+    CPU: QUADS on an AMD EPYC, PAIRS on an Intel Xeon with AVX512-BF16), told by steps whose
+    sums cancel (_tells_order: random rows do not tell them apart, their bfloat16 outputs hide
+    most of a sum's last bits), then checked on random rows; QUADS where neither gives them
+    (the kernel keeps its tolerance)."""
+    if glue.softmax_lanes() is not None:
+        for order in ORDERS:
+            if _tells_order(order) and _gives_sdpa_bits(8, 2, 64, order):
+                return order
+    return QUADS
+
+
+def _tells_order(order: int) -> bool:
+    """The kernel in `order` gives SDPA's bits on two steps whose float32 sums are 1 in one
+    order and 0 in the other (a term of 1 lost beside 2^25 - 2^25 or not): a score with
+    products +2^25, -2^25 and 1 in dims 0, 4 and 1 (QUADS: 1, PAIRS: 0), and weighted values
+    (every weight 1) of +2^25, -2^25 and 1 in keys 0, 2 and 1 (QUADS: 1, PAIRS: 0)."""
+    big, D = 2.0**25, 64
+    scores_k = torch.zeros(1, 1, 2, D)
+    scores_k[0, 0, 0, [0, 4, 1]] = torch.tensor([big, -big, 1.0])
+    scores_v = torch.zeros(1, 1, 2, D)
+    scores_v[0, 0, 0] = 1.0
+    weights_v = torch.zeros(1, 1, 12, D)
+    weights_v[0, 0, [0, 2, 1]] = torch.tensor([big, -big, 1.0])[:, None]
+    steps = (
+        (torch.ones(1, 1, 1, D), scores_k, scores_v),  # q . k decides the weights
+        (torch.zeros(1, 1, 1, D), torch.zeros(1, 1, 12, D), weights_v),  # every weight 1
+    )
+    for q, k_cache, v_cache in steps:
+        q, caches = q.bfloat16(), [k_cache.bfloat16(), v_cache.bfloat16()]
+        last = caches[0].shape[2] - 1
+        k, v = (c[:, :, last : last + 1].transpose(1, 2).contiguous() for c in caches)
+        host = tuple(cache_array(c) for c in caches)  # k, v written where they are
+        rows, at = np.arange(1), np.array([last])
+        out = _attend(q, k, v, host, last + 1, rows, at, last + 1, None, None, 1, order)
+        if not torch.equal(out, sdpa_alone(q, caches, [last])):
+            return False
+    return True
+
+
+@functools.cache
 def gives_sdpa_bits(heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether the kernel's bfloat16 decode attention is torch's SDPA's bit for bit on this
-    machine for this shape. SDPA's bits come from torch's build (its vector exp and lanes,
-    softmax_lanes) and from MKL's bfloat16 GEMM, whose summation order is MKL's choice for the
-    CPU (attention_ir states the one the kernel computes); so it is checked, once per process
-    and shape, on random rows: a batch of rows of different lengths over more than one
-    softmax block, and a row whose last block is short. False where torch's softmax is not
-    reproduced at all (glue.softmax_lanes)."""
+    """Whether the kernel's bfloat16 decode attention (in kernel_order) is torch's SDPA's bit
+    for bit on this machine for this shape. SDPA's bits come from torch's build (its vector
+    exp and lanes, softmax_lanes) and from MKL's bfloat16 GEMM, whose summation order is MKL's
+    choice for the CPU (attention_ir states the ones the kernel computes); so it is checked,
+    once per process and shape. False where torch's softmax is not reproduced at all
+    (glue.softmax_lanes)."""
     if glue.softmax_lanes() is None:
         return False
+    return _gives_sdpa_bits(heads, kv_heads, head_dim, kernel_order())
+
+
+def _gives_sdpa_bits(heads: int, kv_heads: int, head_dim: int, order: int) -> bool:
+    """The kernel's bfloat16 steps in `order` equal SDPA's on random rows: a batch of rows of
+    different lengths over more than one softmax block, and a row whose last block is
+    short."""
     gen = torch.Generator().manual_seed(0)
     # two steps: a batch whose rows end in another block, mid-group (559 keys: a block of
     # 512, then 47), and one row of 531 keys (a last block of 19: a lone vector chunk)
     return all(
-        _matches_sdpa(positions, heads, kv_heads, head_dim, gen)
+        _matches_sdpa(positions, heads, kv_heads, head_dim, gen, order)
         for positions in ([BLOCK + 46, 129, 37], [BLOCK + 18])
     )
 
 
-def _matches_sdpa(positions, heads, kv_heads, head_dim, gen) -> bool:
+def _matches_sdpa(positions, heads, kv_heads, head_dim, gen, order) -> bool:
     """The kernel's bfloat16 step of random rows at `positions` equals sdpa_alone's bits."""
     B, kv_len = len(positions), max(positions) + 1
     slots = kv_len + 5
@@ -356,7 +411,7 @@ def _matches_sdpa(positions, heads, kv_heads, head_dim, gen) -> bool:
     q, k, v = randn(B, 1, heads, head_dim), *(randn(B, 1, kv_heads, head_dim) for _ in "kv")
     host = tuple(cache_array(c) for c in caches)
     rows, at = np.arange(B), np.array(positions)
-    out = _attend(q, k, v, host, slots, rows, at, kv_len, None, None, threads=1)
+    out = _attend(q, k, v, host, slots, rows, at, kv_len, None, None, threads=1, order=order)
     return torch.equal(out, sdpa_alone(q, caches, positions))  # k, v written at `positions`
 
 
@@ -417,6 +472,7 @@ def decode_attention(
     ring: int | None,
     window: int | None,
     threads: int | None = None,
+    order: int | None = None,
 ) -> torch.Tensor:
     """Host q [B, 1, heads, D], k/v [B, 1, kv_heads, D] of one of KERNEL_DTYPES -> a new
     [B, 1, heads, D] in q's dtype, by the contract above, with k/v written first into `caches`
@@ -425,11 +481,12 @@ def decode_attention(
     [B] (distinct, each a row of the cache; int64 arrays). `ring`: the layer keeps a ring of
     that many slots (its keys are the ring's written slots), else `window` (None: every
     position) limits each query's keys. `threads` None: torch's intra-op count (the user's
-    --threads), the calling thread alone under MIN_PARALLEL_BYTES."""
-    return _attend(q, k, v, caches, slots, rows, positions, kv_len, ring, window, threads)
+    --threads), the calling thread alone under MIN_PARALLEL_BYTES. `order` None:
+    kernel_order()."""
+    return _attend(q, k, v, caches, slots, rows, positions, kv_len, ring, window, threads, order)
 
 
-def _attend(q, k, v, caches, slots, rows, positions, kv_len, ring, window, threads):
+def _attend(q, k, v, caches, slots, rows, positions, kv_len, ring, window, threads, order=None):
     """decode_attention's work (gives_sdpa_bits calls it by this name: a test counting the
     public function's calls does not see the check's)."""
     B, T, heads, D = q.shape
@@ -446,7 +503,8 @@ def _attend(q, k, v, caches, slots, rows, positions, kv_len, ring, window, threa
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, 1, heads, D]
     scale = np.float32(1.0 / math.sqrt(D))  # torch's default SDPA scale
     step = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
-    dims = (heads, kv_heads, D, slots, q_stride, k_stride, kv_len, softmax_lanes())
+    order = kernel_order() if order is None else order
+    dims = (heads, kv_heads, D, slots, q_stride, k_stride, kv_len, softmax_lanes(), order)
     args = (step, *caches, dims, rows, positions, ring or 0, window or 0, scale)
     if threads is None:
         threads = step_threads(B, kv_len, ring, window, kv_heads, D, q.element_size())

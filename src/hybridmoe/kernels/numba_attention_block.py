@@ -40,8 +40,9 @@ from hybridmoe.kernels.numba_moe_q8 import kernel_sources, moe_q8_parallel
 from hybridmoe.quant.formats import WEIGHT_FORMATS
 
 # sizes: hidden, heads, kv_heads, head dim, slots, kv_len, softmax lanes, tokens, then the q/k/v
-# weight's row bytes and work-item rows, the o weight's, the ring and window (0: none)
-SIZES = 15
+# weight's row bytes and work-item rows, the o weight's, the ring and window (0: none), the
+# attention's summation order (attention_ir.ORDERS)
+SIZES = 16
 # flags: q/k/v parallel, o parallel, attention parallel, bfloat16 activations
 FLAGS = 4
 # what the block returns: done (with experts: computed), a router's tie (its logits left to
@@ -153,7 +154,7 @@ def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None, q8=(Fals
         moe_w, moe_w_bf16, bank, moe, moe_y, v_w, v_bias, v_y, v_y_bf16, v_meta,
     ):  # fmt: skip
         hidden, heads, kv_heads, dim, slots, kv_len, lanes, tokens = sizes[:8]
-        qkv_row_bytes, qkv_items, o_row_bytes, o_items, ring, window = sizes[8:]
+        qkv_row_bytes, qkv_items, o_row_bytes, o_items, ring, window, order = sizes[8:]
         qkv_par, o_par, attn_par, bf16 = flags
         width = (heads + 2 * kv_heads) * dim
         if has_v:  # q/k/v's output holds q and k, v's its own
@@ -229,7 +230,7 @@ def _block_entry(qkv_kernel, o_kernel, route_kernel=None, experts=None, q8=(Fals
             v = at
         out = np.int64(att_bf16.ctypes.data if bf16 else att.ctypes.data)
         step = (q_rot, k_rot, v, out)
-        dims = (heads, kv_heads, dim, slots, heads * dim, kv_heads * dim, kv_len, lanes)
+        dims = (heads, kv_heads, dim, slots, heads * dim, kv_heads * dim, kv_len, lanes, order)
         if attn_par:
             DECODE_ATTENTION(step, kc, vc, dims, rows, pos, ring, window, scale)
         else:

@@ -100,6 +100,12 @@ def parse_args() -> argparse.Namespace:
         help="hybridmoe's --huge-pages (its GGUF copied onto transparent huge pages at load)",
     )
     parser.add_argument(
+        "--llamacpp-no-extra-buffers",
+        action="store_true",
+        help="llama.cpp without its extra buffer types (repacked and AMX weights; its "
+        "`--no-repack`): its AMX matmul crashes on some files on an Intel Xeon",
+    )
+    parser.add_argument(
         "--busy-cores", type=float, default=0.5, help="others' cores that make a round busy"
     )
     parser.add_argument("--json", type=Path, default=None, help="write every round here")
@@ -147,6 +153,7 @@ def run_worker(engine: str, path: Path, threads: int, args: argparse.Namespace) 
     command += ["--activation-quant", args.activation_quant]
     command += ["--attention-kernel", args.attention_kernel]
     command += ["--huge-pages"] if args.huge_pages else []
+    command += ["--no-extra-buffers"] if args.llamacpp_no_extra_buffers else []
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -304,6 +311,8 @@ def main() -> None:
     shape = SHAPES[args.shape]
     print(f"shape {args.shape}: {shape.total_params / 1e9:.2f} G params, "
           f"{checkpoint_bytes(shape) / 2**30:.2f} GiB bf16; {os.cpu_count()} cores")  # fmt: skip
+    if args.llamacpp_no_extra_buffers:
+        print("llama.cpp without its extra buffer types (no repacked or AMX weights)")
     files = ensure_files(args.shape, args.dir, tuple(args.formats))
     if args.report:
         rounds = [Round(**row) for row in json.loads(args.report.read_text())]

@@ -146,7 +146,7 @@ def load_llamacpp(path: Path, threads: int, args):
         import llama_cpp as ll
     except ImportError as exc:
         raise SystemExit(MISSING_LLAMA_CPP) from exc
-    model = load_llama_model(ll, path)
+    model = load_llama_model(ll, path, extra_buffers=not args.no_extra_buffers)
     n_ctx = max(args.prefill_tokens, args.prompt_tokens) + args.tokens + 8  # the longest
     contexts = [LlamaContext(ll, model, threads, 1, n_ctx)]
 
@@ -178,14 +178,17 @@ def llamacpp_last_logits(path: Path, prompt: list[int], threads: int = 1) -> np.
 _QUIET = {}  # the log callback, kept alive while llama.cpp holds it
 
 
-def load_llama_model(ll, path: Path):
-    """llama.cpp's model of the GGUF at `path` (memory-mapped, llama.cpp's defaults); its log
-    lines go nowhere (a failure is still a RuntimeError here)."""
+def load_llama_model(ll, path: Path, extra_buffers: bool = True):
+    """llama.cpp's model of the GGUF at `path` (memory-mapped, llama.cpp's defaults; without
+    `extra_buffers`, its use_extra_bufts off: no repacked or AMX weights, what `--no-repack`
+    gives its own tools); its log lines go nowhere (a failure is still a RuntimeError here)."""
     if not _QUIET:
         _QUIET["callback"] = ll.llama_log_callback(lambda level, text, user_data: None)
         ll.llama_log_set(_QUIET["callback"], ctypes.c_void_p(0))
     ll.llama_backend_init()
-    model = ll.llama_model_load_from_file(str(path).encode(), ll.llama_model_default_params())
+    params = ll.llama_model_default_params()
+    params.use_extra_bufts = extra_buffers
+    model = ll.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {path}")
     return model
@@ -284,6 +287,7 @@ def parse_worker_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--activation-quant", choices=("auto", "none", "q8"), default="auto")
     parser.add_argument("--attention-kernel", default="auto")
     parser.add_argument("--huge-pages", action="store_true")
+    parser.add_argument("--no-extra-buffers", action="store_true", help="llama.cpp's")
     return parser.parse_args(argv)
 
 

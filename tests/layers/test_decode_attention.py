@@ -314,6 +314,7 @@ REFERENCE_CASES = [  # B, heads, kv_heads, D, positions, slots, window, ring
     (2, 6, 2, 48, [40, 300], 64, None, 64),  # a ring, one row past it
     (1, 8, 2, 32, [129], 140, None, None),  # 130 keys: two loose ones after the groups of four
     (2, 8, 2, 64, [126, 558], 600, None, None),  # 127 (3 loose), 559: a block of 47
+    (1, 4, 2, 272, [130], 140, None, None),  # PAIRS: q split at every key (> SPLIT_DIMS), a tail
 ]
 
 

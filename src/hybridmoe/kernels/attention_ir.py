@@ -176,21 +176,83 @@ def _qk_codegen(tile: int, bf16: bool):
 
 
 _ODD, _EVEN = list(range(1, 32, 2)), list(range(0, 32, 2))
+SPLIT_DIMS = 256  # q split once per call up to this head_dim (PAIRS)
 
 
 def _qk_pairs(builder, bf16, q_rows, s_rows, k_data, off, n, dim, scale) -> None:
     """The PAIRS order's scores of keys 0 .. n - 1 for the tile's heads: a key at a time, each
     head's sixteen lane sums in one <16 x float>, a chunk of 32 dims two FMAs (the odd dims',
     then the even dims'); a last chunk of fewer dims from zeroed copies (a zero product leaves
-    a sum as it is: no sum here is -0)."""
+    a sum as it is: no sum here is -0). The heads' q are split into odd and even dims once
+    (up to SPLIT_DIMS dims; beyond, at every key); a bfloat16 key's by shifts."""
     vec = vector(F32, 16)
     chunks, rest = builder.udiv(dim, i64(32)), builder.urem(dim, i64(32))
     tail = builder.mul(chunks, i64(32))
     k_part = cgutils.alloca_once(builder, F32, size=32)
     q_parts = [cgutils.alloca_once(builder, F32, size=32) for _ in q_rows]
+    # per head and chunk: <16 x float> odd dims, then even dims (the last chunk's zero-padded)
+    q_split = [cgutils.alloca_once(builder, vec, size=2 * SPLIT_DIMS // 32) for _ in q_rows]
+    presplit = builder.icmp_unsigned("<=", dim, i64(SPLIT_DIMS))
 
     def wide32(ptr: ir.Value) -> ir.Value:
         return builder.load(builder.bitcast(ptr, vector(F32, 32).as_pointer()), align=4)
+
+    def split(v: ir.Value) -> tuple[ir.Value, ir.Value]:
+        odd = builder.shuffle_vector(v, v, const_vec(I32, _ODD))
+        return odd, builder.shuffle_vector(v, v, const_vec(I32, _EVEN))
+
+    def split_key(ptr: ir.Value) -> tuple[ir.Value, ir.Value]:
+        """A whole chunk of the key at element pointer `ptr`: (odd dims, even dims)."""
+        if not bf16:
+            return split(wide32(ptr))
+        words = builder.load(builder.bitcast(ptr, vector(I32, 16).as_pointer()), align=2)
+        high = builder.and_(words, ir.Constant(vector(I32, 16), [-65536] * 16))
+        low = builder.shl(words, ir.Constant(vector(I32, 16), [16] * 16))
+        return builder.bitcast(high, vec), builder.bitcast(low, vec)
+
+    def fill_tail(row: ir.Value, part: ir.Value, widen: bool) -> None:
+        """part[:32] = the row's last dim % 32 dims (widened bfloat16 where `widen`), zeros."""
+        for i in range(32):
+            builder.store(ir.Constant(F32, 0), builder.gep(part, [i64(i)]))
+        with cgutils.for_range(builder, rest) as r:
+            at = builder.add(tail, r.index)
+            if widen:
+                value = _widen(builder, builder.gep(row, [at]), True, 1)
+            else:
+                value = builder.load(builder.gep(row, [at]), align=4)
+            builder.store(value, builder.gep(part, [r.index]))
+
+    has_tail = builder.icmp_unsigned("!=", rest, i64(0))
+    with builder.if_then(presplit):
+        for row, part, halves in zip(q_rows, q_parts, q_split, strict=True):
+            with cgutils.for_range(builder, chunks) as c:
+                odd, even = split(wide32(builder.gep(row, [builder.mul(c.index, i64(32))])))
+                builder.store(odd, builder.gep(halves, [builder.mul(c.index, i64(2))]))
+                slot = builder.add(builder.mul(c.index, i64(2)), i64(1))
+                builder.store(even, builder.gep(halves, [slot]))
+            with builder.if_then(has_tail):
+                fill_tail(row, part, False)
+                odd, even = split(wide32(part))
+                builder.store(odd, builder.gep(halves, [builder.mul(chunks, i64(2))]))
+                slot = builder.add(builder.mul(chunks, i64(2)), i64(1))
+                builder.store(even, builder.gep(halves, [slot]))
+
+    def q_halves(c: ir.Value, row: ir.Value, halves: ir.Value, part: ir.Value | None):
+        """Head `row`'s chunk c as (odd, even): kept split, or split here (`part`: the
+        zero-padded last chunk's copy)."""
+        out_odd = cgutils.alloca_once(builder, vec)
+        out_even = cgutils.alloca_once(builder, vec)
+        with builder.if_else(presplit) as (kept, here):
+            with kept:
+                builder.store(builder.load(builder.gep(halves, [builder.mul(c, i64(2))])), out_odd)
+                slot = builder.add(builder.mul(c, i64(2)), i64(1))
+                builder.store(builder.load(builder.gep(halves, [slot])), out_even)
+            with here:
+                ptr = part if part is not None else builder.gep(row, [builder.mul(c, i64(32))])
+                odd, even = split(wide32(ptr))
+                builder.store(odd, out_odd)
+                builder.store(even, out_even)
+        return builder.load(out_odd), builder.load(out_even)
 
     with cgutils.for_range(builder, n) as key:
         k_row = builder.gep(k_data, [builder.add(off, builder.mul(key.index, dim))])
@@ -198,31 +260,22 @@ def _qk_pairs(builder, bf16, q_rows, s_rows, k_data, off, n, dim, scale) -> None
         for acc in accs:
             builder.store(ir.Constant(vec, None), acc)
 
-        def chunk(kv: ir.Value, qvs: list[ir.Value]) -> None:
-            k_odd = builder.shuffle_vector(kv, kv, const_vec(I32, _ODD))
-            k_even = builder.shuffle_vector(kv, kv, const_vec(I32, _EVEN))
-            for qv, acc in zip(qvs, accs, strict=True):
-                q_odd = builder.shuffle_vector(qv, qv, const_vec(I32, _ODD))
-                q_even = builder.shuffle_vector(qv, qv, const_vec(I32, _EVEN))
+        def chunk(c: ir.Value, k_odd: ir.Value, k_even: ir.Value, tail_chunk: bool) -> None:
+            for row, part, halves, acc in zip(q_rows, q_parts, q_split, accs, strict=True):
+                q_odd, q_even = q_halves(c, row, halves, part if tail_chunk else None)
                 total = fma(builder, q_odd, k_odd, builder.load(acc))
                 builder.store(fma(builder, q_even, k_even, total), acc)
 
         with cgutils.for_range(builder, chunks) as c:
-            at = builder.mul(c.index, i64(32))
-            kv = _widen(builder, builder.gep(k_row, [at]), bf16, 32)
-            chunk(kv, [wide32(builder.gep(row, [at])) for row in q_rows])
-        with builder.if_then(builder.icmp_unsigned("!=", rest, i64(0))):
-            for part in (k_part, *q_parts):
-                for i in range(32):
-                    builder.store(ir.Constant(F32, 0), builder.gep(part, [i64(i)]))
-            with cgutils.for_range(builder, rest) as r:
-                at = builder.add(tail, r.index)
-                kx = _widen(builder, builder.gep(k_row, [at]), bf16, 1)
-                builder.store(kx, builder.gep(k_part, [r.index]))
+            k_odd, k_even = split_key(builder.gep(k_row, [builder.mul(c.index, i64(32))]))
+            chunk(c.index, k_odd, k_even, False)
+        with builder.if_then(has_tail):
+            fill_tail(k_row, k_part, bf16)
+            with builder.if_then(builder.not_(presplit)):
                 for row, part in zip(q_rows, q_parts, strict=True):
-                    qx = builder.load(builder.gep(row, [at]), align=4)
-                    builder.store(qx, builder.gep(part, [r.index]))
-            chunk(wide32(k_part), [wide32(part) for part in q_parts])
+                    fill_tail(row, part, False)
+            k_odd, k_even = split(wide32(k_part))
+            chunk(chunks, k_odd, k_even, True)
         for s_row, acc in zip(s_rows, accs, strict=True):
             total = _lane_tree(builder, builder.load(acc))
             score = builder.fmul(total, scale)

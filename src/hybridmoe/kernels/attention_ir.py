@@ -8,7 +8,7 @@ LANES is the target's widest float vector (16 with AVX-512, else 8), chosen when
 widened exactly (its 16 bits shifted into a float32's high half); float32 is read as it is.
 
 Summation orders, those of torch's CPU flash attention in bfloat16 (its GEMMs are MKL's
-gemm_bf16bf16f32, whose order is MKL's choice for the CPU; numba_attention.sdpa_order finds a
+gemm_bf16bf16f32, whose order is MKL's choice for the CPU; numba_attention.kernel_order finds a
 machine's): a bfloat16 product is exact in float32, so only the order of the additions matters.
 An intrinsic takes the order (ORDERS) at run time.
 QUADS, measured bit for bit on an AMD EPYC (AVX-512, MKL's generic path):
@@ -29,6 +29,9 @@ VDPBF16PS adds a lane's two products one at a time, the odd one first):
     products summed from 0 as t1, t0, t3, t2, t5, t4, t7, t6 (a group of m < 8 keys, the
     block's last: its pairs so, a last odd key alone, last), then the group's sum added to
     out[d]; every dim alike.
+A tile of 8, 4, 2 or 1 heads (a compile-time literal) shares each key's or value's loads; its
+results do not depend on the tile (each head's sum is its own chain), so neither on the
+grouped-query ratio's split into tiles.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ kernels/attention_ir.py states them (QUADS or PAIRS: MKL's choice on the machine
 no tiles, no skipping: every key of SDPA's row is visited, a masked one as a score of -inf. The
 kernel must give these bits in either order on every machine and every instruction path
 (tests/layers/test_decode_attention.py); where MKL's GEMM sums in one of the orders, they are
-SDPA's (numba_attention.sdpa_order).
+SDPA's (numba_attention.kernel_order picks the machine's).
 """
 
 from __future__ import annotations

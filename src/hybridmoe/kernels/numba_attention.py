@@ -365,10 +365,7 @@ def _tells_order(order: int) -> bool:
         q, caches = q.bfloat16(), [k_cache.bfloat16(), v_cache.bfloat16()]
         last = caches[0].shape[2] - 1
         k, v = (c[:, :, last : last + 1].transpose(1, 2).contiguous() for c in caches)
-        host = tuple(cache_array(c) for c in caches)  # k, v written where they are
-        rows, at = np.arange(1), np.array([last])
-        out = _attend(q, k, v, host, last + 1, rows, at, last + 1, None, None, 1, order)
-        if not torch.equal(out, sdpa_alone(q, caches, [last])):
+        if not _step_matches_sdpa(q, k, v, caches, [last], order):  # k, v where they are
             return False
     return True
 
@@ -409,10 +406,18 @@ def _matches_sdpa(positions, heads, kv_heads, head_dim, gen, order) -> bool:
 
     caches = [randn(B, kv_heads, slots, head_dim) for _ in "kv"]
     q, k, v = randn(B, 1, heads, head_dim), *(randn(B, 1, kv_heads, head_dim) for _ in "kv")
+    return _step_matches_sdpa(q, k, v, caches, positions, order)
+
+
+def _step_matches_sdpa(q, k, v, caches, positions, order) -> bool:
+    """The kernel's one-thread step in `order` (q, k, v of B rows; k and v written into the
+    caches [B, kv_heads, slots, D] at `positions`, row b in cache row b) equals sdpa_alone's
+    bits over the caches it wrote."""
     host = tuple(cache_array(c) for c in caches)
-    rows, at = np.arange(B), np.array(positions)
+    rows, at, kv_len = np.arange(len(positions)), np.array(positions), max(positions) + 1
+    slots = caches[0].shape[2]
     out = _attend(q, k, v, host, slots, rows, at, kv_len, None, None, threads=1, order=order)
-    return torch.equal(out, sdpa_alone(q, caches, positions))  # k, v written at `positions`
+    return torch.equal(out, sdpa_alone(q, caches, positions))
 
 
 def sdpa_alone(q: torch.Tensor, caches: list[torch.Tensor], positions: list[int]) -> torch.Tensor:

@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from hybridmoe.kernels.attention_ir import PAIRS
 from hybridmoe.kernels.numba_cache import cached_njit
 from hybridmoe.kernels.numba_glue import _bits_f32, _fma, _round
 from hybridmoe.kernels.softmax_ir import (
@@ -28,7 +29,6 @@ from hybridmoe.kernels.softmax_ir import (
 )
 
 BLOCK = 512  # torch's kvSplitSize for a decode query
-QUADS, PAIRS = 0, 1  # the GEMM summation orders (attention_ir.ORDERS)
 _FLAGS = dict(nogil=True, fastmath=False)
 _F32 = np.float32
 
@@ -161,9 +161,9 @@ def exps(s, top, lanes, bf16):
 def attend_row(q, keys, values, visible, scale, lanes, bf16, order):
     """softmax(q . keys * scale) . values for one query: q [D] float32, keys and values [S, D]
     float32 (bfloat16 values widened where `bf16`), visible [S] bool (False: masked), scale
-    float32, `lanes` torch's Vectorized<float> lanes, `order` the GEMMs' (QUADS or PAIRS) ->
-    (float32 [D] before the output's
-    rounding to its dtype, the softmax's max, its sum: SDPA's logsumexp is max + log(sum))."""
+    float32, `lanes` torch's Vectorized<float> lanes, `order` the GEMMs' (attention_ir.ORDERS)
+    -> (float32 [D] before the output's rounding to its dtype, the softmax's max, its sum:
+    SDPA's logsumexp is max + log(sum))."""
     S, dim = keys.shape
     top, total = _F32(-np.inf), _F32(0)
     acc = np.zeros(dim, np.float32)

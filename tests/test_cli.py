@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from hybridmoe.demo import require_demo_checkpoint
+from hybridmoe.kernels.compile_progress import DESCRIPTION
 
 PROMPT = "def fibonacci(n):"
 GENERATE = ["generate", PROMPT, "--max-tokens", "8"]
@@ -66,6 +67,14 @@ def test_generate_prints_text_and_stats(greedy_runs):
     stats_line = greedy_runs.first.stderr.strip().splitlines()[-1]
     for word in STATS_WORDS:
         assert word in stats_line
+
+
+def test_the_first_run_shows_its_kernel_compilation_and_a_cached_run_nothing(greedy_runs):
+    # the module's cache directory starts empty: the first run compiles the CPU kernels, with a
+    # counter on stderr, while loading and warming up (not inside the timed request); the
+    # second loads them from the cache
+    assert DESCRIPTION in greedy_runs.first.stderr
+    assert DESCRIPTION not in greedy_runs.second.stderr
 
 
 def test_greedy_generate_is_deterministic(greedy_runs):

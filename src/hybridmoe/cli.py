@@ -32,6 +32,7 @@ from hybridmoe.engine.config import (
     PREFIX_BLOCK_TOKENS,
 )
 from hybridmoe.errors import HybridMoeError
+from hybridmoe.kernels.compile_progress import compile_progress
 from hybridmoe.moe.config import (
     ACTIVATION_QUANTS,
     CPU_KERNEL_CHOICES,
@@ -360,7 +361,20 @@ def _model_dir(args: argparse.Namespace) -> Path:
 
 
 def _load_engine(args: argparse.Namespace) -> Engine:
-    return Engine.from_pretrained(_model_dir(args), _engine_config(args))
+    """The engine of the command's flags; for the commands that time a request or answer a
+    person at once (generate, chat, trace) warmed up first (Engine.warm_up: a first run's
+    kernel compilation shows its progress there instead of inside the first request and its
+    tok/s figures, one counter for the load's and the warm-up's); `serve` warms up itself,
+    while it already listens."""
+    with compile_progress():
+        engine = Engine.from_pretrained(_model_dir(args), _engine_config(args))
+        if args.command in ("generate", "chat", "trace"):
+            try:
+                engine.warm_up()
+            except BaseException:
+                engine.close()
+                raise
+    return engine
 
 
 def _stream(engine: Engine, prompt: str | list[int], params: SamplingParams) -> str:

@@ -175,3 +175,14 @@ def test_a_prompt_gets_the_same_logits_alone_and_batched(demo_checkpoint, dtype,
         for prompt, together in zip(PROMPTS, batched, strict=True):
             (alone,) = engine.generate([prompt], params)
             assert together.logprobs == alone.logprobs, prompt
+
+
+def test_warm_up_keeps_the_last_requests_stats_and_restarts_the_expert_counters(engine):
+    (completion,) = engine.generate([PROMPTS[0]], GREEDY)
+    last = engine.stats
+    before = engine.scheduler.stats()
+    engine.warm_up()
+    assert engine.stats is last and last.completion_tokens == len(completion.token_ids)
+    warm = engine.scheduler.stats().since(before)  # one request of 2 tokens ran
+    assert (warm.requests_served, warm.completion_tokens, warm.decode_steps) == (1, 2, 1)
+    assert engine.moe_runtime.cpu_executor.stats == {}  # restarted after the warm-up

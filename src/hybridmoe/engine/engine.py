@@ -19,6 +19,7 @@ from hybridmoe.engine.scheduler import OutputCallback, RequestOutput, ScheduledR
 from hybridmoe.engine.sequence import Completion, Sequence
 from hybridmoe.engine.stats import GenerationStats
 from hybridmoe.errors import CheckpointError
+from hybridmoe.kernels.compile_progress import compile_progress
 from hybridmoe.loader.checkpoint import parse_dtype
 from hybridmoe.loader.hub import resolve_model
 from hybridmoe.loader.tokenizer import Tokenizer
@@ -28,6 +29,8 @@ from hybridmoe.platform.base import Platform, create_platform, resolve_device
 from hybridmoe.quant.formats import weight_format
 
 log = logging.getLogger(__name__)
+WARM_UP_PROMPT_IDS = [0, 1]  # any ids in every vocabulary: the tokens do not matter
+WARM_UP_PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)  # a prefill and a decode step
 
 
 def _huge_pages(config: EngineConfig) -> str:
@@ -104,7 +107,21 @@ class Engine:
         if config.dense_format != "auto":
             head_format = weight_format(HEAD_FORMATS[config.dense_format])
             model.quantize_dense(weight_format(config.dense_format), head_format)
-        return cls(model, tokenizer, config)
+        with compile_progress(enabled=config.progress):  # the CPU expert kernels compile here
+            return cls(model, tokenizer, config)
+
+    def warm_up(self) -> None:
+        """One tiny request (a prefill of 2 tokens and a decode step) through the engine, so
+        that every kernel on its path is compiled, or loaded from numba's disk cache, before a
+        request that is timed or waited on: on a machine's first run that takes about half a
+        minute (a counter on stderr with config.progress: kernels/compile_progress.py); from
+        the cache, one short request. The expert-cache counters restart afterwards and `stats`
+        keeps the last request's counts."""
+        stats = self.stats
+        with compile_progress(enabled=self.config.progress):
+            self.generate_ids([WARM_UP_PROMPT_IDS], WARM_UP_PARAMS)
+        self.moe_runtime.reset_stats()
+        self.stats = stats
 
     def close(self) -> None:
         """Fails the requests still queued or running, stops the CPU expert workers and

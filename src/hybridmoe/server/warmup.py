@@ -4,11 +4,8 @@ code path of a prefill and a decode step has run once before the first client wa
 
 from __future__ import annotations
 
-from hybridmoe.engine import Engine, SamplingParams
+from hybridmoe.engine import Engine
 from hybridmoe.engine.stats import GenerationStats
-
-WARM_UP_PROMPT_IDS = [0, 1]  # any ids in every vocabulary: the tokens do not matter
-WARM_UP_PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)  # a prefill and a decode step
 
 
 def warm_up(engine: Engine) -> GenerationStats:
@@ -18,9 +15,8 @@ def warm_up(engine: Engine) -> GenerationStats:
     expert-cache counters restart; the tokenizer's longest token (limits.check_prompt_chars)
     is looked up and the grammar compiler of structured output built. Raises SchedulerClosed
     if the scheduler closes meanwhile."""
-    engine.generate_ids([WARM_UP_PROMPT_IDS], WARM_UP_PARAMS)
+    engine.warm_up()
     if engine.tokenizer is not None:
         _ = engine.tokenizer.longest_token_chars  # computed once, here, not by a first request
         _ = engine.grammars  # the grammar library's vocabulary setup: seconds on a 152k one
-    engine.moe_runtime.reset_stats()
     return engine.scheduler.stats()

@@ -186,3 +186,12 @@ def test_warm_up_keeps_the_last_requests_stats_and_restarts_the_expert_counters(
     warm = engine.scheduler.stats().since(before)  # one request of 2 tokens ran
     assert (warm.requests_served, warm.completion_tokens, warm.decode_steps) == (1, 2, 1)
     assert engine.moe_runtime.cpu_executor.stats == {}  # restarted after the warm-up
+
+
+@pytest.mark.parametrize("max_seq_len", [2, 3])
+def test_warm_up_fits_a_short_context(demo_checkpoint, max_seq_len):
+    config = EngineConfig(dtype="float32", max_seq_len=max_seq_len, prefix_cache_tokens=0)
+    with Engine.from_pretrained(demo_checkpoint, config) as short:
+        before = short.scheduler.stats()
+        short.warm_up()  # a prompt of max_seq_len - 1 ids, cut at the context window
+        assert short.scheduler.stats().since(before).requests_served == 1

@@ -116,10 +116,14 @@ class Engine:
         request that is timed or waited on: on a machine's first run that takes about half a
         minute (a counter on stderr with config.progress: kernels/compile_progress.py); from
         the cache, one short request. The expert-cache counters restart afterwards and `stats`
-        keeps the last request's counts."""
+        keeps the last request's counts. With max_seq_len under 3 the prompt is shorter (at
+        max_seq_len 1, nothing can run: nothing is done)."""
+        prompt = WARM_UP_PROMPT_IDS[: self.max_seq_len - 1]  # a prompt must leave a position
+        if not prompt:
+            return
         stats = self.stats
         with compile_progress(enabled=self.config.progress):
-            self.generate_ids([WARM_UP_PROMPT_IDS], WARM_UP_PARAMS)
+            self.generate_ids([prompt], WARM_UP_PARAMS)
         self.moe_runtime.reset_stats()
         self.stats = stats
 

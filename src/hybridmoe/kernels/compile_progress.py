@@ -15,7 +15,7 @@ from typing import TextIO
 from numba.core import event
 from tqdm import tqdm
 
-DESCRIPTION = "compiling CPU kernels (first run on this machine; cached afterwards)"
+DESCRIPTION = "compiling CPU kernels for this machine (once: kept in the disk cache)"
 
 
 class _CompileCounter(event.Listener):

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from hybridmoe.demo import require_demo_checkpoint
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
@@ -81,7 +82,8 @@ def measure_profile(
         torch.set_num_threads(threads)
     platform = create_platform(device)
     try:
-        step = lambda what: print(f"bench-hw: {what}", file=sys.stderr)  # noqa: E731
+        # through tqdm: a first run's compile counter (run_bench_hw) is redrawn below the line
+        step = lambda what: tqdm.write(f"bench-hw: {what}", file=sys.stderr)  # noqa: E731
         step("DRAM read bandwidth")
         dram = bench_hw.dram_read_gbps()
         step(f"CPU expert kernel x {', '.join(formats)}")
@@ -174,7 +176,10 @@ def run_bench_hw(args: argparse.Namespace) -> None:
     formats = args.formats.split(",")
     for name in formats:
         weight_format(name)  # ValueError naming the choices
-    profile = measure_profile(args.device, formats, args.threads, args.repeats)
+    from hybridmoe.kernels.compile_progress import compile_progress  # numba: when measuring
+
+    with compile_progress():  # a first run compiles the kernels it times (after warm-ups)
+        profile = measure_profile(args.device, formats, args.threads, args.repeats)
     profile.save(args.output)
     print(
         f"{args.output}: DRAM {profile.dram_read_gbps:.1f} GB/s, copies "

@@ -41,7 +41,10 @@ def best_s(
 
 
 def dram_read_gbps(mib: int = 256, repeats: int = 3) -> float:
-    data = np.ones(mib * 2**20 // 4, dtype=np.float32)
+    """Host memory read bandwidth: a float32 sum over `mib` MiB by torch, on its threads
+    (bench-hw's --threads). numpy's sum reads on one core: 13.8-15.9 GB/s on the 2-core Xeon
+    where 2 threads read 27-31."""
+    data = torch.ones(mib * 2**20 // 4)
     return data.nbytes / best_s(data.sum, repeats) / 1e9
 
 

@@ -38,7 +38,7 @@ class ExpertTime:
 @dataclass(frozen=True)
 class HardwareProfile:
     device: str  # the accelerator tier: "cpu" (no accelerator) or "cuda"
-    dram_read_gbps: float  # host memory read bandwidth (numpy sum over a large array)
+    dram_read_gbps: float  # host memory read bandwidth (torch's sum over a large array)
     cpu_threads: int  # threads the CPU expert kernel used
     cpu_expert: dict[str, ExpertTime]  # weight format -> the numba kernel's time per expert
     cpu_job_s: float  # a CPU executor job's fixed round trip (submit + wake + sync)

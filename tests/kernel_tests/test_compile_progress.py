@@ -7,6 +7,7 @@ import io
 import threading
 
 import numba
+import pytest
 
 from hybridmoe.kernels.compile_progress import DESCRIPTION, compile_progress
 
@@ -64,3 +65,17 @@ def test_a_compilation_on_another_thread_counts():
         worker.start()
         worker.join()
     assert counter.compiled == 2 and DESCRIPTION in shown.getvalue()
+
+
+def test_a_failing_compilation_closes_the_counter_and_raises():
+    @numba.njit
+    def broken(x):
+        return x.no_such_attribute
+
+    shown = io.StringIO()
+    with pytest.raises(numba.core.errors.TypingError):
+        with compile_progress(file=shown) as counter:
+            broken(1)
+    assert DESCRIPTION in shown.getvalue() and counter.bar.disable  # closed
+    with compile_progress(file=io.StringIO()) as after:  # nothing left open: a new counter
+        assert after is not counter

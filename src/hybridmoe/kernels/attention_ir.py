@@ -386,14 +386,19 @@ def _pv_codegen(tile: int, width: int, bf16: bool):
                     odd = fma(builder, w[1], values[1], builder.fmul(w[3], values[3]))
                     builder.store(builder.fadd(builder.load(total), builder.fadd(even, odd)), total)
 
-            def term(key: ir.Value, into: list[ir.Value]) -> None:
-                """into[g] = fma(w_g[key], v[key], into[g]) for the tile's heads."""
+            def term(key: ir.Value, into: list[ir.Value], fused: bool = True) -> None:
+                """into[g] = fma(w_g[key], v[key], into[g]) for the tile's heads (not
+                `fused`: into[g] + w_g[key] v[key], the product rounded first)."""
                 v_row = builder.gep(v_first, [builder.add(builder.mul(key, dim), at)])
                 value = _widen(builder, v_row, bf16, count)
                 for p_row, part in zip(p_rows, into, strict=True):
                     weight = builder.load(builder.gep(p_row, [key]))
                     weight = splat(builder, weight, count) if count > 1 else weight
-                    builder.store(fma(builder, weight, value, builder.load(part)), part)
+                    if fused:
+                        total = fma(builder, weight, value, builder.load(part))
+                    else:
+                        total = builder.fadd(builder.load(part), builder.fmul(weight, value))
+                    builder.store(total, part)
 
             def group_of_eight(first: ir.Value, keys: ir.Value | None) -> None:
                 """PAIRS: keys first .. first + 7 (`keys` None) or first .. first + keys - 1
@@ -430,14 +435,7 @@ def _pv_codegen(tile: int, width: int, bf16: bool):
                         group_of_four(builder.mul(group.index, i64(4)))
                     loose = builder.urem(n, i64(4))
                     with cgutils.for_range(builder, loose) as back:  # the last keys, last first
-                        key = builder.sub(builder.sub(n, i64(1)), back.index)
-                        v_row = builder.gep(v_first, [builder.add(builder.mul(key, dim), at)])
-                        value = _widen(builder, v_row, bf16, count)
-                        for p_row, total in zip(p_rows, sums, strict=True):
-                            weight = builder.load(builder.gep(p_row, [key]))
-                            weight = splat(builder, weight, count) if count > 1 else weight
-                            product = builder.fmul(weight, value)
-                            builder.store(builder.fadd(builder.load(total), product), total)
+                        term(builder.sub(builder.sub(n, i64(1)), back.index), sums, fused=False)
             for slot, total in zip(slots, sums, strict=True):
                 builder.store(builder.load(total), slot, align=4)
 

@@ -30,9 +30,11 @@ def test_fetches_per_layer_call_never_exceed_the_cap(tiny_checkpoint: Path, devi
 
         def recording_ensure(layer_idx, topk_ids):
             before = replace(cache.stats_by_layer[layer_idx])
-            ensure(layer_idx, topk_ids)
+            cpu_routes = ensure(layer_idx, topk_ids)
             after = cache.stats_by_layer[layer_idx]
-            calls.append((after.fetched - before.fetched, after.cpu_routes - before.cpu_routes))
+            assert cpu_routes == after.cpu_routes - before.cpu_routes
+            calls.append((after.fetched - before.fetched, cpu_routes))
+            return cpu_routes
 
         def recording_start_copies(copies):
             copies_per_call.append(len(copies))

@@ -142,6 +142,50 @@ def test_all_skipped_submission_returns_zeros(make_executor, banks):
     assert executor.stats[0].jobs == 1 and executor.stats[0].routes == 0
 
 
+class NoCopiesSync:
+    """A DeviceSync that fails any copy: a job that must not stage its inputs uses it."""
+
+    def to_host(self, tensors):
+        raise AssertionError("a job of 0 routes copied its inputs to host memory")
+
+    def wait_ready(self, handle):
+        raise AssertionError("a job of 0 routes waited for a copy")
+
+    def to_device(self, handle, host_tensor, device):
+        raise AssertionError("a job of 0 routes copied its partial back")
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_job_counted_as_no_routes_finishes_at_submit_on_any_device(make_executor, banks, inline):
+    """routes=0 (the hybrid cache's count): no copy, no worker, no kernel; zeros on the
+    inputs' device. On `meta` tensors, any read of their values would raise."""
+
+    def no_kernel(x, ids, weights, bank):
+        raise AssertionError("a job of 0 routes ran the kernel")
+
+    executor = make_executor(banks, expert_fn=no_kernel, sync=NoCopiesSync(), inline=inline)
+    x = torch.empty(3, HIDDEN, dtype=torch.bfloat16, device="meta")
+    ids = torch.empty(3, 2, dtype=torch.int64, device="meta")
+    weights = torch.empty(3, 2, dtype=torch.bfloat16, device="meta")
+    for _ in range(2):
+        executor.decode_submit(1, x, ids, weights, 0)
+        out = executor.decode_sync(1)
+        assert (out.shape, out.dtype, out.device.type) == ((3, HIDDEN), torch.float32, "meta")
+    assert executor.stats[1].jobs == 2 and executor.stats[1].routes == 0
+    x, ids, weights = make_inputs(3, 2, seed=4, cpu_fraction=0.0)  # every id -1
+    executor.decode_submit(0, x, ids, weights, 0)
+    assert not executor.decode_sync(0).any()
+
+
+def test_a_job_counted_with_routes_still_runs(make_executor, banks):
+    """A count > 0 from the caller is only for the stats: the job runs as any other."""
+    x, ids, weights = make_inputs(4, 2, seed=6, cpu_fraction=1.0)
+    executor = make_executor(banks)
+    executor.decode_submit(2, x, ids, weights, ids.numel())
+    assert_matches(executor.decode_sync(2), bank_moe(x, ids, weights, banks[2]))
+    assert executor.stats[2].routes == ids.numel()
+
+
 def test_several_layers_in_flight_run_on_two_workers(make_executor, banks):
     both_running = threading.Barrier(2, timeout=WAIT_S)  # breaks unless two jobs run at once
 

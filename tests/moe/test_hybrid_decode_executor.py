@@ -19,6 +19,7 @@ from hybridmoe.moe.config import OffloadConfig
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import bank_moe
 from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor, HybridDecodeRequest
+from hybridmoe.moe.offload_cache import OffloadMoeCache
 from hybridmoe.quant.bank import ExpertBank
 
 HIDDEN, INTER, EXPERTS = 8, 4, 64
@@ -28,16 +29,20 @@ SERIALIZED = ["ensure_experts_hybrid", "decode_submit", "decode_sync", "copy_mis
 
 
 class FakeCache:
-    """Rewrites ids by `slot_of` (absent: -1, the CPU) and records its calls in `log`."""
+    """Rewrites ids by `slot_of` (absent: -1, the CPU) and records its calls in `log`; returns
+    the count of the CPU's routes (`counts`), else None."""
 
-    def __init__(self, slot_of: dict[int, int], log: list[str]):
-        self.slot_of, self.log, self.seen_ids = slot_of, log, []
+    def __init__(self, slot_of: dict[int, int], log: list[str], counts: bool = True):
+        self.slot_of, self.log, self.seen_ids, self.counts = slot_of, log, [], counts
 
-    def ensure_experts_hybrid(self, layer_idx: int, topk_ids: torch.Tensor) -> None:
+    def ensure_experts_hybrid(self, layer_idx: int, topk_ids: torch.Tensor) -> int | None:
         self.log.append("ensure_experts_hybrid")
         self.seen_ids.append(topk_ids)
-        slots = [[self.slot_of.get(e, -1) for e in row] for row in topk_ids.tolist()]
+        rows = topk_ids.tolist()
+        slots = [[self.slot_of.get(e, -1) for e in row] for row in rows]
         topk_ids.copy_(torch.tensor(slots, dtype=topk_ids.dtype))
+        on_cpu = sum(e >= 0 and self.slot_of.get(e) is None for row in rows for e in row)
+        return on_cpu if self.counts else None
 
     def copy_missing(self) -> None:
         self.log.append("copy_missing")
@@ -48,10 +53,12 @@ class FakeCpuExecutor:
 
     def __init__(self, partial: torch.Tensor, log: list[str]):
         self.partial, self.log, self.submits, self.syncs = partial, log, [], []
+        self.routes: list[int | None] = []  # per submit: the count the caller handed over
 
-    def decode_submit(self, layer_idx, hidden_states, cpu_expert_ids, topk_weights) -> None:
+    def decode_submit(self, layer_idx, hidden_states, cpu_expert_ids, topk_weights, routes=None):
         self.log.append("decode_submit")
         self.submits.append((layer_idx, hidden_states, cpu_expert_ids.clone(), topk_weights))
+        self.routes.append(routes)
 
     def decode_sync(self, layer_idx: int) -> torch.Tensor:
         self.log.append("decode_sync")
@@ -210,6 +217,56 @@ def test_all_cpu_step_still_runs_the_accelerator_with_zero_weights():
     _, gpu_slots, gpu_weights = runner.calls[0]
     assert not gpu_weights.any() and (gpu_slots == -1).all()
     assert cpu.submits[0][2].tolist() == [[1, 2], [3, 1]]
+
+
+@pytest.mark.parametrize("counts", [True, False])
+def test_the_caches_count_of_cpu_routes_reaches_the_cpu_executor(counts):
+    hybrid, cache, cpu, runner, _ = make_parts({1: 0, 2: 1}, tokens=2)
+    cache.counts = counts
+    for ids in ([[1, 2], [2, 1]], [[1, 5], [6, 2]], [[7, 8], [9, 1]]):
+        hybrid.decode(request(ids, [[0.5, 0.5]] * 2), runner)
+    assert cpu.routes == ([0, 2, 3] if counts else [None] * 3)
+    assert [int((ids >= 0).sum()) for _, _, ids, _ in cpu.submits] == [0, 2, 3]
+
+
+def test_steps_without_cpu_routes_skip_the_worker_with_a_real_cache_and_executor():
+    """OffloadMoeCache's count makes a real CpuMoeExecutor finish the calls without CPU
+    routes at submit: its kernel runs once per call that has some; every output exact."""
+    banks = [make_bank(seed) for seed in range(2)]
+    cache = OffloadMoeCache(banks, num_slots=6, max_fetch=1)
+    kernel_calls = []
+
+    def counting_kernel(x, ids, weights, bank):
+        kernel_calls.append(int((ids >= 0).sum()))
+        return bank_moe(x, ids, weights, bank)
+
+    g = torch.Generator().manual_seed(3)
+    with CpuMoeExecutor(banks, expert_fn=counting_kernel) as cpu:
+        submitted = []  # the routes argument of each submit: the cache's count, never None
+        submit = cpu.decode_submit
+
+        def recording_submit(*args):
+            submitted.append(args[4])
+            return submit(*args)
+
+        cpu.decode_submit = recording_submit  # shadows the method on this instance
+        hybrid = HybridDecodeExecutor(cache, cpu)
+        cpu_routes = []
+        for step in range(12):
+            layer, ids = step % 2, torch.tensor([[1, 2], [2, 1 + step % 3]])
+            x, weights = torch.randn(2, HIDDEN, generator=g), torch.rand(2, 2, generator=g)
+            expected = bank_moe(x, ids, weights, banks[layer])
+            before = cache.stats_by_layer[layer].cpu_routes
+            slot_bank = cache.slot_bank_for(layer)
+            out = hybrid.decode(
+                HybridDecodeRequest(layer, x, ids, weights),
+                lambda h, s, w, slot_bank=slot_bank: bank_moe(h, s, w, slot_bank),
+            )
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+            cpu_routes.append(cache.stats_by_layer[layer].cpu_routes - before)
+    assert 0 in cpu_routes and any(cpu_routes)  # both kinds of call occurred
+    assert submitted == cpu_routes
+    assert kernel_calls == [n for n in cpu_routes if n]
 
 
 def test_stats_per_layer():

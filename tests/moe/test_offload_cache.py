@@ -178,7 +178,7 @@ def test_ids_are_rewritten_in_place_through_views():
     cache = make_cache(num_slots=4)
     ids = torch.tensor([[2, 3], [3, -1]])
     storage = ids.data_ptr()
-    assert cache.ensure_experts_hybrid(0, ids) is None
+    assert cache.ensure_experts_hybrid(0, ids) == 0  # every valid route has a slot
     assert ids.data_ptr() == storage and ids.tolist() == [[1, 0], [0, -1]]  # 3 is fetched first
     base = torch.tensor([[4, 9, 5], [5, 9, 4]])
     cache.ensure_experts(1, base[:, ::2])  # a strided view: the base tensor changes
@@ -232,7 +232,8 @@ class FakeCpuExecutor:
     def __init__(self) -> None:
         self.pending: dict[int, torch.Tensor] = {}
 
-    def decode_submit(self, layer_idx, hidden_states, cpu_expert_ids, topk_weights):
+    def decode_submit(self, layer_idx, hidden_states, cpu_expert_ids, topk_weights, routes=None):
+        assert routes == int((cpu_expert_ids >= 0).sum())  # the cache's count, on the host
         experts = bank_experts(BANKS[layer_idx])
         self.pending[layer_idx] = moe_reference(
             hidden_states, cpu_expert_ids, topk_weights, experts
@@ -327,10 +328,16 @@ def test_hybrid_routes_are_slots_holding_the_expert_or_cpu(num_slots, max_fetch,
         stats_before = ExpertCacheStats.merged([cache.stats_by_layer[layer]])
         free_before = num_slots - len(resident(cache))
         ids = torch.tensor(rows)
-        cache.ensure_experts_hybrid(layer, ids)
+        cpu_routes = cache.ensure_experts_hybrid(layer, ids)
         cache.copy_missing()
         out = ids.tolist()
         assert out == naive.call(layer, rows, max_fetch)
+        flat = [
+            (e, slot)
+            for row, slots in zip(rows, out, strict=True)
+            for e, slot in zip(row, slots, strict=True)
+        ]
+        assert cpu_routes == sum(e >= 0 and slot < 0 for e, slot in flat)
         assert resident(cache) == [held for held in naive.slots if held is not None]
         fetched = check_routes(cache, layer, rows, out, before)
         assert len(fetched) <= max_fetch

@@ -53,6 +53,7 @@ class _Job:
     # where an Event's condition variable can take two
     done: threading.Lock = field(default_factory=_held_lock)
     output_cpu: torch.Tensor | None = None  # [T, H], written by the worker before `done`
+    output: torch.Tensor | None = None  # [T, H] on `device` already: a job without routes
     error: BaseException | None = None
     busy_s: float = 0.0
     routes: int | None = None  # ids >= 0: the submitter's count, else counted by the worker
@@ -117,18 +118,24 @@ class CpuMoeExecutor:
         """Start layer `layer_idx`'s CPU routes (ids < 0 skipped) and return without waiting.
 
         hidden_states [T, H], cpu_expert_ids [T, K] int, topk_weights [T, K]. `routes`: how
-        many ids are >= 0 when the caller knows it (a router's ids: all of them), for the
-        stats; None: counted here.
+        many ids are >= 0 when the caller knows it (a router's ids: all of them; the hybrid
+        cache's count of the routes it gave the CPU), for the stats; None: counted here. A job
+        of 0 routes finishes here on any device: its partial is zeros on the input's device,
+        with no copy to host memory, no worker and no copy back.
         """
         self._check_can_submit(layer_idx)
         _check_shapes(layer_idx, hidden_states, cpu_expert_ids, topk_weights, self.banks[layer_idx])
-        # inline there is no thread round trip to skip: a job without routes computes zeros
-        on_host = not self.inline and hidden_states.device.type == "cpu"
-        if on_host and routes is None and not bool((cpu_expert_ids >= 0).any()):
-            # Nothing to compute and nothing to stage: finish here, skipping a thread
-            # round trip. The caller still submits and syncs, so its structure is unchanged.
+        if routes is None and not self.inline and hidden_states.is_cpu:
+            # reading the ids costs no device sync here, and an empty job saves a thread round
+            # trip (inline, the kernel's call on no routes costs about what the read does)
+            routes = 0 if not bool((cpu_expert_ids >= 0).any()) else None
+        if routes == 0:
+            # Nothing to compute and nothing to stage: finish here. The caller still submits
+            # and syncs, so its structure is unchanged.
             job = _Job(layer_idx, (), None, hidden_states.device, routes=0)
-            job.output_cpu = torch.zeros(hidden_states.shape, dtype=torch.float32)
+            job.output = torch.zeros(
+                hidden_states.shape, dtype=torch.float32, device=hidden_states.device
+            )
             job.done.release()
             self._pending[layer_idx] = job
             return
@@ -210,6 +217,8 @@ class CpuMoeExecutor:
         stats.jobs += 1
         stats.routes += job.routes
         stats.busy_s += job.busy_s
+        if job.output is not None:
+            return job.output
         return self.sync.to_device(job.ready, job.output_cpu, job.device)
 
     def close(self) -> None:

@@ -24,9 +24,11 @@ class HybridDecodeRequest:
 
 
 class HybridExpertCache(Protocol):
-    def ensure_experts_hybrid(self, layer_idx: int, topk_ids: torch.Tensor) -> None:
+    def ensure_experts_hybrid(self, layer_idx: int, topk_ids: torch.Tensor) -> int | None:
         """Rewrite `topk_ids` in place: a slot that holds the expert after copy_missing(), or -1
-        for a route the CPU computes. Plans the copies; copies nothing."""
+        for a route the CPU computes. Plans the copies; copies nothing. Returns how many routes
+        (input ids >= 0) it gave the CPU, counted on the host as it decided, or None when it
+        does not count them."""
         ...
 
     def copy_missing(self) -> None:
@@ -44,7 +46,8 @@ class CpuExecutor(Protocol):
         routes: int | None = None,
     ) -> None:
         """Start the CPU routes (ids < 0 skipped) without blocking; `routes`: the count of
-        ids >= 0 when the caller knows it (None: the executor counts)."""
+        ids >= 0 when the caller knows it (None: the executor counts). With 0 routes the
+        executor may finish at once (its partial: zeros), but decode_sync is still called."""
         ...
 
     def decode_sync(self, layer_idx: int) -> torch.Tensor:
@@ -80,13 +83,15 @@ class HybridDecodeExecutor:
         once, on one side; the two float32 partials are added before the caller's one
         rounding to the activation dtype."""
         original_ids = request.topk_ids.clone()  # 1. keep the router's expert ids
-        self.cache.ensure_experts_hybrid(request.layer_idx, request.topk_ids)  # 2. in place
+        # 2. in place; the count of CPU routes, known on the host, lets the executor finish a
+        # call without CPU routes at once (no copies to host memory, no thread round trip)
+        cpu_routes = self.cache.ensure_experts_hybrid(request.layer_idx, request.topk_ids)
         on_cpu = request.topk_ids < 0  # 3. slot >= 0: accelerator; -1: CPU
         cpu_ids, gpu_slots, gpu_weights = split_routes(
             original_ids, request.topk_ids, request.topk_weights, on_cpu
         )  # 4.
         self.cpu_executor.decode_submit(  # 5. CPU first, so it overlaps the accelerator work
-            request.layer_idx, request.hidden_states, cpu_ids, request.topk_weights
+            request.layer_idx, request.hidden_states, cpu_ids, request.topk_weights, cpu_routes
         )
         if not self.overlap:
             cpu_partial = self.cpu_executor.decode_sync(request.layer_idx)

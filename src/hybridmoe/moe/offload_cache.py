@@ -8,7 +8,7 @@ back with one `copy_`. It knows nothing about kernels, threads or vendors.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -59,6 +59,7 @@ class OffloadMoeCache:
         self.platform = platform if platform is not None else CpuPlatform()
         self.slots: SlotBanks | None = SlotBanks(banks, num_slots, self.platform.device)
         self._slot_banks = [self.slots.bank_for(bank) for bank in banks]  # per layer
+        self._expert_nbytes = [bank.expert_nbytes for bank in banks]  # per layer, per fetch
         self._ids_pinned: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # see _write_back
         self.reset()
 
@@ -97,13 +98,14 @@ class OffloadMoeCache:
     def total_stats(self) -> ExpertCacheStats:
         return ExpertCacheStats.merged(list(self.stats_by_layer.values()))
 
-    def ensure_experts_hybrid(self, layer_idx: int, topk_ids: torch.Tensor) -> None:
+    def ensure_experts_hybrid(self, layer_idx: int, topk_ids: torch.Tensor) -> int:
         """Hits keep their slot; at most `max_fetch` distinct misses get a slot (planned for
         copy_missing()); every other route becomes -1 (CPU). A FetchPolicy as `max_fetch` sets
         the cap per call from the call's distinct hits and misses. When more than the cap miss,
         the experts with the most routes in this call are fetched first, ties broken by first
-        appearance in row-major order. A miss with no evictable slot goes to the CPU."""
-        self._ensure(layer_idx, topk_ids, self.max_fetch)
+        appearance in row-major order. A miss with no evictable slot goes to the CPU. Returns
+        the number of routes (ids >= 0) given to the CPU."""
+        return self._ensure(layer_idx, topk_ids, self.max_fetch)
 
     def ensure_experts(self, layer_idx: int, topk_ids: torch.Tensor) -> None:
         """The `offload` target: every miss is fetched, so no valid id becomes -1. Raises
@@ -115,6 +117,8 @@ class OffloadMoeCache:
         """Copy every planned expert bank -> slot and clear the plan. Experts planned by any
         earlier call that has not been followed by copy_missing() are copied too. The platform
         orders the copies after the accelerator work already issued and before what follows."""
+        if not self._pending:
+            return  # a call of hits and CPU routes only
         copies = []
         for slot, flat in self._pending.items():
             layer, expert = divmod(flat, self.num_experts)
@@ -141,7 +145,8 @@ class OffloadMoeCache:
 
     def _ensure(
         self, layer_idx: int, topk_ids: torch.Tensor, fetch_cap: int | FetchPolicy | None
-    ) -> None:
+    ) -> int:
+        """The policy of both ensure_* methods; returns the routes given to the CPU."""
         self._check_layer(layer_idx)
         flat_ids = topk_ids.reshape(-1).tolist()  # the one device -> host read of the call
         counts = self._count_routes(layer_idx, flat_ids)  # expert -> routes, first-seen order
@@ -152,11 +157,12 @@ class OffloadMoeCache:
             )
         base = layer_idx * self.num_experts
         slot_of_expert = self._touch_hits(base, counts)
-        hits = [e for e in counts if e in slot_of_expert]
+        hits = list(slot_of_expert)  # in first-seen order, as counts
         fetched = self._fetch_misses(layer_idx, counts, slot_of_expert, fetch_cap)
-        self._record(layer_idx, counts, hits, fetched)
+        cpu_routes = self._record(layer_idx, counts, hits, fetched)
         rewritten = [slot_of_expert.get(e, -1) for e in flat_ids]  # ids < 0 are never keys
         self._write_back(topk_ids, rewritten)
+        return cpu_routes
 
     def _write_back(self, topk_ids: torch.Tensor, rewritten: list[int]) -> None:
         """topk_ids[:] = rewritten. On an accelerator through one reused page-locked buffer per
@@ -176,8 +182,12 @@ class OffloadMoeCache:
         ids_pinned.numpy()[:] = rewritten
         topk_ids.copy_(ids_pinned.view(topk_ids.shape), non_blocking=True)
 
-    def _count_routes(self, layer_idx: int, flat_ids: list[int]) -> Counter[int]:
-        counts = Counter(e for e in flat_ids if e >= 0)
+    def _count_routes(self, layer_idx: int, flat_ids: list[int]) -> dict[int, int]:
+        """expert -> its routes in the call, in first-seen order (ids < 0 are not routes)."""
+        counts: dict[int, int] = {}
+        for e in flat_ids:  # a loop: Counter's setup costs more than 8 ids
+            if e >= 0:
+                counts[e] = counts.get(e, 0) + 1
         if counts and max(counts) >= self.num_experts:
             raise ValueError(
                 f"layer {layer_idx}: expert id {max(counts)} out of range "
@@ -185,7 +195,7 @@ class OffloadMoeCache:
             )
         return counts
 
-    def _touch_hits(self, base: int, counts: Counter[int]) -> dict[int, int]:
+    def _touch_hits(self, base: int, counts: dict[int, int]) -> dict[int, int]:
         slot_of_expert = {}
         for expert in counts:
             slot = self._slot_of_flat.get(base + expert)
@@ -197,7 +207,7 @@ class OffloadMoeCache:
     def _fetch_misses(
         self,
         layer_idx: int,
-        counts: Counter[int],
+        counts: dict[int, int],
         slot_of_expert: dict[int, int],
         fetch_cap: int | FetchPolicy | None,
     ) -> list[int]:
@@ -234,17 +244,20 @@ class OffloadMoeCache:
         return slot
 
     def _record(
-        self, layer_idx: int, counts: Counter[int], hits: list[int], fetched: list[int]
-    ) -> None:
+        self, layer_idx: int, counts: dict[int, int], hits: list[int], fetched: list[int]
+    ) -> int:
+        """Count the call in its layer's stats; returns its CPU routes."""
         stats = self.stats_by_layer[layer_idx]
         routes, hit_routes = sum(counts.values()), sum(counts[e] for e in hits)
         fetched_routes = sum(counts[e] for e in fetched)  # fetched: misses, none a hit
+        cpu_routes = routes - hit_routes - fetched_routes
         stats.routes += routes
         stats.hits += hit_routes
         stats.fetched_routes += fetched_routes
-        stats.cpu_routes += routes - hit_routes - fetched_routes
+        stats.cpu_routes += cpu_routes
         stats.fetched += len(fetched)
-        stats.bytes_copied += len(fetched) * self.banks[layer_idx].expert_nbytes
+        stats.bytes_copied += len(fetched) * self._expert_nbytes[layer_idx]
+        return cpu_routes
 
     def _check_layer(self, layer_idx: int) -> None:
         if not 0 <= layer_idx < len(self.banks):

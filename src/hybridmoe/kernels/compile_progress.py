@@ -55,6 +55,11 @@ def _name(ev: event.Event) -> str:
 _ACTIVE: list[_CompileCounter] = []  # the counter of the outermost block open, if any
 
 
+def active() -> _CompileCounter | None:
+    """The counter of the block open (its `.bar` None until something compiled), if any."""
+    return _ACTIVE[0] if _ACTIVE else None
+
+
 @contextmanager
 def compile_progress(enabled: bool = True, file: TextIO | None = None) -> Iterator[_CompileCounter]:
     """Within the block, every numba compilation counts on a progress counter (on `file`,

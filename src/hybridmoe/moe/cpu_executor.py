@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridmoe.errors import CpuExpertError
+from hybridmoe.moe import compile_helpers
 from hybridmoe.moe.cpu_experts import CpuExpertFn, compiles_on_first_call, create_cpu_expert_fn
 from hybridmoe.platform.base import DeviceSync, ReadyHandle, create_device_sync
 from hybridmoe.quant.bank import ExpertBank
@@ -91,8 +92,10 @@ class CpuMoeExecutor:
         self.timeout_s = timeout_s
         if expert_fn is None:
             expert_fn = create_cpu_expert_fn()
+        # kinds of bank whose kernel compiled in a helper process (moe/compile_helpers.py)
+        self.kernels_compiled_elsewhere = 0
         if compiles_on_first_call(expert_fn):  # the engine's, given: compiled here all the same
-            _compile_kernels(expert_fn, self.banks)
+            self.kernels_compiled_elsewhere = _compile_kernels(expert_fn, self.banks)
         self.expert_fn = expert_fn
         self.sync = sync if sync is not None else create_device_sync("cpu")
         self.stats: dict[int, CpuLayerStats] = {}
@@ -274,7 +277,7 @@ class CpuMoeExecutor:
             job.done.release()
 
 
-def _compile_kernels(expert_fn: CpuExpertFn, banks: Sequence[ExpertBank]) -> None:
+def _compile_kernels(expert_fn: CpuExpertFn, banks: Sequence[ExpertBank]) -> int:
     """Call `expert_fn` once per kind of bank (formats, activation quantisation, layout, biases,
     activation) on one route of weight 0, before any job. The numba kernel compiles, or loads
     from its disk cache, on its first call: minutes on a slow or shared machine, which a job
@@ -283,18 +286,33 @@ def _compile_kernels(expert_fn: CpuExpertFn, banks: Sequence[ExpertBank]) -> Non
     whatever the activation dtype (fused_cpu_moe hands it float32, int64 and the bank's own
     arrays); a bf16 x and router weights are widened first by a numba glue call of its own,
     so each kind is called with float32 and with bfloat16 inputs
-    (tests/moe/test_cpu_executor_compile.py checks it)."""
-    seen = set()
+    (tests/moe/test_cpu_executor_compile.py checks it). Kinds missing from the cache beyond
+    the first compile meanwhile in helper processes (moe/compile_helpers.py), whose work the
+    calls here then load; returns how many kinds they compiled."""
+    kinds: dict[tuple, ExpertBank] = {}
     for bank in banks:
         kernel = (*(f.name for f in bank.formats), bank.activation_quant)  # picks the entry
-        key = (*kernel, bank.stacked, bank.biases is None, bank.activation)
-        if key in seen:
-            continue
-        seen.add(key)
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.zeros(1, bank.hidden_size, dtype=dtype)  # [1, H]
-            weights = torch.zeros(1, 1, dtype=dtype)
-            expert_fn(x, torch.zeros(1, 1, dtype=torch.int64), weights, bank)
+        kinds.setdefault((*kernel, bank.stacked, bank.biases is None, bank.activation), bank)
+    helpers = compile_helpers.start_missing(list(kinds.values()))
+    try:
+        for bank in kinds.values():  # the caller's own first, the helpers' once they are done
+            if not any(bank is helped for helped in helpers.banks):
+                _call_once(expert_fn, bank)
+    except BaseException:  # an interrupt or a failure here: the helpers' work is not wanted
+        helpers.stop()
+        raise
+    helpers.wait()
+    for bank in helpers.banks:
+        _call_once(expert_fn, bank)
+    return len(helpers.banks)
+
+
+def _call_once(expert_fn: CpuExpertFn, bank: ExpertBank) -> None:
+    """expert_fn on one route of weight 0, with float32 and with bfloat16 inputs."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.zeros(1, bank.hidden_size, dtype=dtype)  # [1, H]
+        weights = torch.zeros(1, 1, dtype=dtype)
+        expert_fn(x, torch.zeros(1, 1, dtype=torch.int64), weights, bank)
 
 
 def _check_shapes(

@@ -166,13 +166,9 @@ class _BankCall:
     def __init__(self, bank: ExpertBank):
         from hybridmoe.kernels import numba_moe
 
-        if bank.q8_activations:  # the q8 contract's kernel, compiled only for such banks
-            from hybridmoe.kernels.numba_moe_q8 import fused_moe_q8_kernel as entry
-        else:
-            entry = numba_moe.fused_moe_kernel
         self.numba_moe = numba_moe
         self.formats = (bank.gate_up_fmt.name, bank.down_fmt.name, bank.q8_activations)
-        self.kernel = entry(*self.formats[:2])
+        self.kernel = kernel_entry(self.formats)
         self.hidden, self.experts = bank.hidden_size, bank.num_experts
         gate, up, expert_rows, down = bank.byte_views()  # stacked or separate gate and up
         inter = bank.intermediate_size
@@ -191,6 +187,35 @@ class _BankCall:
 
 
 _BANK_CALLS: weakref.WeakKeyDictionary[ExpertBank, _BankCall] = weakref.WeakKeyDictionary()
+
+
+def kernel_entry(formats: tuple[str, str, bool]):
+    """The fused kernel's entry point (a numba dispatcher) for (gate/up format name, down
+    format name, q8 activations), made on first use: the q8 contract's kernel only for banks
+    with q8 activations."""
+    gate_up_fmt, down_fmt, q8_activations = formats
+    if q8_activations:
+        from hybridmoe.kernels.numba_moe_q8 import fused_moe_q8_kernel
+
+        return fused_moe_q8_kernel(gate_up_fmt, down_fmt)
+    from hybridmoe.kernels.numba_moe import fused_moe_kernel
+
+    return fused_moe_kernel(gate_up_fmt, down_fmt)
+
+
+def kernel_signature(bank: ExpertBank) -> tuple[tuple[str, str, bool], tuple]:
+    """(formats, argument types): what fused_cpu_moe's fused kernel compiles for `bank` (its
+    entry point is kernel_entry(formats)); the types are numba's of the arguments a call
+    hands it, the same for every activation dtype and token count (flat float32 and int64
+    inputs, the bank's own byte views)."""
+    import numba
+
+    call = _BANK_CALLS.get(bank) or _BankCall.of(bank)
+    x, y = np.zeros(call.hidden, np.float32), np.zeros(call.hidden, np.float32)
+    ids, weights = np.zeros(1, np.int64), np.zeros(1, np.float32)
+    extras = call.extras(bank, torch.float32, torch.float32)
+    args = (x, ids, weights, *call.weights, 1, *extras, y)
+    return call.formats, tuple(numba.typeof(a) for a in args)
 
 
 def _kernel_array(t: torch.Tensor, dtype: torch.dtype, np_dtype: type[np.generic]) -> np.ndarray:

@@ -159,9 +159,10 @@ def matmul_q8(fmt, w, w_off, row_bytes, n, nrows, xq, xd, xs, x_offs, first, cou
     """out[c * nrows + r] = the q8 contract's dot of weight row r (n weights at byte w_off +
     r * row_bytes) with the quantised row at xq[x_offs[first + c]:] (scales xd[... / W:], W
     the format's block of 32 or 256, sums xs[... / 16:]), for r < nrows, c < count; tiles as
-    numba_moe._matmul's."""
+    numba_moe._matmul's, except that one token's are fmt.one_token_rows rows wide (the
+    k-quants: 1). A pair's sum does not depend on its tile: the same bits either way."""
     blocks = n // fmt.block_weights
-    widest = 4 if count <= 2 else 2
+    widest = fmt.one_token_rows if count == 1 else (4 if count == 2 else 2)
     r = 0
     while r < nrows:
         wrows = widest if nrows - r >= widest else (2 if nrows - r >= 2 else 1)

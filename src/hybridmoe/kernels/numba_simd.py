@@ -84,8 +84,8 @@ def _lower_kernel_format(context, builder, ty, kernel):
 
 @infer_getattr
 class _KernelFormatAttributes(AttributeTemplate):
-    """fmt.block_bytes, fmt.block_weights and fmt.partial_blocks in jitted code: constants,
-    lowered in place."""
+    """fmt.block_bytes, fmt.block_weights, fmt.partial_blocks and fmt.one_token_rows in jitted
+    code: constants, lowered in place."""
 
     key = KernelFormatType
 
@@ -97,6 +97,9 @@ class _KernelFormatAttributes(AttributeTemplate):
 
     def resolve_partial_blocks(self, fmt: KernelFormatType) -> types.Type:
         return types.boolean
+
+    def resolve_one_token_rows(self, fmt: KernelFormatType) -> types.Type:
+        return types.intp
 
 
 @lower_getattr(KernelFormatType, "block_bytes")
@@ -112,6 +115,11 @@ def _lower_block_weights(context, builder, ty, value):
 @lower_getattr(KernelFormatType, "partial_blocks")
 def _lower_partial_blocks(context, builder, ty, value):
     return context.get_constant(types.boolean, ty.kernel.partial_blocks)
+
+
+@lower_getattr(KernelFormatType, "one_token_rows")
+def _lower_one_token_rows(context, builder, ty, value):
+    return context.get_constant(types.intp, ty.kernel.one_token_rows)
 
 
 def _declare(builder: ir.IRBuilder, name: str, ret: ir.Type, params: list[ir.Type]):

@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
 
 from gguf_checkpoints import write_gguf
 from hybridmoe.models.loading import load_model
@@ -66,3 +70,32 @@ def test_expert_banks_are_views_of_the_file(demo_gguf: Path) -> None:
         bank = layer.experts.store
         assert not bank.stacked  # gate and up as the file holds them
         assert all(mapped(t.data_ptr()) for t in (bank.gate, bank.up, bank.down))
+
+
+def bf16_dense(base: str, value: np.ndarray) -> tuple[np.ndarray, QType] | None:
+    """Every dense matrix BF16 but the router's (F32 at every file type, as llama.cpp's
+    converter writes it); norms stay F32."""
+    if value.ndim != 2 or base.endswith("mlp.gate"):
+        return None
+    return gguf.quants.quantize(value, QType.BF16), QType.BF16
+
+
+def test_a_bf16_gguf_decodes_in_bfloat16_by_default(demo_checkpoint, tmp_path) -> None:
+    """`--dtype auto` reads a GGUF whose matrices are BF16 as a bf16 checkpoint: the text of
+    `--dtype bfloat16`, which is the safetensors checkpoint's in bfloat16 (the same rounded
+    weights), not float32's."""
+    tokenizer = json.loads((demo_checkpoint / "tokenizer.json").read_text())
+    path = write_gguf(
+        demo_checkpoint,
+        tmp_path / "demo-bf16.gguf",
+        "Q8_0",
+        tokenizer={**tokenizer, "pre": "gpt-2"},
+        dense=bf16_dense,
+    )
+    assert load_model(path, dtype=None).dtype == torch.bfloat16  # auto
+    assert load_model(demo_checkpoint, dtype=None).dtype == torch.float32  # a float32 checkpoint's
+    by_default = _generate(path)
+    assert by_default == _generate(path, "--dtype", "bfloat16")
+    assert by_default == _generate(
+        demo_checkpoint, "--dtype", "bfloat16", "--expert-format", "q8_0"
+    )

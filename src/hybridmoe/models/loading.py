@@ -75,7 +75,8 @@ def load_gguf_model(
     gguf: GgufFile, dtype: torch.dtype | None = torch.float32, progress: bool = False
 ):
     """MoeCausalLM of a GGUF model: config from its metadata, dense weights dequantised to
-    `dtype` (None: float32), routed experts kept in the file's format, memory-mapped."""
+    `dtype` (None: gguf_stored_dtype), routed experts kept in the file's format,
+    memory-mapped."""
     family, cfg = gguf_family_config(gguf)
     restore = family.gguf.restore(cfg) if family.gguf.restore is not None else None
     if family.gguf.names is not None:
@@ -85,8 +86,21 @@ def load_gguf_model(
         names = gguf_name_map(
             weights.moe_prefix, weights.expert_names, weights.router, dict(family.gguf.layer_names)
         )
-    source = GgufWeightSource(gguf, dtype or torch.float32, names, restore, progress)
+    source = GgufWeightSource(gguf, dtype or gguf_stored_dtype(gguf), names, restore, progress)
     return _build(family, cfg, source, gguf.path, nextn_prefixes(GgufKeys(gguf)))
+
+
+def gguf_stored_dtype(gguf: GgufFile) -> torch.dtype:
+    """The `auto` dtype of a GGUF model, as stored_dtype's of a checkpoint: bfloat16 when its
+    matrices other than the routers' (`ffn_gate_inp*`, which llama.cpp's converter keeps in
+    F32 at every file type) are all BF16, the dense ones then read as stored; float32
+    otherwise (quantised or F16/F32 dense matrices: llama.cpp's float32 activations)."""
+    types = {
+        tensor.type_name
+        for name, tensor in gguf.tensors.items()
+        if len(tensor.shape) == 2 and "ffn_gate_inp" not in name
+    }
+    return torch.bfloat16 if types == {"BF16"} else torch.float32
 
 
 def gguf_family_config(gguf: GgufFile) -> tuple[ModelFamily, ModelConfig]:

@@ -113,7 +113,7 @@ def fused_cpu_moe(
     w32 = _kernel_array(weights, torch.float32, np.float32)  # [T*K]
     y = np.zeros((tokens, call.hidden), np.float32)  # [T, H], accumulated by the kernel
     extras = call.extras(bank, x.dtype, weights.dtype)
-    args = (x32, ids64, w32, *call.weights, top_k, *extras, y.reshape(-1))
+    args = call.arguments(x32, ids64, w32, top_k, extras, y.reshape(-1))
     bad_id = call.numba_moe.launch(call.kernel, threads, *args)  # looked up per call: the
     if bad_id >= 0:  # counting benchmarks and tests replace numba_moe.launch
         raise IndexError(f"expert id {bad_id} out of range: the bank has {call.experts} experts")
@@ -175,6 +175,11 @@ class _BankCall:
         self.weights = (gate, up, expert_rows, down, self.hidden, inter, self.experts)
         self._extras: dict[tuple[torch.dtype, torch.dtype], tuple] = {}
 
+    def arguments(self, x, ids, weights, top_k: int, extras: tuple, y) -> tuple:
+        """The kernel's arguments: flat x and y [T * H], ids and weights [T * K] (numpy),
+        `extras` of the call's dtypes."""
+        return (x, ids, weights, *self.weights, top_k, *extras, y)
+
     def extras(self, bank: ExpertBank, act_dtype: torch.dtype, weights_dtype: torch.dtype):
         """(rounding code, activation args, gate_up bias, down bias) for these dtypes."""
         key = (act_dtype, weights_dtype)
@@ -213,8 +218,7 @@ def kernel_signature(bank: ExpertBank) -> tuple[tuple[str, str, bool], tuple]:
     call = _BANK_CALLS.get(bank) or _BankCall.of(bank)
     x, y = np.zeros(call.hidden, np.float32), np.zeros(call.hidden, np.float32)
     ids, weights = np.zeros(1, np.int64), np.zeros(1, np.float32)
-    extras = call.extras(bank, torch.float32, torch.float32)
-    args = (x, ids, weights, *call.weights, 1, *extras, y)
+    args = call.arguments(x, ids, weights, 1, call.extras(bank, torch.float32, torch.float32), y)
     return call.formats, tuple(numba.typeof(a) for a in args)
 
 

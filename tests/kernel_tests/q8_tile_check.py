@@ -42,7 +42,12 @@ def _tiles(kernel):
     def tile_2x4(w, row_bytes, nb, q, d, s, offs, out):  # one pair of rows, 4 activation rows
         tile_dot_q8(kernel, 2, 4, w, 0, row_bytes, nb, q, d, s, offs, 0, out, 0, 2)
 
-    return ((tile_4x2, 4, 2), (tile_1x3, 1, 3), (tile_4x1, 4, 1), (tile_2x4, 2, 4))
+    @numba.njit
+    def tile_1x1(w, row_bytes, nb, q, d, s, offs, out):  # a k-quant decode step's tile
+        tile_dot_q8(kernel, 1, 1, w, 0, row_bytes, nb, q, d, s, offs, 0, out, 0, 1)
+
+    tiles = ((tile_4x2, 4, 2), (tile_1x3, 1, 3), (tile_4x1, 4, 1), (tile_2x4, 2, 4))
+    return tiles + ((tile_1x1, 1, 1),)
 
 
 def _check(fmt, tile, wrows: int, xrows: int, blocks: int) -> list[str]:
@@ -86,7 +91,8 @@ def main() -> None:
     failures = _quantiser_check(32) + _quantiser_check(256)
     for name in INT8_BLOCKS + SUPER_BLOCKS:
         for tile, wrows, xrows in _tiles(weight_format(name).kernel):
-            for blocks in (1, 8, 11, 19) if name in INT8_BLOCKS else (1, 3, 8, 9):
+            # super-blocks: a 1 x 1 tile's runs of 4 (numba_simd_q8.RUN) and every tail
+            for blocks in (1, 8, 11, 19) if name in INT8_BLOCKS else (1, 2, 3, 4, 6, 8, 9, 11):
                 failures += _check(weight_format(name), tile, wrows, xrows, blocks)
     print(json.dumps({"path": dot_path(), "failures": failures}))
 

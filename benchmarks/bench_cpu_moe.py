@@ -38,6 +38,7 @@ Rows per shape and format:
   T=4 shared   four tokens routed to the same K experts: the same bytes as T=1, so time / T=1
                shows what batching tokens costs (target <= 1.5x)
   T=4 random   four tokens, each with its own K random experts (up to 4x the bytes)
+  T=16 shared  sixteen tokens on the same K experts: a prefill's tiles, compute-bound
 Columns: median µs per layer call; effective GB/s = bytes of the distinct experts read / time;
 % of the DRAM read bandwidth measured (torch.sum over 1 GiB, 2 threads) right before that row,
 and of the bank's own bytes' (torch.sum over them, as int64: this host's read rate moves ~2x
@@ -309,6 +310,7 @@ def bench_format(name, shape, fmt_name, args, memory) -> dict[str, float]:
         ("T=1", 1, True),
         ("T=4 shared", 4, True),
         ("T=4 random", 4, False),
+        ("T=16 shared", 16, True),
     ):
         bw = memory.read_gbps()
         own = memory.read_gbps(buffers=bank_words(bank))

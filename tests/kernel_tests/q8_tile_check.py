@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from hybridmoe.kernels.numba_moe_q8 import group_sums, quantize_rows, quantize_rows_reference
-from hybridmoe.kernels.numba_simd_q8 import dot_path, tile_dot_q8
+from hybridmoe.kernels.numba_simd_q8 import WIDE_TOKENS, dot_path, tile_dot_q8
 from hybridmoe.quant.activation_q8 import q8_linear
 from hybridmoe.quant.formats import weight_format
 from hybridmoe.quant.random_blocks import random_stored
@@ -46,8 +46,12 @@ def _tiles(kernel):
     def tile_1x1(w, row_bytes, nb, q, d, s, offs, out):  # a k-quant decode step's tile
         tile_dot_q8(kernel, 1, 1, w, 0, row_bytes, nb, q, d, s, offs, 0, out, 0, 1)
 
+    @numba.njit
+    def tile_1x8(w, row_bytes, nb, q, d, s, offs, out):  # WIDE_TOKENS: a k-quant prefill's
+        tile_dot_q8(kernel, 1, WIDE_TOKENS, w, 0, row_bytes, nb, q, d, s, offs, 0, out, 0, 1)
+
     tiles = ((tile_4x2, 4, 2), (tile_1x3, 1, 3), (tile_4x1, 4, 1), (tile_2x4, 2, 4))
-    return tiles + ((tile_1x1, 1, 1),)
+    return tiles + ((tile_1x1, 1, 1), (tile_1x8, 1, WIDE_TOKENS))
 
 
 def _check(fmt, tile, wrows: int, xrows: int, blocks: int) -> list[str]:

@@ -310,3 +310,23 @@ def test_a_token_gets_the_same_bits_whatever_shares_its_experts(fmt: str, dtype)
     for tokens in range(2, 6):
         batched = fused_cpu_moe(x[:tokens], ids[:tokens], weights[:tokens], bank)
         assert torch.equal(batched[:1], alone), f"{tokens} tokens"
+
+
+@pytest.mark.parametrize("fmt", ["q4_k+q8", "q6_k+q8", "q2_k+q8", "q4_0+q8"])
+def test_a_prefill_of_tokens_on_the_same_experts_gives_each_its_own_bits(fmt: str) -> None:
+    """21 tokens routed to the same 8 experts (in other places): a k-quant's rows are dotted
+    by tiles of up to 8 tokens (numba_moe_q8.WIDE, on AVX-512 targets) and the rest by tiles
+    of up to 4, q4_0's by 2 x 4: every token's output is, bit for bit, its own call's alone
+    (a one-token tile), and all of them the reference's sums."""
+    name, _, quant = fmt.partition("+")
+    bank = make_bank(name, experts=16, hidden=160, inter=64, seed=5).with_activation_quant(quant)
+    tokens = 21
+    ids, weights = make_routes(tokens, 8, bank.num_experts, seed=8)
+    ids[:] = ids[0]
+    ids[1::2] = ids[1::2].roll(3, dims=1)
+    x = x_for(bank, tokens)
+    batched = fused_cpu_moe(x, ids, weights, bank)
+    for t in range(tokens):
+        alone = fused_cpu_moe(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], bank)
+        assert torch.equal(batched[t : t + 1], alone), f"token {t}"
+    torch.testing.assert_close(batched, bank_moe(x, ids, weights, bank), **FP32_TOL)

@@ -22,13 +22,17 @@ from numba.core.dispatcher import Dispatcher
 from hybridmoe import env
 from hybridmoe.kernels import numba_moe as nm
 from hybridmoe.kernels import numba_simd_q8
+from hybridmoe.kernels.llvm_ir import target_has
 from hybridmoe.kernels.numba_cache import EntryCache, cached_njit
 from hybridmoe.kernels.numba_simd import prefetch_rows
-from hybridmoe.kernels.numba_simd_q8 import quantize_block, tile_dot_q8
+from hybridmoe.kernels.numba_simd_q8 import WIDE_TOKENS, quantize_block, tile_dot_q8
 from hybridmoe.quant import activation_q8
 from hybridmoe.quant.formats import WEIGHT_FORMATS, KernelFormat
 
 _FLAGS = nm._FLAGS
+# the activation rows of a k-quant tile of one weight row where a projection has at least this
+# many (numba_simd_q8.WIDE_TOKENS: AVX-512 targets; 0: none, the 2 x 4 tile)
+WIDE = WIDE_TOKENS if target_has("avx512f") else 0
 # the quantiser: no fast-math (a reciprocal would change a bit), said explicitly: a numba
 # callee inherits its caller's fastmath flags unless it sets its own
 _EXACT = dict(nogil=True, fastmath=False)
@@ -148,10 +152,20 @@ def _tile(fmt, wrows, xrows, w, w_off, row_bytes, blocks, xq, xd, xs, offs, firs
             tile_dot_q8(
                 fmt, 1, 3, w, w_off, row_bytes, blocks, xq, xd, xs, offs, first, out, o, stride
             )
-    elif wrows == 2:
-        tile_dot_q8(fmt, 2, 4, w, w_off, row_bytes, blocks, xq, xd, xs, offs, first, out, o, stride)
-    else:
-        tile_dot_q8(fmt, 1, 4, w, w_off, row_bytes, blocks, xq, xd, xs, offs, first, out, o, stride)
+    elif xrows == 4:
+        if wrows == 2:
+            tile_dot_q8(
+                fmt, 2, 4, w, w_off, row_bytes, blocks, xq, xd, xs, offs, first, out, o, stride
+            )
+        else:
+            tile_dot_q8(
+                fmt, 1, 4, w, w_off, row_bytes, blocks, xq, xd, xs, offs, first, out, o, stride
+            )
+    else:  # WIDE_TOKENS: a k-quant's
+        tile_dot_q8(
+            fmt, 1, WIDE_TOKENS, w, w_off, row_bytes, blocks, xq, xd, xs, offs, first, out, o,
+            stride,
+        )  # fmt: skip
 
 
 @cached_njit(inline="always", **_FLAGS)
@@ -160,15 +174,17 @@ def matmul_q8(fmt, w, w_off, row_bytes, n, nrows, xq, xd, xs, x_offs, first, cou
     r * row_bytes) with the quantised row at xq[x_offs[first + c]:] (scales xd[... / W:], W
     the format's block of 32 or 256, sums xs[... / 16:]), for r < nrows, c < count; tiles as
     numba_moe._matmul's, except that one token's are fmt.one_token_rows rows wide (the
-    k-quants: 1). A pair's sum does not depend on its tile: the same bits either way."""
+    k-quants: 1), and a k-quant's of WIDE or more tokens 1 row by WIDE tokens (the rest of
+    them 1 row by up to 4). A pair's sum does not depend on its tile: the same bits either way."""
     blocks = n // fmt.block_weights
-    widest = fmt.one_token_rows if count == 1 else (4 if count == 2 else 2)
+    wide = WIDE > 0 and fmt.block_weights == 256 and count >= WIDE  # a k-quant's super-blocks
+    widest = fmt.one_token_rows if count == 1 else (1 if wide else (4 if count == 2 else 2))
     r = 0
     while r < nrows:
         wrows = widest if nrows - r >= widest else (2 if nrows - r >= 2 else 1)
         c = 0
         while c < count:
-            xrows = min(4, count - c)
+            xrows = WIDE if wide and count - c >= WIDE else min(4, count - c)
             row_off = w_off + r * row_bytes
             _tile(
                 fmt,

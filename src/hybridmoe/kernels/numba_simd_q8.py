@@ -85,6 +85,13 @@ DOT_PATHS = ("vnni", "avx2", "portable")
 # 4.12 -> 4.29 / 4.22 -> 4.37, 2 x 4 4.12 -> 4.01 / 3.83 -> 3.87, 1 x 4 3.69 -> 3.84 / 3.74 ->
 # 3.73)
 CHAINS = 2
+# a k-quant tile of one weight row and this many activation rows (beside TILES), where the
+# target has AVX-512's 32 vector registers (one piece's u, scales and 8 q beside 8 sums; on
+# AVX2's 16 they would spill): a row's unpacking and scales shared by 8 tokens, not 4.
+# Measured (the AMD EPYC, 2026-12-07, one thread, 16 rows of 2048 weights in L1, ns per 256
+# weights and token, 2 x 4 -> 1 x 8): q4_k 3.82 -> 3.42, q5_k 4.14 -> 3.52, q6_k 3.83 -> 3.21;
+# 4 x 4 4.30 / 4.87 / 3.85 (no gain, so not built), q4_0 2 x 8 3.61 against 2 x 4's 3.53
+WIDE_TOKENS = 8
 # super-blocks a 1 x 1 tile reduces together (_superblock_loop)
 RUN = 4
 OFFSET = 128  # VNNI's weight bias: v + 128 is an unsigned byte
@@ -719,8 +726,8 @@ def tile_dot_q8(
     if not all(isinstance(v, types.IntegerLiteral) for v in (wrows, xrows)):
         return None
     shape = (wrows.literal_value, xrows.literal_value)
-    if shape not in TILES:
-        return None
+    if shape not in TILES and shape != (1, WIDE_TOKENS):  # 1 x WIDE_TOKENS: every format's,
+        return None  # as matmul_q8's branch for it is compiled; only the k-quants take it
     args = (weights, w_off, row_bytes, nblocks, xq, xd, xs, x_offs, first, out, out_off, out_stride)
     return types.void(fmt, wrows, xrows, *args), _tile_codegen(fmt.kernel, *shape)
 

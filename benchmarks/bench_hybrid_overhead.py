@@ -46,6 +46,7 @@ from tqdm import tqdm
 from hybridmoe.moe import hybrid_decode
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import bank_moe
+from hybridmoe.moe.handoff import SpinHandoff
 from hybridmoe.moe.hybrid_decode import HybridDecodeExecutor, HybridDecodeRequest
 from hybridmoe.moe.offload_cache import OffloadMoeCache
 from hybridmoe.quant.bank import ExpertBank
@@ -230,7 +231,7 @@ def run_pass(
     num_slots = max(1, round(args.slots_ratio * args.layers * args.experts))
     cache = OffloadMoeCache(banks, num_slots, args.max_fetch)
     cpu_fn = timed_cpu_fn(clock, zeros, result.real)
-    cpu = CpuMoeExecutor(banks, threads=args.workers, expert_fn=cpu_fn)
+    cpu = CpuMoeExecutor(banks, threads=args.workers, expert_fn=cpu_fn, spin_us=args.spin_us)
     hybrid = HybridDecodeExecutor(cache, cpu, result.overlap)
     gpu_runner = timed_gpu_runner(clock, cache.slot_bank, zeros, result.real)
     undo = instrument(hybrid, clock) if result.instrumented else (lambda: None)
@@ -364,13 +365,18 @@ def print_setup(args: argparse.Namespace) -> None:
         f"T={args.tokens}, H={args.hidden}, I={args.inter}, {args.dtype} "
         f"({expert_kib:.0f} KiB per expert)\n"
         f"       cache {slots} slots ({args.slots_ratio:.0%} of all experts), max_fetch "
-        f"{args.max_fetch}; CpuMoeExecutor workers {args.workers}; torch threads "
-        f"{torch.get_num_threads()}\n"
+        f"{args.max_fetch}; CpuMoeExecutor workers {args.workers}, hand-off polling "
+        f"{_spin_us(args)} µs; torch threads {torch.get_num_threads()}\n"
         f"       trace: Zipf skew {args.skew}, stickiness {args.stickiness}, seed {args.seed}; "
         f"{args.warmup} warm-up + {args.steps} timed steps = {args.steps * args.layers} timed "
         f"calls per pass\n"
         f"       this machine, median: {floors}"
     )
+
+
+def _spin_us(args: argparse.Namespace) -> float:
+    """The hand-off's polling time the executors get (what --spin-us resolves to)."""
+    return SpinHandoff(1, args.spin_us).spin_us
 
 
 def _med_p90(values: list[int]) -> str:
@@ -450,6 +456,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-fetch", type=int, default=1, help="fetches per layer call")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--workers", type=int, default=1, help="CpuMoeExecutor threads")
+    parser.add_argument(
+        "--spin-us",
+        type=float,
+        default=None,
+        help="how long the hand-off polls before it blocks (default: CpuMoeExecutor's; 0: never)",
+    )
     parser.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of popularity")
     parser.add_argument("--stickiness", type=float, default=0.6, help="P(keep an expert)")
     parser.add_argument("--seed", type=int, default=0)

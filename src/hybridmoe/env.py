@@ -53,6 +53,22 @@ def cpu_inline() -> bool:
     return os.environ.get("HYBRIDMOE_CPU_INLINE", "1") != "0"
 
 
+def spin_us() -> float | None:
+    """HYBRIDMOE_SPIN_US: how long (µs) the hybrid hand-off between the calling thread and
+    the CPU expert worker polls before it blocks (moe/cpu_executor.py); 0 never polls (a
+    measurement switch). None when unset: the executor's default."""
+    value = os.environ.get("HYBRIDMOE_SPIN_US")
+    if value is None:
+        return None
+    try:
+        spin = float(value)
+    except ValueError:
+        spin = -1.0
+    if not spin >= 0:
+        raise ValueError(f"HYBRIDMOE_SPIN_US must be a number of µs >= 0, got {value!r}")
+    return spin
+
+
 def serial_torch() -> bool:
     """HYBRIDMOE_SERIAL_TORCH=0 keeps torch's intra-op threads during a CPU decode step
     (a measurement switch: kernels/threads.serial_torch_ops' before/after)."""

@@ -11,6 +11,8 @@ With `inline=True` (the cpu device: its "accelerator" work runs on the same core
 would only add two thread hand-offs per layer) decode_submit computes the job itself; the
 contract is otherwise the same: a failure is kept and raised by decode_sync, the result is the
 same bits (the same expert_fn on the same inputs).
+
+On the worker path both sides poll before they block (moe/handoff.py: `spin_us`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from hybridmoe.errors import CpuExpertError
 from hybridmoe.moe import compile_helpers
 from hybridmoe.moe.cpu_experts import CpuExpertFn, compiles_on_first_call, create_cpu_expert_fn
+from hybridmoe.moe.handoff import SpinHandoff
 from hybridmoe.platform.base import DeviceSync, ReadyHandle, create_device_sync
 from hybridmoe.quant.bank import ExpertBank
 
@@ -59,6 +62,8 @@ class _Job:
     busy_s: float = 0.0
     routes: int | None = None  # ids >= 0: the submitter's count, else counted by the worker
     timed_out: bool = False
+    seq: int = 0  # the job's number on the worker path (SpinHandoff), from 1
+    submitted_s: float = 0.0  # perf_counter() at submit
 
 
 class CpuMoeExecutor:
@@ -71,7 +76,9 @@ class CpuMoeExecutor:
     `inline=True` starts no worker: decode_submit runs the job on the caller (module docstring);
     `timeout_s` then bounds nothing. A kernel that compiles on its first call (the numba one,
     default or given: cpu_experts.compiles_on_first_call) is compiled here, per kind of bank;
-    any other given `expert_fn` is first called by a job.
+    any other given `expert_fn` is first called by a job. `spin_us`: how long the worker
+    path's hand-off polls before it blocks (moe/handoff.py; None: HYBRIDMOE_SPIN_US, else its
+    default; 0: never).
     """
 
     def __init__(
@@ -83,6 +90,7 @@ class CpuMoeExecutor:
         expert_fn: CpuExpertFn | None = None,
         sync: DeviceSync | None = None,
         inline: bool = False,
+        spin_us: float | None = None,
     ):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
@@ -103,6 +111,7 @@ class CpuMoeExecutor:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._closed = False
         self.inline = inline
+        self.handoff = SpinHandoff(len(self.banks), 0.0 if inline else spin_us)
         self._workers = [
             threading.Thread(target=self._work, name=f"hybridmoe-cpu-experts-{i}", daemon=True)
             for i in range(0 if inline else threads)
@@ -148,7 +157,9 @@ class CpuMoeExecutor:
         if self.inline:
             self._run(job)  # on this thread; an error is kept for decode_sync
         else:
+            job.seq, job.submitted_s = self.handoff.number()
             self._jobs.put(job)
+            self.handoff.submitted(job.seq)
 
     def decode(
         self,
@@ -205,7 +216,10 @@ class CpuMoeExecutor:
             )
         stats = self.stats.get(layer_idx) or self.stats.setdefault(layer_idx, CpuLayerStats())
         start = time.perf_counter()
-        finished = job.done.acquire(timeout=self.timeout_s)
+        finished = job.done.acquire(blocking=False)
+        if not finished:
+            self.handoff.wait_done(layer_idx, job.seq, job.submitted_s, start)
+            finished = job.done.acquire(timeout=self.timeout_s)
         stats.wait_s += time.perf_counter() - start
         if not finished:
             job.timed_out = True
@@ -220,6 +234,8 @@ class CpuMoeExecutor:
         stats.jobs += 1
         stats.routes += job.routes
         stats.busy_s += job.busy_s
+        if job.seq:
+            self.handoff.synced(layer_idx, job.busy_s)
         if job.output is not None:
             return job.output
         return self.sync.to_device(job.ready, job.output_cpu, job.device)
@@ -231,6 +247,7 @@ class CpuMoeExecutor:
         self._closed = True
         for _ in self._workers:
             self._jobs.put(None)
+        self.handoff.close(len(self._workers))
         for worker in self._workers:
             worker.join(self.timeout_s)
         stuck = [worker.name for worker in self._workers if worker.is_alive()]
@@ -259,7 +276,11 @@ class CpuMoeExecutor:
             )
 
     def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while True:
+            self.handoff.wait_for_job(self._jobs.empty())
+            if (job := self._jobs.get()) is None:
+                return
+            self.handoff.taken(job.seq)
             self._run(job)
 
     def _run(self, job: _Job) -> None:
@@ -275,6 +296,8 @@ class CpuMoeExecutor:
             job.error = err
         finally:
             job.done.release()
+            if job.seq:  # after the release: a caller that sees it acquires without blocking
+                self.handoff.finished(job.layer_idx, job.seq)
 
 
 def _compile_kernels(expert_fn: CpuExpertFn, banks: Sequence[ExpertBank]) -> int:

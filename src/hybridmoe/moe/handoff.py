@@ -1,0 +1,93 @@
+"""SpinHandoff: the CPU expert executor's hand-off between the calling thread and its workers,
+polled before it blocks.
+
+A thread blocked on a lock or queue is woken through the kernel (a futex); on a virtual machine
+whose idle vCPUs halt, that wake-up alone costs tens of µs, and a hybrid decode step pays two
+per MoE layer (the job to the worker, its partial back). Here both sides first poll a word of
+host memory with the GIL released (kernels/spin_wait.py), where the other's store shows in well
+under a µs, and block as before only when the wait outlasts `spin_us`:
+
+- an idle worker polls the number of the last submitted job for `spin_us` after each job (the
+  accelerator's launches of the next layer's attention come in between);
+- decode_sync polls the job's done word for as long only when the layer's last job says this
+  one will finish within that time: a longer job is waited for blocked, so that the caller's
+  polling does not take a core from the expert kernel's threads.
+
+The queue and the job's lock stay the source of truth: a word is written after the queue put
+(or the lock release) that it announces, so a thread that sees it never blocks on them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from hybridmoe import env
+from hybridmoe.kernels.spin_wait import SPIN_SUPPORTED, spin_until
+
+# About a layer's attention launches on an accelerator: the time between one layer's CPU job
+# and the next layer's submit, which an idle worker polls through.
+DEFAULT_SPIN_US = 200.0
+
+
+class SpinHandoff:
+    """Numbers the jobs of `layers` layers and polls for them; spin_us 0 never polls (every
+    method then costs a few attribute reads and returns)."""
+
+    def __init__(self, layers: int, spin_us: float | None = None) -> None:
+        if spin_us is None:
+            spin_us = env.spin_us()
+        if spin_us is None:
+            spin_us = DEFAULT_SPIN_US
+        if not spin_us >= 0:
+            raise ValueError(f"spin_us must be >= 0, got {spin_us!r}")
+        self.spin_us = float(spin_us) if SPIN_SUPPORTED else 0.0
+        self._spin_ns = int(self.spin_us * 1000)
+        # [0]: the number of the last job submitted; [1 + layer]: the number of that layer's
+        # last finished job
+        self._words = np.zeros(1 + layers, dtype=np.int64)
+        self._words_at = self._words.ctypes.data
+        self._submitted = 0
+        self._taken = 0  # the number of the last job a worker took
+        self._last_busy_s: dict[int, float] = {}  # layer -> its last job's kernel time
+
+    def number(self) -> tuple[int, float]:
+        """(the next job's number, its submit time): called before the job is queued."""
+        self._submitted += 1
+        return self._submitted, time.perf_counter()
+
+    def submitted(self, seq: int) -> None:
+        """Job `seq` is in the queue: idle workers may stop polling."""
+        self._words[0] = seq
+
+    def wait_for_job(self, queue_empty: bool) -> None:
+        """A worker about to block on the queue: poll for a job submitted after the last one
+        taken, for at most spin_us (not at all when one is queued already)."""
+        if self._spin_ns and queue_empty:
+            spin_until(self._words_at, self._taken + 1, self._spin_ns)
+
+    def taken(self, seq: int) -> None:
+        self._taken = seq
+
+    def finished(self, layer_idx: int, seq: int) -> None:
+        """Job `seq` of layer `layer_idx` is done, its lock released."""
+        self._words[1 + layer_idx] = seq
+
+    def wait_done(self, layer_idx: int, seq: int, submitted_s: float, now_s: float) -> None:
+        """The caller is about to block on job `seq`: poll for it first when the layer's last
+        job says it finishes within spin_us."""
+        if not self._spin_ns:
+            return
+        remaining_s = self._last_busy_s.get(layer_idx, 0.0) - (now_s - submitted_s)
+        if remaining_s * 1e9 < self._spin_ns:
+            spin_until(self._words_at + 8 * (1 + layer_idx), seq, self._spin_ns)
+
+    def synced(self, layer_idx: int, busy_s: float) -> None:
+        """Layer `layer_idx`'s job took `busy_s` in its kernel (what the next one is expected
+        to take)."""
+        self._last_busy_s[layer_idx] = busy_s
+
+    def close(self, workers: int) -> None:
+        """Stop polling: the `workers` stop jobs are queued."""
+        self._words[0] = self._submitted + workers

@@ -19,13 +19,15 @@ LAYERS, E, H, I = 3, 6, 8, 4  # noqa: E741
 
 
 def resident(cache: OffloadMoeCache) -> list[tuple[int, int]]:
-    """(layer, expert) of every occupied slot, in slot order (read from the cache's LRU)."""
-    return [divmod(cache._lru[slot], cache.num_experts) for slot in sorted(cache._lru)]
+    """(layer, expert) of every occupied slot, in slot order."""
+    slots = cache.resident()
+    return [divmod(slots[slot], cache.num_experts) for slot in sorted(slots)]
 
 
 def slot_of(cache: OffloadMoeCache, layer: int, expert: int) -> int | None:
     """The slot holding (or planned to hold) the expert, None if not resident."""
-    return cache._slot_of_flat.get(layer * cache.num_experts + expert)
+    flat = layer * cache.num_experts + expert
+    return next((slot for slot, held in cache.resident().items() if held == flat), None)
 
 
 def make_banks(layers: int = LAYERS, dtype: torch.dtype = torch.float32) -> list[ExpertBank]:

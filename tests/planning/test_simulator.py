@@ -38,9 +38,10 @@ def real_cache_stats(trace: RoutingTrace, slots: int, max_fetch) -> dict[int, Ex
         else:
             cache.ensure_experts_hybrid(layer, ids_t)
         cache.copy_missing()
-    for stats in cache.stats_by_layer.values():
+    stats_by_layer = cache.stats_by_layer  # a snapshot
+    for stats in stats_by_layer.values():
         stats.bytes_copied = 0  # the simulator counts experts; bytes are fetched * nbytes
-    return cache.stats_by_layer
+    return stats_by_layer
 
 
 def auto_policy() -> AutoFetch:

@@ -1,20 +1,21 @@
 """OffloadMoeCache: which routed experts live in the accelerator's slots (the cache policy).
 
 One pool of `num_slots` expert slots is shared by every MoE layer. Residency is keyed by the
-flat id `layer_idx * E + expert` and replaced by one global LRU. The policy runs on the host:
-each call reads the ids once (`tolist()`), decides in O(T*K) Python work, and writes slots / -1
-back with one `copy_`. It knows nothing about kernels, threads or vendors.
+flat id `layer_idx * E + expert` and replaced by one global LRU (moe/lru_slots.py). The policy
+runs on the host: each call reads the ids once (in place on the cpu device, else one copy to
+host memory), decides in one numba call, and writes slots / -1 back (on an accelerator with one
+`copy_`). It knows nothing about threads or vendors.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
 from hybridmoe.moe.cache_stats import ExpertCacheStats
 from hybridmoe.moe.fetch_policy import FetchPolicy
+from hybridmoe.moe.lru_slots import LruSlots, LruSlotsReference
 from hybridmoe.platform.base import Platform
 from hybridmoe.platform.cpu import CpuPlatform
 from hybridmoe.quant.bank import ExpertBank
@@ -38,6 +39,7 @@ class OffloadMoeCache:
         num_slots: int,
         max_fetch: int | FetchPolicy,
         platform: Platform | None = None,
+        policy: type[LruSlots] | type[LruSlotsReference] = LruSlots,
     ) -> None:
         _check_banks(banks)
         self.banks = list(banks)
@@ -60,8 +62,8 @@ class OffloadMoeCache:
         self.slots: SlotBanks | None = SlotBanks(banks, num_slots, self.platform.device)
         self._slot_banks = [self.slots.bank_for(bank) for bank in banks]  # per layer
         self._expert_nbytes = [bank.expert_nbytes for bank in banks]  # per layer, per fetch
-        self._ids_pinned: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # see _write_back
-        self.reset()
+        self._ids_pinned: dict[int, torch.Tensor] = {}  # see _ensure_on_device
+        self._policy = policy(len(self.banks), self.num_experts, num_slots)
 
     def slot_bank_for(self, layer_idx: int) -> ExpertBank:
         """The slots as a bank in layer `layer_idx`'s formats: what its decode computes on
@@ -86,14 +88,22 @@ class OffloadMoeCache:
 
     def reset(self) -> None:
         """Forget every resident expert, every planned copy and all stats."""
-        self._lru: OrderedDict[int, int] = OrderedDict()  # slot -> flat id, least recent first
-        self._slot_of_flat: dict[int, int] = {}
-        self._free_slots = list(range(self.num_slots - 1, -1, -1))  # pop() gives the lowest
-        self._pending: dict[int, int] = {}  # slot -> flat id that copy_missing() copies in
-        self.reset_stats()
+        self._policy.reset()
 
     def reset_stats(self) -> None:
-        self.stats_by_layer = {layer: ExpertCacheStats() for layer in range(len(self.banks))}
+        self._policy.reset_stats()
+
+    @property
+    def stats_by_layer(self) -> dict[int, ExpertCacheStats]:
+        """Each layer's counts so far (a snapshot)."""
+        stats = {layer: self._policy.stats(layer) for layer in range(len(self.banks))}
+        for layer, layer_stats in stats.items():
+            layer_stats.bytes_copied = layer_stats.fetched * self._expert_nbytes[layer]
+        return stats
+
+    def resident(self) -> dict[int, int]:
+        """slot -> (layer_idx * E + expert) of every occupied slot, planned copies included."""
+        return self._policy.resident()
 
     def total_stats(self) -> ExpertCacheStats:
         return ExpertCacheStats.merged(list(self.stats_by_layer.values()))
@@ -117,14 +127,15 @@ class OffloadMoeCache:
         """Copy every planned expert bank -> slot and clear the plan. Experts planned by any
         earlier call that has not been followed by copy_missing() are copied too. The platform
         orders the copies after the accelerator work already issued and before what follows."""
-        if not self._pending:
+        pending = self._policy.pending()
+        if not pending:
             return  # a call of hits and CPU routes only
         copies = []
-        for slot, flat in self._pending.items():
+        for slot, flat in pending:
             layer, expert = divmod(flat, self.num_experts)
-            copies += self.banks[layer].expert_copies(expert, self.slot_bank_for(layer), slot)
+            copies += self.banks[layer].expert_copies(expert, self._slot_banks[layer], slot)
         self.platform.finish_copies(self.platform.start_copies(copies))
-        self._pending.clear()
+        self._policy.clear_pending()
 
     @staticmethod
     def min_slots(top_k: int, tokens: int = 1, num_experts: int | None = None) -> int:
@@ -140,7 +151,7 @@ class OffloadMoeCache:
         garbage collector; the cache cannot be used afterwards."""
         self.slots = None
         self._slot_banks = []
-        self._pending.clear()
+        self._policy.clear_pending()
         self._ids_pinned.clear()
 
     def _ensure(
@@ -148,115 +159,32 @@ class OffloadMoeCache:
     ) -> int:
         """The policy of both ensure_* methods; returns the routes given to the CPU."""
         self._check_layer(layer_idx)
-        flat_ids = topk_ids.reshape(-1).tolist()  # the one device -> host read of the call
-        counts = self._count_routes(layer_idx, flat_ids)  # expert -> routes, first-seen order
-        if fetch_cap is None and len(counts) > self.num_slots:
-            raise ValueError(
-                f"this decode step needs {len(counts)} expert slots (layer {layer_idx} routes to "
-                f"{len(counts)} distinct experts) but expert_cache_slots is {self.num_slots}"
+        ids = topk_ids
+        if ids.device.type == "cpu" and ids.dtype == torch.int64 and ids.is_contiguous():
+            return self._policy.ensure_at(layer_idx, ids.data_ptr(), ids.numel(), fetch_cap)
+        if ids.device.type == "cpu":  # another dtype or layout: through an int64 copy
+            ids64 = ids.to(torch.int64).contiguous()
+            cpu_routes = self._policy.ensure_at(
+                layer_idx, ids64.data_ptr(), ids64.numel(), fetch_cap
             )
-        base = layer_idx * self.num_experts
-        slot_of_expert = self._touch_hits(base, counts)
-        hits = list(slot_of_expert)  # in first-seen order, as counts
-        fetched = self._fetch_misses(layer_idx, counts, slot_of_expert, fetch_cap)
-        cpu_routes = self._record(layer_idx, counts, hits, fetched)
-        rewritten = [slot_of_expert.get(e, -1) for e in flat_ids]  # ids < 0 are never keys
-        self._write_back(topk_ids, rewritten)
-        return cpu_routes
+            ids.copy_(ids64)
+            return cpu_routes
+        return self._ensure_on_device(layer_idx, ids, fetch_cap)
 
-    def _write_back(self, topk_ids: torch.Tensor, rewritten: list[int]) -> None:
-        """topk_ids[:] = rewritten. On an accelerator through one reused page-locked buffer per
-        shape, copied without blocking: reusing it is safe because every call starts with the
-        `tolist()` read of ids that the compute stream produced after the last copy."""
-        if topk_ids.device.type == "cpu":
-            if topk_ids.is_contiguous():  # through numpy: no aten op (~13 -> ~2 µs warm)
-                topk_ids.numpy().reshape(-1)[:] = rewritten
-            else:
-                topk_ids.copy_(torch.tensor(rewritten, dtype=topk_ids.dtype).view(topk_ids.shape))
-            return
-        key = (topk_ids.numel(), topk_ids.dtype)
-        ids_pinned = self._ids_pinned.get(key)
-        if ids_pinned is None:
-            ids_pinned = torch.empty(key[0], dtype=key[1], pin_memory=True)
-            self._ids_pinned[key] = ids_pinned
-        ids_pinned.numpy()[:] = rewritten
-        topk_ids.copy_(ids_pinned.view(topk_ids.shape), non_blocking=True)
-
-    def _count_routes(self, layer_idx: int, flat_ids: list[int]) -> dict[int, int]:
-        """expert -> its routes in the call, in first-seen order (ids < 0 are not routes)."""
-        counts: dict[int, int] = {}
-        for e in flat_ids:  # a loop: Counter's setup costs more than 8 ids
-            if e >= 0:
-                counts[e] = counts.get(e, 0) + 1
-        if counts and max(counts) >= self.num_experts:
-            raise ValueError(
-                f"layer {layer_idx}: expert id {max(counts)} out of range "
-                f"(the layer has {self.num_experts} experts)"
-            )
-        return counts
-
-    def _touch_hits(self, base: int, counts: dict[int, int]) -> dict[int, int]:
-        slot_of_expert = {}
-        for expert in counts:
-            slot = self._slot_of_flat.get(base + expert)
-            if slot is not None:
-                self._lru.move_to_end(slot)
-                slot_of_expert[expert] = slot
-        return slot_of_expert
-
-    def _fetch_misses(
-        self,
-        layer_idx: int,
-        counts: dict[int, int],
-        slot_of_expert: dict[int, int],
-        fetch_cap: int | FetchPolicy | None,
-    ) -> list[int]:
-        misses = [e for e in counts if e not in slot_of_expert]
-        misses.sort(key=lambda e: -counts[e])  # stable: ties keep first-appearance order
-        if fetch_cap is not None and not isinstance(fetch_cap, int):
-            fetch_cap = fetch_cap.fetch_count(layer_idx, len(slot_of_expert), len(misses))
-        protected = set(slot_of_expert.values())
-        fetched = []
-        for expert in misses[:fetch_cap]:
-            slot = self._claim_slot(protected, self.stats_by_layer[layer_idx])
-            if slot is None:
-                break  # every slot is used by this call; the remaining misses go to the CPU
-            flat = layer_idx * self.num_experts + expert
-            self._lru[slot] = flat
-            self._slot_of_flat[flat] = slot
-            self._pending[slot] = flat
-            slot_of_expert[expert] = slot
-            protected.add(slot)
-            fetched.append(expert)
-        return fetched
-
-    def _claim_slot(self, protected: set[int], stats: ExpertCacheStats) -> int | None:
-        if self._free_slots:
-            return self._free_slots.pop()
-        # The slots this call used were all touched after every other slot, so they are the
-        # tail of the LRU order: the head is evictable unless every slot is protected.
-        slot = next(iter(self._lru))
-        if slot in protected:
-            return None
-        _, victim = self._lru.popitem(last=False)
-        del self._slot_of_flat[victim]
-        stats.evictions += 1
-        return slot
-
-    def _record(
-        self, layer_idx: int, counts: dict[int, int], hits: list[int], fetched: list[int]
+    def _ensure_on_device(
+        self, layer_idx: int, topk_ids: torch.Tensor, fetch_cap: int | FetchPolicy | None
     ) -> int:
-        """Count the call in its layer's stats; returns its CPU routes."""
-        stats = self.stats_by_layer[layer_idx]
-        routes, hit_routes = sum(counts.values()), sum(counts[e] for e in hits)
-        fetched_routes = sum(counts[e] for e in fetched)  # fetched: misses, none a hit
-        cpu_routes = routes - hit_routes - fetched_routes
-        stats.routes += routes
-        stats.hits += hit_routes
-        stats.fetched_routes += fetched_routes
-        stats.cpu_routes += cpu_routes
-        stats.fetched += len(fetched)
-        stats.bytes_copied += len(fetched) * self._expert_nbytes[layer_idx]
+        """ensure on an accelerator's ids through one reused page-locked buffer per size: the
+        blocking copy in is the call's one device -> host read, the copy back does not block.
+        Reusing the buffer is safe: each call's copy in is ordered after the last copy back."""
+        n = topk_ids.numel()
+        ids_pinned = self._ids_pinned.get(n)
+        if ids_pinned is None:
+            ids_pinned = torch.empty(n, dtype=torch.int64, pin_memory=True)
+            self._ids_pinned[n] = ids_pinned
+        ids_pinned.copy_(topk_ids.reshape(-1))
+        cpu_routes = self._policy.ensure_at(layer_idx, ids_pinned.data_ptr(), n, fetch_cap)
+        topk_ids.copy_(ids_pinned.view(topk_ids.shape), non_blocking=True)
         return cpu_routes
 
     def _check_layer(self, layer_idx: int) -> None:

@@ -126,7 +126,7 @@ def split_routes(
     `on_cpu` is `slots < 0` when the caller has it already.
     """
     on_cpu = slots < 0 if on_cpu is None else on_cpu
-    cpu_ids = original_ids.masked_fill(~on_cpu, -1)
+    cpu_ids = torch.where(on_cpu, original_ids, -1)
     gpu_slots = slots
     gpu_weights = weights.masked_fill(on_cpu, 0)
     return cpu_ids, gpu_slots, gpu_weights

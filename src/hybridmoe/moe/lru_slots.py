@@ -44,6 +44,8 @@ class LruSlots:
         """Nothing resident, nothing planned, stats zero."""
         self._state = numba_lru.new_state(self.slots, self.layers * self.experts)
         self._state_at = self._state.ctypes.data
+        # where pending_flat starts (pending_slots follows it)
+        self._pending_flat_at = numba_lru.HEADER + self.layers * self.experts + 3 * self.slots + 2
         self._info = np.zeros(4, dtype=np.int64)
         self._info_at = self._info.ctypes.data
         self._stats = np.zeros((self.layers, numba_lru.STATS), dtype=np.int64)
@@ -73,14 +75,16 @@ class LruSlots:
 
     def pending(self) -> list[tuple[int, int]]:
         """(slot, flat id) of every planned copy, in the order first planned."""
-        slots, flats = self.slots, self.layers * self.experts
-        start = numba_lru.HEADER + flats + 3 * slots + 2
-        planned = self._state[start + slots : start + slots + int(self._state[1])].tolist()
-        return [(slot, int(self._state[start + slot])) for slot in planned]
+        planned = int(self._state[1])
+        if not planned:
+            return []
+        state, flat_at = self._state, self._pending_flat_at
+        slots = state[flat_at + self.slots : flat_at + self.slots + planned].tolist()
+        return [(slot, int(state[flat_at + slot])) for slot in slots]
 
     def clear_pending(self) -> None:
-        start = numba_lru.HEADER + self.layers * self.experts + 3 * self.slots + 2
-        self._state[start : start + self.slots] = -1
+        for slot, _ in self.pending():
+            self._state[self._pending_flat_at + slot] = -1
         self._state[1] = 0
 
     def resident(self) -> dict[int, int]:

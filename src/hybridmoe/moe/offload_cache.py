@@ -61,6 +61,11 @@ class OffloadMoeCache:
         self.platform = platform if platform is not None else CpuPlatform()
         self.slots: SlotBanks | None = SlotBanks(banks, num_slots, self.platform.device)
         self._slot_banks = [self.slots.bank_for(bank) for bank in banks]  # per layer
+        # per layer: (bank tensor, slot tensor) pairs, row [expert] -> row [slot] (a fetch)
+        self._copy_pairs = [
+            bank.expert_tensor_pairs(slot_bank)
+            for bank, slot_bank in zip(self.banks, self._slot_banks, strict=True)
+        ]
         self._expert_nbytes = [bank.expert_nbytes for bank in banks]  # per layer, per fetch
         self._ids_pinned: dict[int, torch.Tensor] = {}  # see _ensure_on_device
         self._policy = policy(len(self.banks), self.num_experts, num_slots)
@@ -133,7 +138,7 @@ class OffloadMoeCache:
         copies = []
         for slot, flat in pending:
             layer, expert = divmod(flat, self.num_experts)
-            copies += self.banks[layer].expert_copies(expert, self._slot_banks[layer], slot)
+            copies += [(src[expert], dst[slot]) for src, dst in self._copy_pairs[layer]]
         self.platform.finish_copies(self.platform.start_copies(copies))
         self._policy.clear_pending()
 
@@ -150,7 +155,7 @@ class OffloadMoeCache:
         """Release the slots (device memory on an accelerator) now, without waiting for the
         garbage collector; the cache cannot be used afterwards."""
         self.slots = None
-        self._slot_banks = []
+        self._slot_banks, self._copy_pairs = [], []
         self._policy.clear_pending()
         self._ids_pinned.clear()
 

@@ -364,10 +364,16 @@ class ExpertBank:
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(source, destination) pairs that copy expert `expert`'s stored bytes into slot `slot`
         of `slots` (same format), for Platform.start_copies: each pair contiguous."""
-        copies = [(src[expert], dst[slot]) for src, dst in self._pairs(slots)]
+        return [(src[expert], dst[slot]) for src, dst in self.expert_tensor_pairs(slots)]
+
+    def expert_tensor_pairs(self, slots: ExpertBank) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(this bank's tensor, the slots' tensor) pairs whose rows [expert] and [slot] hold
+        one expert's stored bytes, biases included: expert_copies' pairs, for a caller that
+        copies many experts to index itself."""
+        pairs = self._pairs(slots)
         if self.biases is not None:
-            copies += self.biases.expert_copies(expert, slots.biases, slot)
-        return copies
+            pairs += self.biases.tensor_pairs(slots.biases)
+        return pairs
 
     def copies_into(self, target: ExpertBank) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(source, destination) pairs that copy the whole bank, biases included, into

@@ -98,9 +98,9 @@ class ExpertBiases:
             torch.zeros((num, self.down.shape[1]), dtype=self.down.dtype, device=device),
         )
 
-    def expert_copies(self, expert: int, other: ExpertBiases, slot: int) -> list[tuple]:
-        """(source, destination) pairs copying expert `expert`'s biases into `other`'s `slot`."""
-        return [(self.gate_up[expert], other.gate_up[slot]), (self.down[expert], other.down[slot])]
+    def tensor_pairs(self, other: ExpertBiases) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(this, other) tensor pairs whose rows [expert] hold one expert's biases."""
+        return [(self.gate_up, other.gate_up), (self.down, other.down)]
 
 
 def activate(

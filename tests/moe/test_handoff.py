@@ -5,6 +5,7 @@ the same results polled or not, and a job longer than the polling time is waited
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -64,29 +65,47 @@ def test_jobs_give_the_same_partials_polled_or_not(monkeypatch, spin_us):
         assert sum(seen for _, _, seen in spins.calls) >= 6
 
 
-def test_a_job_longer_than_the_polling_time_is_waited_for_blocked(monkeypatch):
+class NeverLock:
+    """A job's done lock that never comes free: records the timeouts it is waited on with."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[float] = []
+
+    def acquire(self, timeout: float) -> bool:
+        self.timeouts.append(timeout)
+        return False
+
+
+def test_a_long_job_is_waited_for_blocked_until_just_before_its_expected_end(monkeypatch):
     spins = CountingSpin()
     monkeypatch.setattr(handoff, "spin_until", spins)
+    spin = handoff.SpinHandoff(2, spin_us=100.0)
+    done_word = spin._words_at + 8 * 2  # layer 1's
+    lock = NeverLock()
+    assert not spin.wait_done(1, 7, time.perf_counter(), lock, limit_s=WAIT_S)
+    assert lock.timeouts == [] and spins.calls == [(done_word, 7, False)]  # no history: polls
+    spin.synced(1, 0.05)  # the layer's jobs take 50 ms: block until 100 µs before that
+    spins.calls.clear()
+    assert not spin.wait_done(1, 8, time.perf_counter(), lock, limit_s=WAIT_S)
+    assert len(lock.timeouts) == 1 and 0.0 < lock.timeouts[0] <= 0.05 - 100e-6
+    assert spins.calls == [(done_word, 8, False)]  # then polls
+    spin.synced(1, 2 * WAIT_S)
+    spin.wait_done(1, 9, time.perf_counter(), lock, limit_s=0.5)
+    assert lock.timeouts[-1] == 0.5  # never past the caller's limit
+
+
+def test_a_job_is_collected_after_the_early_wait(monkeypatch):
     bank = make_layer(0)[1]
-    release = threading.Event()
 
     def slow(x, ids, weights, bank):
-        release.wait(0.05)  # 50 ms: far longer than the 100 µs of polling
+        time.sleep(0.02)
         return bank_moe(x, ids, weights, bank)
 
     x, ids, weights = make_inputs(2, 2, seed=0, cpu_fraction=1.0)
     with CpuMoeExecutor([bank], spin_us=100.0, expert_fn=slow) as executor:
-        done_word = executor.handoff._words_at + 8  # layer 0's
-        executor.decode_submit(0, x, ids, weights)
-        executor.decode_sync(0)  # the layer's first job: polled (no history), then blocked
-        first = [call for call in spins.calls if call[0] == done_word]
-        spins.calls.clear()
-        executor.decode_submit(0, x, ids, weights)
-        result = executor.decode_sync(0)
-        second = [call for call in spins.calls if call[0] == done_word]
-    assert first == [(done_word, 1, False)]  # 100 µs of a 50 ms job
-    assert second == []  # the last job took 50 ms: no polling
-    torch.testing.assert_close(result, bank_moe(x, ids, weights, bank))
+        for _ in range(3):  # from the second on, the caller first blocks until ~20 ms
+            executor.decode_submit(0, x, ids, weights)
+            torch.testing.assert_close(executor.decode_sync(0), bank_moe(x, ids, weights, bank))
 
 
 def test_a_bad_polling_time_is_refused(monkeypatch):

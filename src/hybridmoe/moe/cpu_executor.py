@@ -216,10 +216,12 @@ class CpuMoeExecutor:
             )
         stats = self.stats.get(layer_idx) or self.stats.setdefault(layer_idx, CpuLayerStats())
         start = time.perf_counter()
-        finished = job.done.acquire(blocking=False)
+        finished = job.done.acquire(blocking=False) or self.handoff.wait_done(
+            layer_idx, job.seq, job.submitted_s, job.done, self.timeout_s
+        )
         if not finished:
-            self.handoff.wait_done(layer_idx, job.seq, job.submitted_s, start)
-            finished = job.done.acquire(timeout=self.timeout_s)
+            left_s = self.timeout_s - (time.perf_counter() - start)
+            finished = job.done.acquire(timeout=max(left_s, 0.0))
         stats.wait_s += time.perf_counter() - start
         if not finished:
             job.timed_out = True

@@ -9,9 +9,10 @@ under a µs, and block as before only when the wait outlasts `spin_us`:
 
 - an idle worker polls the number of the last submitted job for `spin_us` after each job (the
   accelerator's launches of the next layer's attention come in between);
-- decode_sync polls the job's done word for as long only when the layer's last job says this
-  one will finish within that time: a longer job is waited for blocked, so that the caller's
-  polling does not take a core from the expert kernel's threads.
+- decode_sync blocks on the job until spin_us before its expected end (the layer's last job's
+  kernel time after its submit), then polls its done word for spin_us: while the job runs the
+  caller does not take a core from the expert kernel's threads, and it is awake when the job
+  ends.
 
 The queue and the job's lock stay the source of truth: a word is written after the queue put
 (or the lock release) that it announces, so a thread that sees it never blocks on them.
@@ -19,6 +20,7 @@ The queue and the job's lock stay the source of truth: a word is written after t
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -74,14 +76,22 @@ class SpinHandoff:
         """Job `seq` of layer `layer_idx` is done, its lock released."""
         self._words[1 + layer_idx] = seq
 
-    def wait_done(self, layer_idx: int, seq: int, submitted_s: float, now_s: float) -> None:
-        """The caller is about to block on job `seq`: poll for it first when the layer's last
-        job says it finishes within spin_us."""
+    def wait_done(
+        self, layer_idx: int, seq: int, submitted_s: float, done: threading.Lock, limit_s: float
+    ) -> bool:
+        """The caller is about to block on job `seq` (its lock `done`, held until the job
+        ends): blocks on it until spin_us before the job's expected end (the layer's last
+        job's kernel time after its submit; at most `limit_s`), then polls for spin_us. True
+        when it acquired `done`; else the caller blocks on it as before (acquiring at once when
+        the poll saw the job end)."""
         if not self._spin_ns:
-            return
-        remaining_s = self._last_busy_s.get(layer_idx, 0.0) - (now_s - submitted_s)
-        if remaining_s * 1e9 < self._spin_ns:
-            spin_until(self._words_at + 8 * (1 + layer_idx), seq, self._spin_ns)
+            return False
+        spin_s = self._spin_ns * 1e-9
+        early_s = self._last_busy_s.get(layer_idx, 0.0) - (time.perf_counter() - submitted_s)
+        if early_s > spin_s and done.acquire(timeout=min(early_s - spin_s, limit_s)):
+            return True
+        spin_until(self._words_at + 8 * (1 + layer_idx), seq, self._spin_ns)
+        return False
 
     def synced(self, layer_idx: int, busy_s: float) -> None:
         """Layer `layer_idx`'s job took `busy_s` in its kernel (what the next one is expected

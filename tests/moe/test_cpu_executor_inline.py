@@ -117,25 +117,31 @@ def test_engine_decode_paths_give_the_same_tokens(
     demo_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, decode_target: str
 ):
     """The worker path with torch's threads in decode (the old one), torch's ops serial in a
-    CPU decode step and with the inline executor (forced, and by default) decode the same
-    tokens."""
+    CPU decode step (its hand-off polled, and blocking) and with the inline executor (forced,
+    and by default) decode the same tokens."""
     results = {}
     variants = (
-        ("old", "0", "0"),
-        ("serial", "0", None),
-        ("inline", "1", None),
-        ("default", None, None),
+        ("old", "0", "0", None),
+        ("serial", "0", None, None),
+        ("serial, blocking hand-off", "0", None, "0"),
+        ("inline", "1", None, None),
+        ("default", None, None, None),
     )
-    for name, inline, serial in variants:
-        for var, value in (("HYBRIDMOE_CPU_INLINE", inline), ("HYBRIDMOE_SERIAL_TORCH", serial)):
+    for name, inline, serial, spin in variants:
+        switches = (
+            ("HYBRIDMOE_CPU_INLINE", inline),
+            ("HYBRIDMOE_SERIAL_TORCH", serial),
+            ("HYBRIDMOE_SPIN_US", spin),
+        )
+        for var, value in switches:
             if value is None:
                 monkeypatch.delenv(var, raising=False)
             else:
                 monkeypatch.setenv(var, value)
         results[name] = _generate(demo_checkpoint, decode_target)
-    assert [used for _, used in results.values()] == [False, False, True, True]
+    assert [used for _, used in results.values()] == [False, False, False, True, True]
     tokens = [ids for ids, _ in results.values()]
-    assert tokens[0] == tokens[1] == tokens[2] == tokens[3]
+    assert all(ids == tokens[0] for ids in tokens[1:])
 
 
 @pytest.mark.parametrize("inline", [False, True])

@@ -24,8 +24,10 @@ splits the per-call time into phases; `--profile` adds a cProfile of the main th
 
 The figures depend on the machine as much as on the code: every call hands a job to the worker
 thread and back, so the line "this machine" prints the floors measured in the same run (one
-small torch op, one bare SimpleQueue + Event round trip). On a VM whose idle vCPUs halt, that
-round trip alone can cost 10x what it costs on busy or bare-metal cores.
+small torch op, one bare SimpleQueue + Event round trip, and one round trip polled as
+CpuMoeExecutor's hand-off polls). On a VM whose idle vCPUs halt, the blocking round trip alone
+can cost 10x what it costs on busy or bare-metal cores. --spin-us 0 turns the executor's
+polling off.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
+from hybridmoe.kernels.spin_wait import SPIN_SUPPORTED, spin_until, store_then_spin
 from hybridmoe.moe import hybrid_decode
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import bank_moe
@@ -331,7 +335,33 @@ def calibrate(repeats: int = 2000) -> dict[str, float]:
     floors["worker round trip"] = _median_us(round_trip, repeats)
     jobs.put(None)
     worker.join()
+    if SPIN_SUPPORTED:
+        floors["polled round trip"] = _polled_round_trip_us(repeats)
     return floors
+
+
+def _polled_round_trip_us(repeats: int) -> float:
+    """The same round trip with both threads polling a word (kernels/spin_wait.py, the GIL
+    released while they poll), as SpinHandoff does: the floor of the polled hand-off."""
+    words = np.zeros(2, dtype=np.int64)  # [0]: requests sent, [1]: answered
+    limit_ns = 10**9
+
+    sent_at, answered_at = words.ctypes.data, words.ctypes.data + 8
+
+    def echo() -> None:
+        spin_until(sent_at, 1, limit_ns)
+        for seq in range(1, repeats + 1):  # answer seq, then poll for the next
+            store_then_spin(answered_at, seq, sent_at, seq + 1, 0 if seq == repeats else limit_ns)
+
+    worker = threading.Thread(target=echo, daemon=True)
+    worker.start()
+    times_ns = []
+    for seq in range(1, repeats + 1):
+        start = time.perf_counter_ns()
+        store_then_spin(sent_at, seq, answered_at, seq, limit_ns)
+        times_ns.append(time.perf_counter_ns() - start)
+    worker.join()
+    return statistics.median(times_ns) / 1000.0
 
 
 def _median_us(fn: Callable[[], object], repeats: int) -> float:

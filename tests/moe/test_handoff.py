@@ -4,6 +4,7 @@ the same results polled or not, and a job longer than the polling time is waited
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridmoe.kernels.spin_wait import SPIN_SUPPORTED, spin_until
+from hybridmoe.kernels.spin_wait import SPIN_SUPPORTED, spin_until, store_then_spin
 from hybridmoe.moe import handoff
 from hybridmoe.moe.cpu_executor import CpuMoeExecutor
 from hybridmoe.moe.cpu_experts import bank_moe
@@ -37,6 +38,24 @@ def test_spin_until_sees_a_store_from_another_thread_and_gives_up_without_one():
     thread.join(WAIT_S)
 
 
+def test_store_then_spin_stores_before_it_polls():
+    words = np.zeros(2, dtype=np.int64)
+    first, second = words.ctypes.data, words.ctypes.data + 8
+    assert not store_then_spin(first, 4, second, 1, 0)  # a store alone
+    assert words.tolist() == [4, 0]
+    answered = []
+
+    def answer() -> None:  # waits for the other side's store, then answers it
+        answered.append(spin_until(first, 5, int(WAIT_S * 1e9)))
+        words[1] = 1
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    assert store_then_spin(first, 5, second, 1, int(WAIT_S * 1e9))
+    thread.join(WAIT_S)
+    assert answered == [True] and words.tolist() == [5, 1]
+
+
 class CountingSpin:
     def __init__(self) -> None:
         self.calls: list[tuple[int, int, bool]] = []  # (address, value waited for, seen)
@@ -46,11 +65,22 @@ class CountingSpin:
         self.calls.append((address, value, seen))
         return seen
 
+    def after_store(self, store_at: int, stored: int, address: int, value: int, max_ns: int):
+        """store_then_spin's stand-in: the store, then the poll recorded as above."""
+        ctypes.c_int64.from_address(store_at).value = stored
+        return self(address, value, max_ns) if max_ns else False
+
+
+def count_spins(monkeypatch) -> CountingSpin:
+    spins = CountingSpin()
+    monkeypatch.setattr(handoff, "spin_until", spins)
+    monkeypatch.setattr(handoff, "store_then_spin", spins.after_store)
+    return spins
+
 
 @pytest.mark.parametrize("spin_us", [0.0, 5000.0])
 def test_jobs_give_the_same_partials_polled_or_not(monkeypatch, spin_us):
-    spins = CountingSpin()
-    monkeypatch.setattr(handoff, "spin_until", spins)
+    spins = count_spins(monkeypatch)
     banks = [make_layer(seed)[1] for seed in range(2)]
     with CpuMoeExecutor(banks, spin_us=spin_us, expert_fn=bank_moe) as executor:
         assert executor.handoff.spin_us == spin_us
@@ -77,8 +107,7 @@ class NeverLock:
 
 
 def test_a_long_job_is_waited_for_blocked_until_just_before_its_expected_end(monkeypatch):
-    spins = CountingSpin()
-    monkeypatch.setattr(handoff, "spin_until", spins)
+    spins = count_spins(monkeypatch)
     spin = handoff.SpinHandoff(2, spin_us=100.0)
     done_word = spin._words_at + 8 * 2  # layer 1's
     lock = NeverLock()

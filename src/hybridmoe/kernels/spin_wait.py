@@ -10,8 +10,11 @@ core.
 
 `spin_until(address, value, max_ns)` returns True as soon as the int64 at `address` is >=
 `value` (an acquire load: what the storing thread wrote before the word is visible after),
-False after `max_ns` nanoseconds without. Available where the C library has clock_gettime
-(SPIN_SUPPORTED); elsewhere callers use their blocking path only.
+False after `max_ns` nanoseconds without. `store_then_spin` first stores a word for the other
+side, with the GIL released: a thread polling for that word then never wakes to a GIL still
+held by the storer (CPython's GIL has no polling: a thread that finds it held sleeps on a
+condition variable, the very wake-up the polling avoids). Available where the C library has
+clock_gettime (SPIN_SUPPORTED); elsewhere callers use their blocking path only.
 """
 
 from __future__ import annotations
@@ -83,6 +86,22 @@ def _monotonic_ns(typingctx):
     return types.int64(), codegen
 
 
+@intrinsic
+def _store_release(typingctx, address, value):
+    """*address = value (int64), an atomic store with release ordering: what this thread wrote
+    before is visible to a thread that loads the value."""
+    if not isinstance(address, types.Integer) or not isinstance(value, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        pointer = builder.inttoptr(args[0], llvm_ir.I64.as_pointer())
+        stored = context.cast(builder, args[1], signature.args[1], types.int64)
+        builder.store_atomic(stored, pointer, "release", 8)
+        return context.get_dummy_value()
+
+    return types.none(address, value), codegen
+
+
 @cached_njit(nogil=True)
 def spin_until(address: int, value: int, max_ns: int) -> bool:
     """True once the int64 at `address` is >= `value`, False after `max_ns` ns without."""
@@ -94,6 +113,15 @@ def spin_until(address: int, value: int, max_ns: int) -> bool:
             _cpu_relax()
         if _monotonic_ns() >= end:
             return False
+
+
+@cached_njit(nogil=True)
+def store_then_spin(store_at: int, stored: int, address: int, value: int, max_ns: int) -> bool:
+    """*store_at = stored, then spin_until(address, value, max_ns): the store made with the GIL
+    already released, so the thread it wakes (polling for it) does not find the GIL held and
+    sleep on it, a wake-up through the kernel again."""
+    _store_release(store_at, stored)
+    return spin_until(address, value, max_ns)
 
 
 numba.config.CACHE_DIR = _previous_cache_dir

@@ -278,12 +278,10 @@ class CpuMoeExecutor:
             )
 
     def _work(self) -> None:
-        while True:
-            self.handoff.wait_for_job(self._jobs.empty())
-            if (job := self._jobs.get()) is None:
-                return
+        while (job := self._jobs.get()) is not None:
             self.handoff.taken(job.seq)
             self._run(job)
+            self.handoff.finished(job.layer_idx, job.seq, self._jobs.empty())  # then polls
 
     def _run(self, job: _Job) -> None:
         try:
@@ -297,9 +295,7 @@ class CpuMoeExecutor:
         except BaseException as err:  # any failure must reach decode_sync, not kill the worker
             job.error = err
         finally:
-            job.done.release()
-            if job.seq:  # after the release: a caller that sees it acquires without blocking
-                self.handoff.finished(job.layer_idx, job.seq)
+            job.done.release()  # before the handoff's word: its reader acquires without blocking
 
 
 def _compile_kernels(expert_fn: CpuExpertFn, banks: Sequence[ExpertBank]) -> int:

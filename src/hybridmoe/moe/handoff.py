@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from hybridmoe import env
-from hybridmoe.kernels.spin_wait import SPIN_SUPPORTED, spin_until
+from hybridmoe.kernels.spin_wait import SPIN_SUPPORTED, spin_until, store_then_spin
 
 # About a layer's attention launches on an accelerator: the time between one layer's CPU job
 # and the next layer's submit, which an idle worker polls through.
@@ -63,18 +63,18 @@ class SpinHandoff:
         """Job `seq` is in the queue: idle workers may stop polling."""
         self._words[0] = seq
 
-    def wait_for_job(self, queue_empty: bool) -> None:
-        """A worker about to block on the queue: poll for a job submitted after the last one
-        taken, for at most spin_us (not at all when one is queued already)."""
-        if self._spin_ns and queue_empty:
-            spin_until(self._words_at, self._taken + 1, self._spin_ns)
-
     def taken(self, seq: int) -> None:
         self._taken = seq
 
-    def finished(self, layer_idx: int, seq: int) -> None:
-        """Job `seq` of layer `layer_idx` is done, its lock released."""
-        self._words[1 + layer_idx] = seq
+    def finished(self, layer_idx: int, seq: int, queue_empty: bool) -> None:
+        """A worker finished job `seq` of layer `layer_idx` (its lock released): announce it,
+        then, about to block on an empty queue, poll for a job submitted after the last one
+        taken, for at most spin_us. One call with the GIL released from before the
+        announcement (kernels/spin_wait.store_then_spin)."""
+        if self._spin_ns:
+            wait_ns = self._spin_ns if queue_empty else 0
+            done_at = self._words_at + 8 * (1 + layer_idx)
+            store_then_spin(done_at, seq, self._words_at, self._taken + 1, wait_ns)
 
     def wait_done(
         self, layer_idx: int, seq: int, submitted_s: float, done: threading.Lock, limit_s: float

@@ -63,7 +63,8 @@ class LruSlots:
             cap = numba_lru.UNLIMITED
         elif not isinstance(cap, int):  # a policy: ask it with the call's counts
             if self._call(layer_idx, ids_at, n, numba_lru.COUNT_ONLY) == 0:
-                cap = cap.fetch_count(layer_idx, int(self._info[1]), int(self._info[2]))
+                asked = cap.fetch_count(layer_idx, int(self._info[1]), int(self._info[2]))
+                cap = max(int(asked), 0)  # the kernel reads a negative cap as a mode
             else:  # an id out of range: the call below raises before asking
                 cap = 0
         cpu_routes = self._call(layer_idx, ids_at, n, cap)

@@ -141,7 +141,7 @@ def assert_same_logits(got: list[torch.Tensor], expected: list[torch.Tensor]) ->
 
 
 @pytest.mark.parametrize("norms", [True, False], ids=["with-norms", "attention-only"])
-@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("parallel", ["serial", "dense", "all"])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_block_gives_the_parts_bits(
@@ -149,13 +149,18 @@ def test_the_block_gives_the_parts_bits(
     monkeypatch: pytest.MonkeyPatch,
     dtype: str,
     rows: int,
-    parallel: bool,
+    parallel: str,
     norms: bool,
 ) -> None:
+    """`parallel`: every weight and step under the parallel thresholds (serial kernels), every
+    weight over (dense: the block's attention then parallel where it has 2 (sequence, kv head)
+    items a thread, block_attention_threads; the parts' stays serial), or every weight and
+    step over (all)."""
     if not norms:  # the decoder layer's norms stay its own: the block is the attention alone
         monkeypatch.setattr(DecoderLayer, "_residual_block", lambda *args: None)
-    if parallel:  # every weight and step over the parallel threshold: the parallel kernels
+    if parallel != "serial":
         monkeypatch.setattr(numba_dense, "MIN_PARALLEL_BYTES", 0)
+    if parallel == "all":
         monkeypatch.setattr(numba_attention, "MIN_PARALLEL_BYTES", 0)
     prompts = PROMPTS[:rows]
     blocks(monkeypatch, False)
@@ -515,3 +520,11 @@ def test_a_layer_keeps_a_few_plans(demo_checkpoint: Path) -> None:
     assert kept == [attention_block.MAX_PLANS] * len(kept)
     with Engine.from_pretrained(demo_checkpoint, config) as engine:
         assert engine.generate_ids(prompts[:3], GREEDY) == tokens
+
+
+def test_the_block_runs_its_attention_on_an_awake_pool_with_2_items_a_thread():
+    rule = attention_block.block_attention_threads
+    assert rule(1, True, 4, 2) == 2  # q/k/v on the pool, 2 items a thread
+    assert rule(1, True, 3, 2) == 1  # too few items: the standalone rule's
+    assert rule(1, False, 16, 2) == 1  # q/k/v on the calling thread: the pool may sleep
+    assert rule(2, False, 1, 2) == 2  # the standalone rule's own parallel step

@@ -337,14 +337,12 @@ def _run(
     heads, kv_heads, dim = shape
     caches, slots, rows, positions, ring, window = step
     B, bf16, args = x.shape[0], x.dtype is torch.bfloat16, plan.args
-    attention_threads = step_threads(B, batch.kv_len, ring, window, kv_heads, dim, x.element_size())
-    if plan.qkv_par and B * kv_heads >= 2 * plan.threads:
-        # the block's q/k/v projection has just run on the pool, which is awake: a parallel
-        # region costs µs here, not the ms of waking it that step_threads' byte threshold
-        # guards a standalone launch from (the AMD EPYC, the Qwen3-30B-A3B-shaped q4_k_m
-        # layer: attention 147 -> 82 µs a layer at batch 4, 47 -> 35 at batch 1; each
-        # (sequence, kv head) item is computed the same way on either path: the same bits)
-        attention_threads = plan.threads
+    attention_threads = block_attention_threads(
+        step_threads(B, batch.kv_len, ring, window, kv_heads, dim, x.element_size()),
+        plan.qkv_par,
+        B * kv_heads,
+        plan.threads,
+    )
     head, tail = plan.sizes
     order = kernel_order()
     args[_SIZES] = (*head, slots, batch.kv_len, lanes, B, *tail, ring or 0, window or 0, order)
@@ -372,6 +370,19 @@ def _run(
         bank = experts[1]
         raise IndexError(f"expert id {status} out of range: the bank has {bank[6]} experts")
     return after, post_normed, routes, partial
+
+
+def block_attention_threads(standalone: int, qkv_parallel: bool, items: int, threads: int) -> int:
+    """The threads of the block's attention over `items` (sequence, kv head) pairs: those of a
+    standalone launch (`standalone`: step_threads'), or all `threads` where the block's q/k/v
+    projection runs on the pool and there are at least 2 items a thread. The pool is awake
+    there (the projection has just run on it): a parallel region costs µs, not the ms of
+    waking it that step_threads' byte threshold guards a standalone launch from. On the AMD
+    EPYC's Qwen3-30B-A3B-shaped q4_k_m layer: attention 147 -> 82 µs a layer at batch 4, 47
+    -> 35 at batch 1. Either path computes each item the same way: the same bits."""
+    if qkv_parallel and items >= 2 * threads:
+        return threads
+    return standalone
 
 
 def _launch_args(plan, x, shape, residual) -> tuple[tuple, list]:

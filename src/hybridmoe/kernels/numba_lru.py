@@ -2,7 +2,8 @@
 the same decisions as LruSlotsReference's dicts, on int64 arrays addressed by pointer (an int
 argument is typed in nanoseconds; the Python policy cost ~20 µs a layer call).
 
-State, one int64 array of `state_size(S, F)` for S slots and F = layers * experts flat ids:
+State, one int64 array (its parts where `sections(S, F)` says) for S slots and F = layers *
+experts flat ids:
   [0] slots ever claimed (free slots are those from here up: the lowest is taken first)
   [1] planned copies (pending slots listed)
   slot_of_flat [F]   slot of a resident (or planned) expert, -1 if none
@@ -36,35 +37,46 @@ ROUTES, HITS, FETCHED_ROUTES, CPU_ROUTES, FETCHED, EVICTIONS = range(6)
 STATS = 6
 
 
-def state_size(slots: int, flats: int) -> int:
-    return HEADER + flats + 5 * slots + 2
+def sections(slots: int, flats: int) -> tuple[int, int, int, int, int, int, int]:
+    """Where each part of the state starts: (slot_of_flat, flat_of_slot, prev, next,
+    pending_flat, pending_slots, the state's size). The kernel's views and the Python
+    side's reads both come from here (compiled for the kernel as _sections)."""
+    slot_of_flat = HEADER
+    flat_of_slot = slot_of_flat + flats
+    prev = flat_of_slot + slots
+    nxt = prev + slots + 1
+    pending_flat = nxt + slots + 1
+    pending_slots = pending_flat + slots
+    return slot_of_flat, flat_of_slot, prev, nxt, pending_flat, pending_slots, pending_slots + slots
+
+
+_sections = numba.njit(nogil=True, inline="always")(sections)
 
 
 def new_state(slots: int, flats: int) -> np.ndarray:
     """An empty cache: nothing resident, nothing planned."""
-    state = np.full(state_size(slots, flats), -1, dtype=np.int64)
+    *_, prev, _, _, _, size = sections(slots, flats)
+    state = np.full(size, -1, dtype=np.int64)
     state[:HEADER] = 0
-    start = HEADER + flats + slots  # the list: only the sentinel, linked to itself
-    state[start : start + 2 * (slots + 1)] = slots
+    state[prev : prev + 2 * (slots + 1)] = slots  # the list: only the sentinel, to itself
     return state
 
 
 @numba.njit(nogil=True, inline="always")
 def _parts(state_at, slots, flats):
-    size = HEADER + flats + 5 * slots + 2  # state_size
+    slot_of_flat, flat_of_slot, prev, nxt, pending_flat, pending_slots, size = _sections(
+        slots, flats
+    )
     state = numba.carray(address_pointer(state_at), size, np.int64)
-    at = HEADER
-    slot_of_flat = state[at : at + flats]
-    at += flats
-    flat_of_slot = state[at : at + slots]
-    at += slots
-    prev = state[at : at + slots + 1]
-    at += slots + 1
-    nxt = state[at : at + slots + 1]
-    at += slots + 1
-    pending_flat = state[at : at + slots]
-    pending_slots = state[at + slots : at + 2 * slots]
-    return state, slot_of_flat, flat_of_slot, prev, nxt, pending_flat, pending_slots
+    return (
+        state,
+        state[slot_of_flat:flat_of_slot],
+        state[flat_of_slot:prev],
+        state[prev:nxt],
+        state[nxt:pending_flat],
+        state[pending_flat:pending_slots],
+        state[pending_slots:size],
+    )
 
 
 @numba.njit(nogil=True, inline="always")

@@ -44,8 +44,9 @@ class LruSlots:
         """Nothing resident, nothing planned, stats zero."""
         self._state = numba_lru.new_state(self.slots, self.layers * self.experts)
         self._state_at = self._state.ctypes.data
-        # where pending_flat starts (pending_slots follows it)
-        self._pending_flat_at = numba_lru.HEADER + self.layers * self.experts + 3 * self.slots + 2
+        _, self._flat_of_slot_at, _, _, self._pending_flat_at, self._pending_slots_at, _ = (
+            numba_lru.sections(self.slots, self.layers * self.experts)
+        )
         self._info = np.zeros(4, dtype=np.int64)
         self._info_at = self._info.ctypes.data
         self._stats = np.zeros((self.layers, numba_lru.STATS), dtype=np.int64)
@@ -79,8 +80,8 @@ class LruSlots:
         planned = int(self._state[1])
         if not planned:
             return []
-        state, flat_at = self._state, self._pending_flat_at
-        slots = state[flat_at + self.slots : flat_at + self.slots + planned].tolist()
+        state, flat_at, slots_at = self._state, self._pending_flat_at, self._pending_slots_at
+        slots = state[slots_at : slots_at + planned].tolist()
         return [(slot, int(state[flat_at + slot])) for slot in slots]
 
     def clear_pending(self) -> None:
@@ -90,8 +91,7 @@ class LruSlots:
 
     def resident(self) -> dict[int, int]:
         """slot -> flat id of every occupied slot (planned copies included)."""
-        start = numba_lru.HEADER + self.layers * self.experts
-        claimed = int(self._state[0])
+        start, claimed = self._flat_of_slot_at, int(self._state[0])
         return dict(enumerate(self._state[start : start + claimed].tolist()))
 
     def stats(self, layer_idx: int) -> ExpertCacheStats:

@@ -15,7 +15,7 @@ import torch
 
 from hybridmoe.moe.cache_stats import ExpertCacheStats
 from hybridmoe.moe.fetch_policy import FetchPolicy
-from hybridmoe.moe.lru_slots import LruSlots, LruSlotsReference
+from hybridmoe.moe.lru_slots import LruSlots
 from hybridmoe.platform.base import Platform
 from hybridmoe.platform.cpu import CpuPlatform
 from hybridmoe.quant.bank import ExpertBank
@@ -39,7 +39,6 @@ class OffloadMoeCache:
         num_slots: int,
         max_fetch: int | FetchPolicy,
         platform: Platform | None = None,
-        policy: type[LruSlots] | type[LruSlotsReference] = LruSlots,
     ) -> None:
         _check_banks(banks)
         self.banks = list(banks)
@@ -68,7 +67,7 @@ class OffloadMoeCache:
         ]
         self._expert_nbytes = [bank.expert_nbytes for bank in banks]  # per layer, per fetch
         self._ids_pinned: dict[int, torch.Tensor] = {}  # see _ensure_on_device
-        self._policy = policy(len(self.banks), self.num_experts, num_slots)
+        self._policy = LruSlots(len(self.banks), self.num_experts, num_slots)
 
     def slot_bank_for(self, layer_idx: int) -> ExpertBank:
         """The slots as a bank in layer `layer_idx`'s formats: what its decode computes on

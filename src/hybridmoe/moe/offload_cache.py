@@ -163,17 +163,13 @@ class OffloadMoeCache:
     ) -> int:
         """The policy of both ensure_* methods; returns the routes given to the CPU."""
         self._check_layer(layer_idx)
-        ids = topk_ids
-        if ids.device.type == "cpu" and ids.dtype == torch.int64 and ids.is_contiguous():
-            return self._policy.ensure_at(layer_idx, ids.data_ptr(), ids.numel(), fetch_cap)
-        if ids.device.type == "cpu":  # another dtype or layout: through an int64 copy
-            ids64 = ids.to(torch.int64).contiguous()
-            cpu_routes = self._policy.ensure_at(
-                layer_idx, ids64.data_ptr(), ids64.numel(), fetch_cap
-            )
-            ids.copy_(ids64)
-            return cpu_routes
-        return self._ensure_on_device(layer_idx, ids, fetch_cap)
+        if topk_ids.device.type != "cpu":
+            return self._ensure_on_device(layer_idx, topk_ids, fetch_cap)
+        ids64 = topk_ids.to(torch.int64).contiguous()  # itself when int64 and contiguous
+        cpu_routes = self._policy.ensure_at(layer_idx, ids64.data_ptr(), ids64.numel(), fetch_cap)
+        if ids64 is not topk_ids:  # another dtype or layout: rewritten through the copy
+            topk_ids.copy_(ids64)
+        return cpu_routes
 
     def _ensure_on_device(
         self, layer_idx: int, topk_ids: torch.Tensor, fetch_cap: int | FetchPolicy | None

@@ -53,6 +53,10 @@ class SpinHandoff:
         self._submitted = 0
         self._taken = 0  # the number of the last job a worker took
         self._last_busy_s: dict[int, float] = {}  # layer -> its last job's kernel time
+        if self._spin_ns:  # compiled (or loaded from numba's cache) here, while the executor is
+            # built, not on a worker's first job (tests/moe/test_cpu_executor_compile.py)
+            spin_until(self._words_at, 0, 0)
+            store_then_spin(self._words_at + 8, 0, self._words_at, 0, 0)
 
     def number(self) -> tuple[int, float]:
         """(the next job's number, its submit time): called before the job is queued."""

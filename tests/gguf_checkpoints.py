@@ -138,6 +138,36 @@ def random_dense_encoder(types: dict[str, str]) -> DenseEncoder:
     return encode
 
 
+# per file, per layer: the ggml type of gate, up and down of a 2-layer model (down gets more
+# bits, as llama.cpp's Q4_K_M and Q2_K rules give it)
+KQUANT_FILE_TYPES = {
+    "q4_k_m": {0: ("Q4_K", "Q4_K", "Q6_K"), 1: ("Q4_K", "Q4_K", "Q5_K")},
+    "q2_k": {0: ("Q2_K", "Q2_K", "Q3_K"), 1: ("Q3_K", "Q3_K", "Q3_K")},
+}
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# a qwen3_moe config whose widths are one k-quant super-block (256), so every expert row is
+# whole blocks
+WIDE_QWEN3 = dict(
+    hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+    intermediate_size=128, norm_topk_prob=True,
+)  # fmt: skip
+
+
+def random_kquants(types: dict[int, tuple[str, str, str]]) -> ExpertEncoder:
+    """An ExpertEncoder storing each layer's projections as seeded random blocks of `types`
+    (KQUANT_FILE_TYPES' layout; finite scales, weights up to 0.08: of the float model's
+    scale)."""
+
+    def encode(layer: str, proj: str, stacked: np.ndarray) -> tuple[np.ndarray, QType]:
+        type_name = types[int(layer.split(".")[2])][_PROJECTIONS.index(proj)]
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{layer}.{proj}".encode()))
+        stored = random_stored(weight_format(type_name.lower()), stacked.shape, gen, 0.08)
+        return stored.numpy(), QType[type_name]
+
+    return encode
+
+
 def _quantizer(qtype: QType) -> ExpertEncoder:
     """Every merged expert tensor quantised to `qtype` by gguf.quants (F32: kept)."""
 

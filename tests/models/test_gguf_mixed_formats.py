@@ -8,15 +8,18 @@ refused in one line naming both."""
 from __future__ import annotations
 
 import os
-import zlib
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as QType
 
-from gguf_checkpoints import write_encoded_checkpoint, write_gguf
+from gguf_checkpoints import (
+    KQUANT_FILE_TYPES,
+    WIDE_QWEN3,
+    random_kquants,
+    write_encoded_checkpoint,
+    write_gguf,
+)
 from hf_checkpoints import PROMPT_IDS, greedy_reference, write_custom_checkpoint
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
 from hybridmoe.errors import CheckpointError
@@ -24,45 +27,17 @@ from hybridmoe.models.loading import load_model
 from hybridmoe.moe.backends import DECODE_TARGETS
 from hybridmoe.moe.config import OffloadConfig
 from hybridmoe.quant.formats import weight_format
-from random_weights import random_stored
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 N_GREEDY = 10
 GREEDY = SamplingParams(max_tokens=N_GREEDY, temperature=0.0, ignore_eos=True)
-# per file, per layer: the ggml type of gate, up and down (down gets more bits, as llama.cpp's
-# Q4_K_M and Q2_K rules give it)
-FILE_TYPES = {
-    "q4_k_m": {0: ("Q4_K", "Q4_K", "Q6_K"), 1: ("Q4_K", "Q4_K", "Q5_K")},
-    "q2_k": {0: ("Q2_K", "Q2_K", "Q3_K"), 1: ("Q3_K", "Q3_K", "Q3_K")},
-}
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-# widths of one k-quant super-block (256), so every expert row is whole blocks
-WIDE_QWEN3 = dict(
-    hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
-    intermediate_size=128, norm_topk_prob=True,
-)  # fmt: skip
 
-
-def random_kquants(types: dict[int, tuple[str, str, str]]):
-    """An ExpertEncoder storing each layer's projections as seeded random blocks of `types`
-    (finite scales, weights up to 0.08: of the float model's scale)."""
-
-    def encode(layer: str, proj: str, stacked: np.ndarray) -> tuple[np.ndarray, QType]:
-        type_name = types[int(layer.split(".")[2])][PROJECTIONS.index(proj)]
-        gen = torch.Generator().manual_seed(zlib.crc32(f"{layer}.{proj}".encode()))
-        stored = random_stored(weight_format(type_name.lower()), stacked.shape, gen, 0.08)
-        return stored.numpy(), QType[type_name]
-
-    return encode
-
-
-@pytest.fixture(scope="module", params=list(FILE_TYPES))
+@pytest.fixture(scope="module", params=list(KQUANT_FILE_TYPES))
 def mixed(request, tmp_path_factory: pytest.TempPathFactory):
     """(the GGUF, transformers' greedy tokens and logits on the float model it stands for, its
     types per layer)."""
-    types = FILE_TYPES[request.param]
+    types = KQUANT_FILE_TYPES[request.param]
     root = tmp_path_factory.mktemp(f"gguf-{request.param}")
     hf_dir = write_custom_checkpoint("qwen3_moe", WIDE_QWEN3, root / "hf", seed=0)
     encoder = random_kquants(types)

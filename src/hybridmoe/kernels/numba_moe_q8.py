@@ -33,6 +33,7 @@ _FLAGS = nm._FLAGS
 # the activation rows of a k-quant tile of one weight row where a projection has at least this
 # many (numba_simd_q8.WIDE_TOKENS: AVX-512 targets; 0: none, the 2 x 4 tile)
 WIDE = WIDE_TOKENS if target_has("avx512f") else 0
+SHORT_ROW_WEIGHTS = 2048  # shorter rows take fmt.short_row_rows-row tiles for one token
 # the quantiser: no fast-math (a reciprocal would change a bit), said explicitly: a numba
 # callee inherits its caller's fastmath flags unless it sets its own
 _EXACT = dict(nogil=True, fastmath=False)
@@ -174,11 +175,13 @@ def matmul_q8(fmt, w, w_off, row_bytes, n, nrows, xq, xd, xs, x_offs, first, cou
     r * row_bytes) with the quantised row at xq[x_offs[first + c]:] (scales xd[... / W:], W
     the format's block of 32 or 256, sums xs[... / 16:]), for r < nrows, c < count; tiles as
     numba_moe._matmul's, except that one token's are fmt.one_token_rows rows wide (the
-    k-quants: 1), and a k-quant's of WIDE or more tokens 1 row by WIDE tokens (the rest of
-    them 1 row by up to 4). A pair's sum does not depend on its tile: the same bits either way."""
+    k-quants: 1; fmt.short_row_rows on rows of fewer than SHORT_ROW_WEIGHTS weights), and a
+    k-quant's of WIDE or more tokens 1 row by WIDE tokens (the rest of them 1 row by up to 4).
+    A pair's sum does not depend on its tile: the same bits either way."""
     blocks = n // fmt.block_weights
     wide = WIDE > 0 and fmt.block_weights == 256 and count >= WIDE  # a k-quant's super-blocks
-    widest = fmt.one_token_rows if count == 1 else (1 if wide else (4 if count == 2 else 2))
+    one_token = fmt.one_token_rows if n >= SHORT_ROW_WEIGHTS else fmt.short_row_rows
+    widest = one_token if count == 1 else (1 if wide else (4 if count == 2 else 2))
     r = 0
     while r < nrows:
         wrows = widest if nrows - r >= widest else (2 if nrows - r >= 2 else 1)

@@ -84,8 +84,8 @@ def _lower_kernel_format(context, builder, ty, kernel):
 
 @infer_getattr
 class _KernelFormatAttributes(AttributeTemplate):
-    """fmt.block_bytes, fmt.block_weights, fmt.partial_blocks and fmt.one_token_rows in jitted
-    code: constants, lowered in place."""
+    """fmt.block_bytes, fmt.block_weights, fmt.partial_blocks, fmt.one_token_rows and
+    fmt.short_row_rows in jitted code: constants, lowered in place."""
 
     key = KernelFormatType
 
@@ -99,6 +99,9 @@ class _KernelFormatAttributes(AttributeTemplate):
         return types.boolean
 
     def resolve_one_token_rows(self, fmt: KernelFormatType) -> types.Type:
+        return types.intp
+
+    def resolve_short_row_rows(self, fmt: KernelFormatType) -> types.Type:
         return types.intp
 
 
@@ -120,6 +123,11 @@ def _lower_partial_blocks(context, builder, ty, value):
 @lower_getattr(KernelFormatType, "one_token_rows")
 def _lower_one_token_rows(context, builder, ty, value):
     return context.get_constant(types.intp, ty.kernel.one_token_rows)
+
+
+@lower_getattr(KernelFormatType, "short_row_rows")
+def _lower_short_row_rows(context, builder, ty, value):
+    return context.get_constant(types.intp, ty.kernel.short_row_rows)
 
 
 def _declare(builder: ir.IRBuilder, name: str, ret: ir.Type, params: list[ir.Type]):

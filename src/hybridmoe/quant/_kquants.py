@@ -107,6 +107,7 @@ def register_k_quant(
     scale_offsets: tuple[int, ...],
     ints: tuple[Callable[[torch.Tensor], SuperBlockInts], Callable[[Any, Any], SuperBlockIntsIR]]
     | None = None,
+    short_row_rows: int = 1,
 ) -> WeightFormat:
     """Registers the k-quant `name`: blocks [b, block_bytes] uint8 -> chunk -> weights
     [b, 256] fp32; `superblock_ir` is its kernel's DequantizeSuperBlockIR; its fp16 d (and
@@ -118,7 +119,9 @@ def register_k_quant(
     # Measured (the Intel Xeon, 2026-12-07, the Qwen3-30B-A3B layer at T = 1 on 2 threads,
     # flushed, both kernels in one process over the same bytes, 3 runs): the time against
     # 4-row tiles q4_k 0.95-0.98x, q5_k 0.92-0.96x, q6_k 0.97-0.99x (q4_0's nibble pairs want
-    # 2 rows at least: 1.04-1.06x, it keeps 4)
+    # 2 rows at least: 1.04-1.06x, it keeps 4). On short rows (a Qwen3-30B-A3B down row is 3
+    # super-blocks) a row's own reduction and store weigh more: `short_row_rows` (4 for q2_k,
+    # q3_k and q4_k, whose tiles gain there; q5_k's and q6_k's do not: their modules' notes)
     kernel = KernelFormat(
         name,
         block_bytes,
@@ -126,6 +129,7 @@ def register_k_quant(
         pieces=PIECES,
         superblock_ints_ir=ints_ir,
         one_token_rows=1,
+        short_row_rows=short_row_rows,
     )
     stored = (SUPER_BLOCK_SIZE, block_bytes, torch.uint8)
     fmt = WeightFormat(

@@ -73,8 +73,10 @@ class KernelFormat:
     nibble_block_ir: NibbleBlockIR | None = field(default=None, repr=False)
     # a super-block as integers (the k-quants q2_k ... q6_k): their integer dot products under q8
     superblock_ints_ir: SuperBlockIntsIR | None = field(default=None, repr=False)
-    # weight rows of the q8 layer kernel's tile for one token (numba_moe_q8.matmul_q8)
+    # weight rows of the q8 layer kernel's tile for one token (numba_moe_q8.matmul_q8), and on
+    # rows of fewer than numba_moe_q8.SHORT_ROW_WEIGHTS weights (a Qwen3-30B-A3B down row: 768)
     one_token_rows: int = 4
+    short_row_rows: int = 4
 
     def __post_init__(self) -> None:
         if self.int8_block_ir is not None and self.pieces != 1:

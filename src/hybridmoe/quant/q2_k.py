@@ -147,6 +147,7 @@ def _byte_pieces(builder, block):
     return piece
 
 
+# One token's tiles on short rows 4 rows wide (as q4_k's): 0.908 / 0.872x the time
 Q2_K = register_k_quant(
     "q2_k",
     BLOCK_BYTES,
@@ -154,4 +155,5 @@ Q2_K = register_k_quant(
     _superblock_ir,
     (80, 82),
     (_superblock_ints, _superblock_ints_ir),
+    short_row_rows=4,
 )

@@ -172,6 +172,7 @@ def _byte_pieces(builder, block):
     return piece
 
 
+# One token's tiles on short rows 4 rows wide (as q4_k's): 0.928 / 0.977x the time
 Q3_K = register_k_quant(
     "q3_k",
     BLOCK_BYTES,
@@ -179,4 +180,5 @@ Q3_K = register_k_quant(
     _superblock_ir,
     (108,),
     (_superblock_ints, _superblock_ints_ir),
+    short_row_rows=4,
 )

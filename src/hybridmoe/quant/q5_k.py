@@ -119,6 +119,8 @@ def _byte_pieces(builder, block):
     return piece
 
 
+# One token's tiles stay 1 row wide on short rows too: 4 rows measured 0.978 / 0.998x the time
+# (as q4_k's note)
 Q5_K = register_k_quant(
     "q5_k",
     BLOCK_BYTES,

@@ -145,6 +145,8 @@ def _byte_pieces(builder, block):
     return piece
 
 
+# One token's tiles stay 1 row wide on short rows too: 4 rows measured 0.948 / 1.084x the time
+# (as q4_k's note)
 Q6_K = register_k_quant(
     "q6_k",
     BLOCK_BYTES,

@@ -33,6 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 N_GREEDY = 10
 GREEDY = SamplingParams(max_tokens=N_GREEDY, temperature=0.0, ignore_eos=True)
 
+
 @pytest.fixture(scope="module", params=list(KQUANT_FILE_TYPES))
 def mixed(request, tmp_path_factory: pytest.TempPathFactory):
     """(the GGUF, transformers' greedy tokens and logits on the float model it stands for, its

@@ -14,6 +14,7 @@ import torch
 from gguf_checkpoints import KQUANT_FILE_TYPES, WIDE_QWEN3, random_kquants, write_gguf
 from hf_checkpoints import PROMPT_IDS, SHORT_PROMPT_IDS, write_custom_checkpoint
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
+from hybridmoe.moe.cache_stats import ExpertCacheStats
 from hybridmoe.moe.config import OffloadConfig
 
 PROMPTS = [PROMPT_IDS, SHORT_PROMPT_IDS]
@@ -34,11 +35,15 @@ def q4_k_m_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_gguf(hf_dir, root / "model.gguf", experts=encoder)
 
 
-def generate(path: Path, device: torch.device, **offload) -> tuple[list[list[int]], Engine]:
+def generate(
+    path: Path, device: torch.device, **offload
+) -> tuple[list[list[int]], ExpertCacheStats]:
+    """The greedy tokens of PROMPTS decoded together, and the call's expert counters."""
     config = EngineConfig(dtype="float32", device=str(device), offload=OffloadConfig(**offload))
     with Engine.from_pretrained(path, config) as engine:
         assert all(bank.q8_activations for bank in engine.moe_runtime.banks)
-        return engine.generate_ids(PROMPTS, GREEDY), engine
+        tokens = engine.generate_ids(PROMPTS, GREEDY)
+        return tokens, engine.stats.experts
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +59,8 @@ def reference(q4_k_m_file: Path, device: torch.device) -> list[list[int]]:
 def test_every_target_gives_the_gpu_targets_tokens(
     q4_k_m_file: Path, device: torch.device, reference: list[list[int]], name: str
 ) -> None:
-    tokens, engine = generate(q4_k_m_file, device, **TARGETS[name])
+    tokens, experts = generate(q4_k_m_file, device, **TARGETS[name])
     assert tokens == reference, name
-    experts = engine.stats.experts
     if TARGETS[name]["decode_target"] != "cpu":
         assert experts.fetched > 0, name  # slots refilled across the layers' types
     if TARGETS[name]["decode_target"] != "offload":

@@ -156,11 +156,12 @@ WIDE_QWEN3 = dict(
 
 def random_kquants(types: dict[int, tuple[str, str, str]]) -> ExpertEncoder:
     """An ExpertEncoder storing each layer's projections as seeded random blocks of `types`
-    (KQUANT_FILE_TYPES' layout; finite scales, weights up to 0.08: of the float model's
-    scale)."""
+    (KQUANT_FILE_TYPES' layout; layer N takes types[N mod len(types)], the pattern repeated
+    over a deeper model; finite scales, weights up to 0.08: of the float model's scale)."""
 
     def encode(layer: str, proj: str, stacked: np.ndarray) -> tuple[np.ndarray, QType]:
-        type_name = types[int(layer.split(".")[2])][_PROJECTIONS.index(proj)]
+        layer_types = types[int(layer.split(".")[2]) % len(types)]
+        type_name = layer_types[_PROJECTIONS.index(proj)]
         gen = torch.Generator().manual_seed(zlib.crc32(f"{layer}.{proj}".encode()))
         stored = random_stored(weight_format(type_name.lower()), stacked.shape, gen, 0.08)
         return stored.numpy(), QType[type_name]

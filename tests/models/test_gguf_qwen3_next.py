@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import os
 import random
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as QType
 
+from gguf_checkpoints import KQUANT_FILE_TYPES, random_kquants
 from gguf_hybrid_checkpoints import write_hybrid_gguf, write_hybrid_reference
 from hybrid_checkpoints import hf_greedy, hf_model, write_checkpoint
 from hybridmoe.engine import Engine, EngineConfig, SamplingParams
@@ -37,7 +35,6 @@ from hybridmoe.loader.gguf_tokenizer import gguf_tokenizer
 from hybridmoe.models.loading import load_model
 from hybridmoe.moe.config import OffloadConfig
 from hybridmoe.quant.formats import weight_format
-from random_weights import random_stored
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -55,8 +52,7 @@ TARGETS = {
     "hybrid": OffloadConfig(decode_target="hybrid", expert_cache_slots=3, max_fetch=1, **FLOAT),
 }
 # per MoE layer index mod 2: the ggml types of gate, up, down (Q4_K_M: down gets more bits)
-KQUANT_TYPES = {0: ("Q4_K", "Q4_K", "Q6_K"), 1: ("Q4_K", "Q4_K", "Q5_K")}
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+KQUANT_TYPES = KQUANT_FILE_TYPES["q4_k_m"]
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
 # case id -> (tests/hybrid_checkpoints.py case, dense type, k-quant experts, MTP blocks)
 CASES = {
@@ -67,14 +63,6 @@ CASES = {
     "qwen3next-Q8_0-kquant": ("qwen3_next_wide", "Q8_0", True, 0),
 }
 SSM_KEYS = ("conv_kernel", "state_size", "group_count", "time_step_rank", "inner_size")
-
-
-def random_kquants(layer: str, proj: str, stacked: np.ndarray) -> tuple[np.ndarray, QType]:
-    """An ExpertEncoder: seeded random blocks of KQUANT_TYPES (finite scales, |w| <= 0.08)."""
-    type_name = KQUANT_TYPES[int(layer.split(".")[2]) % 2][PROJECTIONS.index(proj)]
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{layer}.{proj}".encode()))
-    stored = random_stored(weight_format(type_name.lower()), stacked.shape, gen, 0.08)
-    return stored.numpy(), QType[type_name]
 
 
 @dataclass(frozen=True)
@@ -92,7 +80,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     checkpoint, dense_type, kquant, mtp = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)
     hf_dir = write_checkpoint(checkpoint, root / "hf")
-    experts = random_kquants if kquant else None
+    experts = random_kquants(KQUANT_TYPES) if kquant else None
     gguf_path = write_hybrid_gguf(
         hf_dir, root / "model.gguf", dense_type, experts, mtp, chat_template=TEMPLATE
     )

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridmoe.kernels.numba_moe_q8 import SHORT_ROW_WEIGHTS
 from hybridmoe.kernels.torch_moe import gathered_moe
 from hybridmoe.moe.cpu_experts import FUSED_MAX_TOKENS, bank_moe, fused_cpu_moe
 from hybridmoe.quant.activation_q8 import (
@@ -276,10 +277,10 @@ def test_superblock_reference_is_the_stated_order(fmt) -> None:
     assert torch.equal(q8_bmm(x, stored[None].expand(2, -1, -1), fmt), out)
 
 
-def _kquant_bank(gate_up_fmt, down_fmt) -> ExpertBank:
+def _kquant_bank(gate_up_fmt, down_fmt, hidden: int = K_HIDDEN) -> ExpertBank:
     gen = torch.Generator().manual_seed(4)
-    gate_up = random_stored(gate_up_fmt, (EXPERTS, 2 * K_INTER, K_HIDDEN), gen)
-    down = random_stored(down_fmt, (EXPERTS, K_HIDDEN, K_INTER), gen)
+    gate_up = random_stored(gate_up_fmt, (EXPERTS, 2 * K_INTER, hidden), gen)
+    down = random_stored(down_fmt, (EXPERTS, hidden, K_INTER), gen)
     return ExpertBank(gate_up, down, gate_up_fmt, down_fmt=down_fmt, activation_quant="q8")
 
 
@@ -313,3 +314,24 @@ def test_kquant_layers_compute_the_reference(formats) -> None:
     without = bank_moe(x, ids, weights, bank.with_activation_quant("none"))
     assert not torch.equal(with_q8, without)
     torch.testing.assert_close(with_q8, without, rtol=0.05, atol=0.05 * without.abs().max())
+
+
+@pytest.mark.parametrize("formats", [("q4_k", "q6_k"), ("q2_k", "q3_k")], ids=lambda f: "+".join(f))
+def test_kquant_layer_on_long_rows_computes_the_reference(formats) -> None:
+    """One token's tiles by row length (numba_moe_q8.matmul_q8): gate/up rows of
+    SHORT_ROW_WEIGHTS weights (a Qwen3-30B-A3B gate/up row, 2048) take fmt.one_token_rows-row
+    tiles, the 256-weight down rows fmt.short_row_rows-row ones (q3_k: 4 rows against q2_k's
+    1 on the long rows), the numba layer against bank_moe as above; the other tests' rows are
+    all short."""
+    gate_up_fmt, down_fmt = (weight_format(n) for n in formats)
+    bank = _kquant_bank(gate_up_fmt, down_fmt, hidden=SHORT_ROW_WEIGHTS)
+    assert K_INTER < SHORT_ROW_WEIGHTS
+    flips, cases = 0, 0
+    for tokens, top_k in ((1, 8), (1, 2), (2, 8)):
+        x, ids, weights = _routes(tokens, top_k, 3 * tokens + top_k, SHORT_ROW_WEIGHTS)
+        for dtype in (torch.float32, torch.bfloat16):  # bf16: activations and router weights
+            xd, wd = x.to(dtype), weights.to(dtype)
+            expected = bank_moe(xd, ids, wd, bank)
+            flips += layer_flips(fused_cpu_moe(xd, ids, wd, bank), expected, f"{tokens} {dtype}")
+            cases += 1
+    assert flips <= cases // 3, f"{flips} of {cases} calls off by a q8 step"

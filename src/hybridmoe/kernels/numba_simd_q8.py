@@ -95,6 +95,11 @@ WIDE_TOKENS = 8
 # super-blocks a 1 x 1 tile reduces together (_superblock_loop)
 RUN = 4
 OFFSET = 128  # VNNI's weight bias: v + 128 is an unsigned byte
+# the most words _gathered_scales loads (two zmm registers: one vpermi2w). Measured (the AMD
+# EPYC, 2026-12-07, `bench_cpu_moe.py --tile`, 4 x 1 tile from L1, ns per 256 weights, inserts
+# -> gathered, 2 runs each): q4_0 (64 words) 5.1 -> 4.5-4.6; q8_0 (128 words, a tree of
+# permutes over four registers) 5.5 -> 5.7, so q8_0 keeps the inserts
+GATHER_WORDS = 64
 
 
 def dot_path() -> str:
@@ -537,6 +542,47 @@ def _group_starts(builder: ir.IRBuilder, kernel: KernelFormat, w_rows: list, til
     return starts
 
 
+def _gathered_scales(
+    builder: ir.IRBuilder, kernel: KernelFormat, group: ir.Value, scale_ptrs: list[tuple]
+) -> ir.Value | None:
+    """<8 x i16>: the fp16 scales' bits of the LANES blocks at byte pointer `group` (whose
+    block IR gave `scale_ptrs`), from one vector load of the group and one word permute
+    (AVX-512 BW's vpermw / vpermi2w) instead of a word insert per block (28 of the q4_0 4 x 1
+    tile's 223 instructions a group, each a load and a shuffle). None where the target lacks
+    the permute, or a block's scale is not its first 2 bytes (q8_0's and q4_0's layout, ggml's:
+    read off the block IR, which hands back the block's own pointer), or the load would read
+    past the group."""
+    stride, odd = divmod(kernel.block_bytes, 2)
+    at_starts = all(d is ptr for d, ptr in scale_ptrs)
+    if not target_has("avx512bw") or odd or not at_starts:
+        return None
+    last = (LANES - 1) * stride  # the last block's scale, in words from the group's start
+    words = 1 << last.bit_length()  # a power of two past it: q4_0 64, q8_0 128
+    if words > GATHER_WORDS or 2 * words > LANES * kernel.block_bytes:
+        return None
+    group_words = load(builder, group, ir.VectorType(I16, words))
+    picks = const_vec(I32, [b * stride for b in range(LANES)])
+    return builder.shuffle_vector(group_words, ir.Constant(group_words.type, None), picks)
+
+
+def _inserted_scales(builder: ir.IRBuilder, scale_ptrs: list[tuple]) -> ir.Value:
+    """<8 x i16>: the fp16 scales' bits at the LANES blocks' scale pointers, a word insert each
+    (every target; _gathered_scales where it can)."""
+    scales = ir.Constant(V8H, None)
+    for b, (d, _) in enumerate(scale_ptrs):
+        scales = builder.insert_element(scales, load(builder, d, I16), ir.Constant(I32, b))
+    return scales
+
+
+def _group_scales(
+    builder: ir.IRBuilder, kernel: KernelFormat, group: ir.Value, scale_ptrs: list[tuple]
+) -> ir.Value:
+    """<8 x float>: the LANES blocks' scales (`scale_ptrs`: per block (its scale pointer, its
+    own pointer)), converted at once; the same values either way they are gathered."""
+    bits = _gathered_scales(builder, kernel, group, scale_ptrs)
+    return _fp16_to_float(builder, _inserted_scales(builder, scale_ptrs) if bits is None else bits)
+
+
 def _add_products(builder: ir.IRBuilder, acc: ir.Value, sums: ir.Value, dw: ir.Value, dx: ir.Value):
     """The lane accumulator at `acc` += fl(sums) * fl(dw * dx), 8 blocks' products (<8 x i32>
     block sums, <8 x float> weight and activation scales)."""
@@ -556,14 +602,13 @@ def _group_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, rows: tu
     def step(first_block: ir.Value) -> None:
         weights = []  # per weight row: ([prepared block] * 8, <8 x float> scales)
         for group in starts(first_block):
-            blocks, scales = [], ir.Constant(V8H, None)
+            blocks, scale_ptrs = [], []
             for b in range(LANES):
-                v, d = kernel.int8_block_ir(
-                    builder, builder.gep(group, [i64(b * kernel.block_bytes)])
-                )
+                block = builder.gep(group, [i64(b * kernel.block_bytes)])
+                v, d = kernel.int8_block_ir(builder, block)
                 blocks.append(prepare(v))
-                scales = builder.insert_element(scales, load(builder, d, I16), ir.Constant(I32, b))
-            weights.append((blocks, _fp16_to_float(builder, scales)))
+                scale_ptrs.append((d, block))
+            weights.append((blocks, _group_scales(builder, kernel, group, scale_ptrs)))
         at = builder.mul(first_block, i64(KERNEL_BLOCK))
         for c, (q_row, d_row, s_row) in enumerate(zip(q_rows, d_rows, s_rows, strict=True)):
             qs = [
@@ -630,7 +675,7 @@ def _nibble_pair_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, ro
 
     def step(first_block: ir.Value) -> None:
         groups = starts(first_block)
-        scales = [ir.Constant(V8H, None) for _ in groups]
+        scale_ptrs = [[] for _ in groups]  # per weight row: (scale pointer, block) of block b
         pairs = []  # per pair of weight rows: [(low, high) nibbles of block b] * 8
         for r in range(0, len(w_rows), 2):
             blocks = []
@@ -640,12 +685,14 @@ def _nibble_pair_step(builder: ir.IRBuilder, kernel: KernelFormat, path: str, ro
                     at = builder.gep(groups[k], [i64(b * kernel.block_bytes)])
                     nibbles, d = kernel.nibble_block_ir(builder, at)
                     packed.append(load(builder, nibbles, V16B))
-                    scale = load(builder, d, I16)
-                    scales[k] = builder.insert_element(scales[k], scale, ir.Constant(I32, b))
+                    scale_ptrs[k].append((d, at))
                 packed = builder.shuffle_vector(*packed, both)
                 blocks.append((builder.and_(packed, low_mask), builder.lshr(packed, shift)))
             pairs.append(blocks)
-        scales = [_fp16_to_float(builder, d) for d in scales]
+        scales = [
+            _group_scales(builder, kernel, group, ptrs)
+            for group, ptrs in zip(groups, scale_ptrs, strict=True)
+        ]
         at = builder.mul(first_block, i64(KERNEL_BLOCK))
         for c, (q_row, d_row, s_row) in enumerate(zip(q_rows, d_rows, s_rows, strict=True)):
             qs = []  # per block: its activations 0-15 and 16-31, each in both 128-bit lanes

@@ -52,3 +52,31 @@ def test_instruction_path_matches_the_reference(path: str) -> None:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["path"] == path.split(" ")[0]
     assert result["failures"] == []
+
+
+@pytest.mark.parametrize(("name", "gathered"), [("q4_0", True), ("q8_0", False)])
+def test_block_scales_are_gathered_where_the_target_permutes_words(name, gathered) -> None:
+    """The q8 tile's 8 block scales of a q4_0 row come from one load and one word permute on
+    AVX-512 BW targets (numba_simd_q8._gathered_scales: the same bits as the inserts, which the
+    instruction paths above check; this checks that the faster IR is the one emitted), and
+    from inserts elsewhere and for q8_0 (GATHER_WORDS)."""
+    from llvmlite import ir
+
+    from hybridmoe.kernels import numba_simd_q8 as simd_q8
+    from hybridmoe.kernels.llvm_ir import I8, i64, target_has
+    from hybridmoe.quant.formats import weight_format
+
+    kernel = weight_format(name).kernel
+    function = ir.Function(
+        ir.Module(), ir.FunctionType(ir.VoidType(), [I8.as_pointer()]), name="scales"
+    )
+    builder = ir.IRBuilder(function.append_basic_block())
+    group = function.args[0]
+    scale_ptrs = []
+    for b in range(simd_q8.LANES):
+        block = builder.gep(group, [i64(b * kernel.block_bytes)])
+        scale_ptrs.append((kernel.int8_block_ir(builder, block)[1], block))
+    bits = simd_q8._gathered_scales(builder, kernel, group, scale_ptrs)
+    assert (bits is not None) == (gathered and target_has("avx512bw"))
+    moved = [(builder.gep(d, [i64(1)]), block) for d, block in scale_ptrs]  # not at the start
+    assert simd_q8._gathered_scales(builder, kernel, group, moved) is None

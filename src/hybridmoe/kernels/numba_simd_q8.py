@@ -52,6 +52,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from hybridmoe.kernels import llvm_ir as ll
 from hybridmoe.kernels.llvm_ir import (
     F32,
     I8,
@@ -561,8 +562,7 @@ def _gathered_scales(
     if words > GATHER_WORDS or 2 * words > LANES * kernel.block_bytes:
         return None
     group_words = load(builder, group, ir.VectorType(I16, words))
-    picks = const_vec(I32, [b * stride for b in range(LANES)])
-    return builder.shuffle_vector(group_words, ir.Constant(group_words.type, None), picks)
+    return ll.lanes(builder, group_words, [b * stride for b in range(LANES)])
 
 
 def _inserted_scales(builder: ir.IRBuilder, scale_ptrs: list[tuple]) -> ir.Value:

@@ -177,17 +177,25 @@ def matmul_q8(fmt, w, w_off, row_bytes, n, nrows, xq, xd, xs, x_offs, first, cou
     numba_moe._matmul's, except that one token's are fmt.one_token_rows rows wide (the
     k-quants: 1; fmt.short_row_rows on rows of fewer than SHORT_ROW_WEIGHTS weights), and a
     k-quant's of WIDE or more tokens 1 row by WIDE tokens (the rest of them 1 row by up to 4).
-    A pair's sum does not depend on its tile: the same bits either way."""
+    Activation rows outermost (unlike _matmul): a group of tokens' q8 rows (16 KB for 8
+    tokens of 2048) stay in L1 while the item's weight rows pass, where weight rows outermost
+    reread every token's (48 KB for 24, beyond L1) for each row; the rows of an item come from
+    memory once and then from L2 (73 KB for 64 q4_k rows of 2048). Measured (the AMD EPYC,
+    2026-12-07, one MoE layer at the Qwen3-30B-A3B shape, 2 threads, both orders in one
+    process, alternating, medians of the time ratios): 384 random tokens q4_k 0.96, q6_k 0.95,
+    q4_0 0.97, q8_0 0.95; 16 tokens on shared experts q4_k 0.93, q4_0 0.98. One token's
+    calls are one group: the same loop. A pair's sum does not depend on its tile or the
+    order: the same bits either way."""
     blocks = n // fmt.block_weights
     wide = WIDE > 0 and fmt.block_weights == 256 and count >= WIDE  # a k-quant's super-blocks
     one_token = fmt.one_token_rows if n >= SHORT_ROW_WEIGHTS else fmt.short_row_rows
     widest = one_token if count == 1 else (1 if wide else (4 if count == 2 else 2))
-    r = 0
-    while r < nrows:
-        wrows = widest if nrows - r >= widest else (2 if nrows - r >= 2 else 1)
-        c = 0
-        while c < count:
-            xrows = WIDE if wide and count - c >= WIDE else min(4, count - c)
+    c = 0
+    while c < count:
+        xrows = WIDE if wide and count - c >= WIDE else min(4, count - c)
+        r = 0
+        while r < nrows:
+            wrows = widest if nrows - r >= widest else (2 if nrows - r >= 2 else 1)
             row_off = w_off + r * row_bytes
             _tile(
                 fmt,
@@ -206,8 +214,8 @@ def matmul_q8(fmt, w, w_off, row_bytes, n, nrows, xq, xd, xs, x_offs, first, cou
                 c * nrows + r,
                 nrows,
             )
-            c += xrows
-        r += wrows
+            r += wrows
+        c += xrows
 
 
 @cached_njit(inline="always", **_FLAGS)

@@ -1,7 +1,7 @@
 """layers/qkv.norm_rotary_qk (q and k normalised and rotated as one tensor) against its
-reference (one after the other), kernels/glue.norm_rotary (one numba call on the host) against
-the same reference, and rotary.apply_rotary_signed against apply_rotary: the same bits, at
-decode and prefill shapes."""
+reference (one after the other), kernels/glue.norm_rotary (one numba call on the host, a
+prefill's on numba's threads) against the same reference, and rotary.apply_rotary_signed
+against apply_rotary: the same bits, at decode and prefill shapes."""
 
 from __future__ import annotations
 
@@ -118,8 +118,29 @@ def test_host_kernel_can_fail() -> None:
     assert crossed is not None and not torch.equal(crossed[0], want_q)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 300, 32, 4, 128), (2, 97, 16, 4, 64), (1, 33, 64, 8, 64)])
+def test_host_kernel_splits_a_prefill_over_threads(dtype, shape) -> None:
+    """Past glue.MAX_NUMEL the tokens run in pieces on numba's threads
+    (numba_glue.norm_rotary_rows_parallel): the reference's bits, every token's (counts of
+    tokens that do not divide into the pieces included); and rotation without scales too."""
+    B, T, heads, kv_heads, D = shape
+    assert B * T * (heads + kv_heads) * D > glue.MAX_NUMEL
+    q, k, q_w, k_w, batch = _views(*shape, dtype, 3 + sum(shape))
+    want_q, want_k = norm_rotary_qk_reference(q, k, q_w, k_w, 1e-6, batch)
+    got = glue.norm_rotary(q, k, q_w, k_w, 1e-6, batch.cos, batch.sin)
+    assert got is not None  # the kernel ran
+    assert torch.equal(got[0], want_q) and torch.equal(got[1], want_k)
+    rotated = glue.norm_rotary(q, k, None, None, 0.0, batch.cos, batch.sin)
+    assert torch.equal(rotated[0], apply_rotary(q, batch.cos, batch.sin))
+    assert torch.equal(rotated[1], apply_rotary(k, batch.cos, batch.sin))
+    # and it can fail: a token's sin for another's rotates every piece's tokens but the first
+    shifted = glue.norm_rotary(q, k, q_w, k_w, 1e-6, batch.cos, batch.sin.roll(1, dims=1))
+    assert not torch.equal(shifted[0][:, -1], want_q[:, -1])
+
+
 def test_host_kernel_limits() -> None:
-    """float16, a partial rotary, prefill sizes, strided heads and mixed dtypes stay torch."""
+    """float16, a partial rotary, strided heads and mixed dtypes stay torch."""
     q, k, q_w, k_w, batch = _views(1, 1, 8, 2, 64, torch.bfloat16, 6)
     cos, sin = batch.cos, batch.sin
     assert glue.norm_rotary(q, k, q_w, k_w, 1e-6, cos, sin) is not None
@@ -127,5 +148,3 @@ def test_host_kernel_limits() -> None:
     assert glue.norm_rotary(q, k, q_w, k_w, 1e-6, cos[..., :32], sin[..., :32]) is None
     assert glue.norm_rotary(q, k, q_w.float(), k_w, 1e-6, cos, sin) is None
     assert glue.norm_rotary(q[:, :, ::2], k, q_w, k_w, 1e-6, cos, sin) is None
-    big = _views(1, 300, 32, 4, 128, torch.bfloat16, 7)
-    assert glue.norm_rotary(*big[:4], 1e-6, big[4].cos, big[4].sin) is None

@@ -6,7 +6,10 @@ layers/attention.py, moe/routing.py, which call these first and fall back to tor
 Each function returns None, computing nothing, unless every tensor is contiguous host memory
 in bfloat16 or float32 and x is decode-sized (at most MAX_NUMEL values, rows of at most
 MAX_ROW), and the kernels are not switched off (HYBRIDMOE_GLUE_KERNELS=0). numba loads on the
-first call that computes.
+first call that computes. `norm_rotary` takes a larger q and k too, a prefill's: its tokens
+split over numba's threads (tokens are independent, so the same bits), where torch's joint
+path ran ~8 ops over the whole [T, heads, D] (~2 of ~9 ms a layer on the AMD EPYC, 384 tokens,
+2 threads; the norms alone run as fast in torch as here, so they stay there).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import torch
 from hybridmoe import env
 
 MAX_NUMEL = 1 << 16  # larger tensors (prefill) stay with torch's threaded kernels
+# norm_rotary's larger q and k: their tokens split into this many runs a thread (a thread the
+# OS preempts delays the call by one run, not by half of it)
+PIECES_PER_THREAD = 4
 MAX_ROW = 16384  # a row of over 32768 values torch's threads may split (numba_glue.MAX_SUM_N)
 _BF16, _F32 = torch.bfloat16, torch.float32
 _DTYPES = (_BF16, _F32)
@@ -143,7 +149,7 @@ def _qk_strides(q, k, scales, cos, sin) -> tuple[int, int] | None:
     if len(q_shape) != 4 or len(k_shape) != 4:
         return None
     B, T, heads, D = q_shape
-    if B * T * (heads + k_shape[2]) * D > MAX_NUMEL or D % 2 or k_shape[3] != D:
+    if D % 2 or k_shape[3] != D:
         return None
     if k_shape[0] != B or k_shape[1] != T or cos.shape != (B, T, D) or sin.shape != cos.shape:
         return None
@@ -184,12 +190,23 @@ def norm_rotary(
         return None
     (B, T, heads, D), kv_heads = q.shape, k.shape[2]
     q_out, k_out = empty(q.shape, dtype), empty(k.shape, dtype)
-    _numba_glue().norm_rotary_rows(
+    args = (
         q.data_ptr(), k.data_ptr(), *strides, heads, kv_heads, D,
         *((q_scale.data_ptr(), k_scale.data_ptr()) if scales else (0, 0)),
         cos.data_ptr(), sin.data_ptr(),
         q_out.data_ptr(), k_out.data_ptr(), B * T, eps, dtype is _BF16,
     )  # fmt: skip
+    if B * T * (heads + kv_heads) * D <= MAX_NUMEL:
+        _numba_glue().norm_rotary_rows(*args)
+        return q_out, k_out
+    import numba  # loaded with numba_glue
+
+    from hybridmoe.kernels import numba_moe
+    from hybridmoe.kernels.threads import kernel_threads
+
+    threads = min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
+    pieces = min(B * T, threads * PIECES_PER_THREAD)
+    numba_moe.launch(_numba_glue().norm_rotary_rows_parallel, threads, *args, pieces)
     return q_out, k_out
 
 

@@ -14,6 +14,9 @@ arithmetic, with one call of a few µs, and computes the torch reference's value
   (numba_dense.DENSE_ROUTE, a fastmath caller once, got the top-k's division by a
   reciprocal).
 
+norm_rotary_rows has a parallel form for a prefill's tokens (norm_rotary_rows_parallel: runs of
+whole tokens on numba's threads, each run norm_rotary_rows', so the same bits).
+
 Tensors come as addresses of contiguous host memory (kernels/glue.py checks them and keeps
 the torch reference); an int argument is typed in nanoseconds, an array in about a µs.
 """
@@ -26,6 +29,7 @@ import sys
 import numba
 import numpy as np
 from llvmlite import ir
+from numba import prange
 from numba.core import types
 from numba.extending import intrinsic
 
@@ -290,6 +294,24 @@ def norm_rotary_rows(
                     _norm_row(h, w, n, eps32, bf16, sq, acc)
                 _rotate_row(h, c, s, rot, n, bf16)
                 _save(rot, dst + (t * rows + r) * n * size, bf16, n)
+
+
+@cached_njit(parallel=True, **_EXACT)
+def norm_rotary_rows_parallel(
+    q, k, q_stride, k_stride, q_rows, k_rows, n, q_scale, k_scale, cos, sin, q_out, k_out,
+    tokens, eps, bf16, pieces,
+):  # fmt: skip
+    """norm_rotary_rows over `tokens` tokens split into `pieces` runs of whole tokens, the runs
+    on numba's threads (a prefill's q and k: tokens are independent, the same bits)."""
+    size = 2 if bf16 else 4
+    for p in prange(pieces):
+        first, end = tokens * p // pieces, tokens * (p + 1) // pieces
+        norm_rotary_rows(
+            q + first * q_stride * size, k + first * k_stride * size, q_stride, k_stride,
+            q_rows, k_rows, n, q_scale, k_scale, cos + first * n * size, sin + first * n * size,
+            q_out + first * q_rows * n * size, k_out + first * k_rows * n * size, end - first,
+            eps, bf16,
+        )  # fmt: skip
 
 
 @cached_njit(**_EXACT)

@@ -210,8 +210,8 @@ class GroupedQueryAttention:
     def _norm_rotary(
         self, q: torch.Tensor, k: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head q/k norms and rotary: on the host at decode sizes one numba call
-        (kernels/glue.norm_rotary), else norm_rotary_qk where its bits are the reference's (a
+        """Per-head q/k norms and rotary: on the host one numba call (kernels/glue.norm_rotary;
+        a prefill's on numba's threads), else norm_rotary_qk where its bits are the reference's (a
         half-precision q, every dim rotating), else the reference; all give its bits."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         fast = glue.norm_rotary(q, k, self.q_norm, self.k_norm, eps, batch.cos, batch.sin)

@@ -200,12 +200,10 @@ def norm_rotary(
     if B * T * (heads + kv_heads) * D <= MAX_NUMEL:
         _numba_glue().norm_rotary_rows(*args)
         return q_out, k_out
-    import numba  # loaded with numba_glue
-
     from hybridmoe.kernels import numba_moe
-    from hybridmoe.kernels.threads import kernel_threads
+    from hybridmoe.kernels.threads import pool_threads
 
-    threads = min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
+    threads = pool_threads()
     pieces = min(B * T, threads * PIECES_PER_THREAD)
     numba_moe.launch(_numba_glue().norm_rotary_rows_parallel, threads, *args, pieces)
     return q_out, k_out

@@ -61,7 +61,7 @@ from hybridmoe.kernels.numba_cache import cached_njit
 from hybridmoe.kernels.numba_glue import _fma
 from hybridmoe.kernels.numba_moe import chunk_size, launch, set_chunk_size
 from hybridmoe.kernels.softmax_ir import block_max, exp_block
-from hybridmoe.kernels.threads import kernel_threads
+from hybridmoe.kernels.threads import pool_threads
 
 BLOCK = 512  # key indices per softmax block: torch's kvSplitSize
 # the keys _weigh takes from a softmax block's first on: a whole group of either order's (four
@@ -528,7 +528,7 @@ def step_threads(
     values it reads (`size` bytes a value) are under MIN_PARALLEL_BYTES."""
     keys = min(kv_len, ring or window or kv_len)
     small = B * keys * kv_heads * D * 2 * size < MIN_PARALLEL_BYTES
-    return 1 if small else min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
+    return 1 if small else pool_threads()
 
 
 def cache_fits(caches, slots, rows, positions, kv_len, ring, B, kv_heads, D) -> bool:

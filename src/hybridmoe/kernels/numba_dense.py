@@ -38,7 +38,7 @@ from hybridmoe.kernels.numba_moe import (
     streams,
 )
 from hybridmoe.kernels.numba_simd import load_weight
-from hybridmoe.kernels.threads import kernel_threads
+from hybridmoe.kernels.threads import pool_threads
 from hybridmoe.quant.formats import WEIGHT_FORMATS, KernelFormat, WeightFormat
 
 ITEM_BYTES = 64 << 10  # weight bytes per parallel work item (whole groups of 4 rows)
@@ -435,7 +435,7 @@ class DenseCall:
             return
         args = (self._w, self._row_bytes, self.in_features, self.out_features, x, x_bf16)
         args += (tokens, self._bias, y, y_bf16, self._item_rows)
-        threads = self.threads(min(kernel_threads(), numba.config.NUMBA_NUM_THREADS))
+        threads = self.threads(pool_threads())
         if threads == 1:
             self._serial(*args)
         else:  # the module's name, looked up per call (the counting benchmarks replace it)

@@ -134,7 +134,7 @@ def test_host_kernel_splits_a_prefill_over_threads(dtype, shape) -> None:
     rotated = glue.norm_rotary(q, k, None, None, 0.0, batch.cos, batch.sin)
     assert torch.equal(rotated[0], apply_rotary(q, batch.cos, batch.sin))
     assert torch.equal(rotated[1], apply_rotary(k, batch.cos, batch.sin))
-    # and it can fail: a token's sin for another's rotates every piece's tokens but the first
+    # and it can fail: each token rotated by its neighbour's sin gives other bits
     shifted = glue.norm_rotary(q, k, q_w, k_w, 1e-6, batch.cos, batch.sin.roll(1, dims=1))
     assert not torch.equal(shifted[0][:, -1], want_q[:, -1])
 

@@ -85,9 +85,10 @@ class LruSlots:
         return [(slot, int(state[flat_at + slot])) for slot in slots]
 
     def clear_pending(self) -> None:
-        for slot, _ in self.pending():
-            self._state[self._pending_flat_at + slot] = -1
-        self._state[1] = 0
+        state, flat_at, slots_at = self._state, self._pending_flat_at, self._pending_slots_at
+        for slot in state[slots_at : slots_at + int(state[1])].tolist():
+            state[flat_at + slot] = -1
+        state[1] = 0
 
     def resident(self) -> dict[int, int]:
         """slot -> flat id of every occupied slot (planned copies included)."""

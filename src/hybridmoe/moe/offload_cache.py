@@ -65,6 +65,18 @@ class OffloadMoeCache:
             bank.expert_tensor_pairs(slot_bank)
             for bank, slot_bank in zip(self.banks, self._slot_banks, strict=True)
         ]
+        # Row views made at an expert's (a slot's) first fetch and kept: a fetch then costs
+        # its copies, not a view per tensor. An expert's rows per layer; a slot's per set of
+        # slot tensors, shared by the layers that copy into the same ones. At most a view per
+        # tensor of every expert and slot, ~0.3 KB of host memory each.
+        self._expert_rows: list[list[list[torch.Tensor] | None]] = [
+            [None] * self.num_experts for _ in banks
+        ]
+        slot_rows: dict[tuple[int, ...], list[list[torch.Tensor] | None]] = {}
+        self._slot_rows = [
+            slot_rows.setdefault(tuple(id(dst) for _, dst in pairs), [None] * num_slots)
+            for pairs in self._copy_pairs
+        ]
         self._expert_nbytes = [bank.expert_nbytes for bank in banks]  # per layer, per fetch
         self._ids_pinned: dict[int, torch.Tensor] = {}  # see _ensure_on_device
         self._policy = LruSlots(len(self.banks), self.num_experts, num_slots)
@@ -137,9 +149,17 @@ class OffloadMoeCache:
         copies = []
         for slot, flat in pending:
             layer, expert = divmod(flat, self.num_experts)
-            copies += [(src[expert], dst[slot]) for src, dst in self._copy_pairs[layer]]
+            sources = self._expert_rows[layer][expert]
+            if sources is None:
+                sources = [src[expert] for src, _ in self._copy_pairs[layer]]
+                self._expert_rows[layer][expert] = sources
+            targets = self._slot_rows[layer][slot]
+            if targets is None:
+                targets = [dst[slot] for _, dst in self._copy_pairs[layer]]
+                self._slot_rows[layer][slot] = targets
+            copies += zip(sources, targets, strict=True)
         self.platform.finish_copies(self.platform.start_copies(copies))
-        self._policy.clear_pending()
+        self._policy.clear_pending()  # after the copies: a failed one stays planned
 
     @staticmethod
     def min_slots(top_k: int, tokens: int = 1, num_experts: int | None = None) -> int:
@@ -155,6 +175,7 @@ class OffloadMoeCache:
         garbage collector; the cache cannot be used afterwards."""
         self.slots = None
         self._slot_banks, self._copy_pairs = [], []
+        self._expert_rows, self._slot_rows = [], []
         self._policy.clear_pending()
         self._ids_pinned.clear()
 
@@ -165,10 +186,13 @@ class OffloadMoeCache:
         self._check_layer(layer_idx)
         if topk_ids.device.type != "cpu":
             return self._ensure_on_device(layer_idx, topk_ids, fetch_cap)
-        ids64 = topk_ids.to(torch.int64).contiguous()  # itself when int64 and contiguous
+        if topk_ids.dtype == torch.int64 and topk_ids.is_contiguous():  # a router's ids
+            return self._policy.ensure_at(
+                layer_idx, topk_ids.data_ptr(), topk_ids.numel(), fetch_cap
+            )
+        ids64 = topk_ids.to(torch.int64).contiguous()  # another dtype or layout: rewritten
         cpu_routes = self._policy.ensure_at(layer_idx, ids64.data_ptr(), ids64.numel(), fetch_cap)
-        if ids64 is not topk_ids:  # another dtype or layout: rewritten through the copy
-            topk_ids.copy_(ids64)
+        topk_ids.copy_(ids64)  # through the copy
         return cpu_routes
 
     def _ensure_on_device(

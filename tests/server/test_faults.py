@@ -149,7 +149,12 @@ def test_non_streaming_client_that_disconnects_frees_its_slot(client, server):
     )
     with socket.create_connection((url.hostname, url.port)) as sock:
         sock.sendall(head.encode() + payload)
-        while server.stats()["requests_running"] == 0:
+        deadline = time.monotonic() + POLL_TIMEOUT_S
+        while server.stats()["requests_running"] == 0:  # it has a KV row: disconnect now
+            assert server.stats()["requests_served"] == before["requests_served"], (
+                "the request ended before it was seen running"
+            )
+            assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.01)
     after = wait_until_idle(server)
     assert after["requests_cancelled"] == before["requests_cancelled"] + 1

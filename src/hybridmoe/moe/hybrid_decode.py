@@ -105,7 +105,9 @@ class HybridDecodeExecutor:
             raise
         if self.overlap:
             cpu_partial = self.cpu_executor.decode_sync(request.layer_idx)  # 7.
-        stats = self.stats.setdefault(request.layer_idx, HybridStepStats())
+        stats = self.stats.get(request.layer_idx)
+        if stats is None:  # setdefault would build a HybridStepStats on every call
+            stats = self.stats[request.layer_idx] = HybridStepStats()
         stats.steps += 1
         stats.routes += on_cpu.numel()  # router ids are all valid: one route each
         return gpu_partial + cpu_partial  # 8.

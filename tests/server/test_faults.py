@@ -150,8 +150,8 @@ def test_non_streaming_client_that_disconnects_frees_its_slot(client, server):
     with socket.create_connection((url.hostname, url.port)) as sock:
         sock.sendall(head.encode() + payload)
         deadline = time.monotonic() + POLL_TIMEOUT_S
-        while server.stats()["requests_running"] == 0:  # it has a KV row: disconnect now
-            assert server.stats()["requests_served"] == before["requests_served"], (
+        while (stats := server.stats())["requests_running"] == 0:  # running: disconnect now
+            assert stats["requests_served"] == before["requests_served"], (
                 "the request ended before it was seen running"
             )
             assert time.monotonic() < deadline, "the request never started"

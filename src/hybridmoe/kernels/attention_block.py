@@ -16,7 +16,7 @@ from hybridmoe.kernels import glue, numba_moe
 from hybridmoe.kernels.host_arrays import host_array, host_logits
 from hybridmoe.kernels.numba_attention import cache_fits, kernel_order, step_threads
 from hybridmoe.kernels.projection import DECODE_MAX_TOKENS, DenseProjection
-from hybridmoe.kernels.threads import kernel_threads, pool_threads
+from hybridmoe.kernels.threads import kernel_threads
 
 _DTYPES = {torch.bfloat16: np.uint16, torch.float32: np.float32}
 _NO_F32 = np.empty(0, np.float32)
@@ -150,7 +150,7 @@ class _Plan:
         self.parts = _parts(qkv, o, q_norm, k_norm, residual, route, experts, v)
         self.outputs = self.args = None  # _launch_args', made on the plan's first step
         self.lanes = glue.softmax_lanes()
-        self.threads = pool_threads()
+        self.threads = numba_moe.pool_threads()
         if checked:  # _run's caller checked the step: its route and experts as given
             self.fits, self.route, self.experts = True, route, experts
         else:

@@ -201,9 +201,8 @@ def norm_rotary(
         _numba_glue().norm_rotary_rows(*args)
         return q_out, k_out
     from hybridmoe.kernels import numba_moe
-    from hybridmoe.kernels.threads import pool_threads
 
-    threads = pool_threads()
+    threads = numba_moe.pool_threads()
     pieces = min(B * T, threads * PIECES_PER_THREAD)
     numba_moe.launch(_numba_glue().norm_rotary_rows_parallel, threads, *args, pieces)
     return q_out, k_out

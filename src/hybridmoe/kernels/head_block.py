@@ -15,7 +15,7 @@ import torch
 from hybridmoe import env
 from hybridmoe.kernels import glue, numba_moe
 from hybridmoe.kernels.projection import DenseProjection
-from hybridmoe.kernels.threads import kernel_threads, pool_threads
+from hybridmoe.kernels.threads import kernel_threads
 
 _DTYPES = {torch.bfloat16: np.uint16, torch.float32: np.float32}
 _NO_F32 = np.empty(0, np.float32)
@@ -99,7 +99,7 @@ class _HeadPlan:
         normed = np.empty(B * hidden, np_dtype)
         self.x, self.x_bf16 = (_NO_F32, normed) if bf16 else (normed, _NO_BF16)
         self.y_bf16 = np.empty(B * head.out_features, np.uint16) if bf16 else _NO_BF16
-        self.threads = pool_threads()
+        self.threads = numba_moe.pool_threads()
         self.parallel = self.call.threads(self.threads) > 1
         self.sizes = (
             self.call.row_bytes,

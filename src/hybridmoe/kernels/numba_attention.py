@@ -59,9 +59,8 @@ from hybridmoe.kernels.attention_ir import ORDERS, QUADS, TILES, pv_tile, qk_til
 from hybridmoe.kernels.llvm_ir import address_pointer
 from hybridmoe.kernels.numba_cache import cached_njit
 from hybridmoe.kernels.numba_glue import _fma
-from hybridmoe.kernels.numba_moe import chunk_size, launch, set_chunk_size
+from hybridmoe.kernels.numba_moe import chunk_size, launch, pool_threads, set_chunk_size
 from hybridmoe.kernels.softmax_ir import block_max, exp_block
-from hybridmoe.kernels.threads import pool_threads
 
 BLOCK = 512  # key indices per softmax block: torch's kvSplitSize
 # the keys _weigh takes from a softmax block's first on: a whole group of either order's (four

@@ -34,11 +34,11 @@ from hybridmoe.kernels.numba_moe import (
     chunk_size,
     kernel_sources,
     launch,
+    pool_threads,
     set_chunk_size,
     streams,
 )
 from hybridmoe.kernels.numba_simd import load_weight
-from hybridmoe.kernels.threads import pool_threads
 from hybridmoe.quant.formats import WEIGHT_FORMATS, KernelFormat, WeightFormat
 
 ITEM_BYTES = 64 << 10  # weight bytes per parallel work item (whole groups of 4 rows)

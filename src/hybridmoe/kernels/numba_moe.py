@@ -33,6 +33,7 @@ from hybridmoe.kernels import activation_ir, llvm_ir, numba_simd
 from hybridmoe.kernels.activation_ir import activation_at
 from hybridmoe.kernels.numba_cache import EntryCache, cached_njit
 from hybridmoe.kernels.numba_simd import load_weight, prefetch_rows, tile_dot
+from hybridmoe.kernels.threads import kernel_threads
 from hybridmoe.quant.formats import WEIGHT_FORMATS, KernelFormat
 
 ROWS_PER_ITEM = 64  # weight rows per parallel work item: a contiguous run of rows per matrix
@@ -595,6 +596,12 @@ def start_pool() -> None:
 def max_threads() -> int:
     """The most threads a kernel call can use (numba's pool size, fixed at import)."""
     return numba.config.NUMBA_NUM_THREADS
+
+
+def pool_threads() -> int:
+    """kernel_threads(), at most numba's pool: the thread count a kernel launches on by
+    default."""
+    return min(kernel_threads(), max_threads())
 
 
 # per calling thread: the thread count numba holds for it as launch last set it (numba's count

@@ -38,11 +38,3 @@ def kernel_threads() -> int:
     --threads), as it was outside serial_torch_ops."""
     saved = getattr(_SAVED, "threads", None)
     return torch.get_num_threads() if saved is None else saved
-
-
-def pool_threads() -> int:
-    """kernel_threads(), at most numba's pool (fixed at its import): the thread count a numba
-    kernel launches on by default."""
-    import numba  # the caller's kernels loaded it
-
-    return min(kernel_threads(), numba.config.NUMBA_NUM_THREADS)
